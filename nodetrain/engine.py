@@ -1,0 +1,221 @@
+"""The stage engine: one rank's part of a training step, from micro-batches to updated weights.
+
+Owns: wiring store, window, stage runner, P2P and optimizer for this rank, and the order of a
+step: pipeline rounds → flush gradients → sum the tied embedding's two uses → one all-reduce
+(global grad norm² and loss) → clip → AdamW → refresh the transfer copy. Does not own: the
+config, data or logging (train.py).
+
+Exactness (DESIGN invariant 2): the loss is the sum of token cross-entropies over every
+micro-batch and accumulation round of the step divided by the step's valid-token count, so
+any micro-batch split gives the same gradient as one big batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from nodetrain.config import Config, grad_accum_of
+from nodetrain.model import HFModel
+from nodetrain.optim import StoreAdamW, clip_coef, lr_at
+from nodetrain.pipeline import P2P, build_schedule, partition
+from nodetrain.stage import IGNORE_INDEX, StageRunner
+from nodetrain.store import HostStore, StoreLayout
+from nodetrain.stream import Window
+
+__all__ = ["Engine", "StepResult", "DTYPES"]
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class StepResult:
+    """What one step did, identical on every rank (``loss`` and ``grad_norm`` are all-reduced)."""
+
+    step: int
+    loss: float
+    """Token-weighted mean cross-entropy of the step (nats/token)."""
+    grad_norm: float
+    """Global L2 norm of the gradient before clipping."""
+    lr: float
+    tokens: int
+    """Valid (label ≠ -100) tokens in the step."""
+    step_s: float
+    stall_s: float
+    """This rank's seconds waiting for H2D prefetch."""
+    p2p_wait_s: float
+    """This rank's seconds blocked receiving activations/gradients (bubble + transfer)."""
+    optim_s: float
+
+
+class Engine:
+    """This rank's stage: owns a contiguous range of units and trains them.
+
+    Args:
+        cfg: the validated run config.
+        model: the HF adapter (templates + units).
+        rank, world_size: this rank in the (single-node) pipeline; stage = rank.
+        local_rank: rank on the node (local rank 0 creates the host store).
+        run_id: names the store file.
+        device: compute device (CPU, or this rank's CUDA device).
+        init_from: optional callable ``(store, units) -> None`` that fills master weights of the
+            given units (checkpoint import); default is random init.
+    """
+
+    def __init__(self, cfg: Config, model: HFModel, *, rank: int, world_size: int, local_rank: int,
+                 run_id: str, device: torch.device, init_from=None):
+        self.cfg, self.model, self.device = cfg, model, device
+        self.stage, self.num_stages = rank, world_size
+        self.dtype = DTYPES[cfg.train.dtype]
+        self.grad_accum = grad_accum_of(cfg)
+        self.stage_blocks = partition([model.block_cost(i) for i in range(len(model.units))], world_size)
+        self.blocks = self.stage_blocks[rank]
+        self.units = [model.units[i] for i in self.blocks]
+        self.store = self._open_store(local_rank, run_id)
+        self._init_weights(init_from)
+        self.optimizer = StoreAdamW(self.store, self.units, cfg.optim)
+        self.window = Window(self.store, model.bindings, self.blocks, self.blocks, cfg.stream.slots, device,
+                             cfg.stream.test_copy_delay_s)
+        self.runner = StageRunner(model, self.blocks, self.window, self.dtype)
+        shape = (cfg.train.micro_batch_size, cfg.train.seq_len, model.config.hidden_size)
+        p2p_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
+        self.p2p = P2P(rank, world_size, shape, self.dtype, p2p_device)
+        self._tied_across = model.tied and world_size > 1
+        log.info("stage %d/%d: units %s (%s), window %.1f MB, host store %.1f MB", rank, world_size,
+                 [model.units[i].name for i in (self.blocks[0], self.blocks[-1])], len(self.blocks),
+                 self.window.nbytes / 1e6, self.store.nbytes / 1e6)
+
+    # ---- set-up ------------------------------------------------------------------------------
+
+    def _open_store(self, local_rank: int, run_id: str) -> HostStore:
+        layout = StoreLayout(tuple(u.numel for u in self.model.units), self.dtype,
+                             tied_units=(0,) if self.model.tied else ())
+        path = [None]
+        if local_rank == 0:
+            store = HostStore.create(layout, Path(self.cfg.store.dir), run_id)
+            path = [str(store.path)]
+        dist.broadcast_object_list(path, src=0)
+        if local_rank != 0:
+            store = HostStore.attach(layout, path[0])
+        dist.barrier()  # every rank has mapped it: the name can go, the memory stays while mapped
+        store.unlink()
+        return store
+
+    def _init_weights(self, init_from) -> None:
+        if init_from is not None:
+            init_from(self.store, self.units)
+        else:
+            for u in self.units:
+                self.model.init_unit(u, self.store.master(u.index), self.cfg.seed)
+        for u in self.units:
+            self.store.compute(u.index).copy_(self.store.master(u.index))
+        dist.barrier()  # the tied embedding's transfer copy is read by the last stage
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def _load_sequence(self, actions, rounds: int) -> list[int]:
+        seq = []
+        for _ in range(rounds):
+            for a in actions:
+                seq += self.blocks if a.kind == "F" else self.blocks[::-1]
+        return seq
+
+    def _run_round(self, actions, r: int, inputs, labels, loss_scale: float, train: bool) -> float:
+        m = self.cfg.pipeline.microbatches
+        loss_sum = 0.0
+        for a in actions:
+            mb = r * m + a.mb
+            lab = labels[mb].to(self.device) if self.runner.is_last else None
+            if a.kind == "F":
+                x = inputs[mb].to(self.device) if self.runner.is_first else self.p2p.recv_activation(mb)
+                out = self.runner.forward(mb, x.to(self.device), lab, keep=train)
+                if self.runner.is_last:
+                    loss_sum += float(out)
+                else:
+                    self.p2p.send_activation(mb, out)
+            else:
+                g = None if self.runner.is_last else self.p2p.recv_grad(mb).to(self.device)
+                g_in = self.runner.backward(mb, g, lab, loss_scale)
+                if not self.runner.is_first:
+                    self.p2p.send_grad(mb, g_in)
+        return loss_sum
+
+    def _check_batch(self, inputs: torch.Tensor, labels: torch.Tensor, num_mb: int) -> None:
+        t = self.cfg.train
+        want = (num_mb, t.micro_batch_size, t.seq_len)
+        if tuple(inputs.shape) != want or tuple(labels.shape) != want:
+            raise ValueError(f"batch of shape {tuple(inputs.shape)}/{tuple(labels.shape)}; expected {want} "
+                             "(micro-batches, train.micro_batch_size, train.seq_len)")
+
+    def train_step(self, step: int, inputs: torch.Tensor, labels: torch.Tensor) -> StepResult:
+        """One optimizer step over ``grad_accum × pipeline.microbatches`` micro-batches.
+
+        Args:
+            step: 0-based optimizer step (sets the learning rate).
+            inputs: [N, B, T] int64 token ids, N = grad_accum × microbatches (same on all ranks).
+            labels: [N, B, T] int64 next-token ids, -100 where no loss is taken.
+
+        Raises:
+            ValueError: a batch of the wrong shape.
+        """
+        t0 = time.perf_counter()
+        m = self.cfg.pipeline.microbatches
+        self._check_batch(inputs, labels, self.grad_accum * m)
+        tokens = int((labels != IGNORE_INDEX).sum())
+        actions = build_schedule(self.cfg.pipeline.schedule, self.num_stages, self.stage, m)
+        self.window.begin(self._load_sequence(actions, self.grad_accum))
+        self.p2p.reset_timer()
+        loss_sum = 0.0
+        for r in range(self.grad_accum):
+            loss_sum += self._run_round(actions, r, inputs, labels, 1.0 / max(tokens, 1), train=True)
+        self.window.flush()
+        self.p2p.wait_sends()
+        t_opt = time.perf_counter()
+        self._sum_tied_grads()
+        totals = torch.tensor([self.optimizer.grad_sq_sum(), loss_sum], dtype=torch.float64)
+        dist.all_reduce(totals)
+        grad_norm = math.sqrt(float(totals[0]))
+        lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
+        self.optimizer.step(lr, clip_coef(grad_norm, self.cfg.optim.max_grad_norm))
+        if self._tied_across:
+            dist.barrier()  # the last stage must not prefetch the embedding before stage 0 updated it
+        now = time.perf_counter()
+        return StepResult(step, float(totals[1]) / max(tokens, 1), grad_norm, lr, tokens, now - t0,
+                          self.window.stall_s, self.p2p.wait_s, now - t_opt)
+
+    def _sum_tied_grads(self) -> None:
+        """Tied embedding: stage 0 adds the last stage's gradient of the lm_head use to its own."""
+        if not self._tied_across:
+            return
+        dist.barrier()  # the last stage's offloads into grad_tied are flushed
+        if self.stage == 0:
+            tied = self.store.buffer(0, "grad_tied")
+            self.store.grad(0).add_(tied)
+            tied.zero_()
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+        """Forward-only pass over N micro-batches ([N, B, T] each); returns (mean loss, tokens),
+        identical on every rank. No gradients, no optimizer state is touched."""
+        n = inputs.shape[0]
+        self._check_batch(inputs, labels, n)
+        actions = build_schedule("gpipe", self.num_stages, self.stage, n)[:n]
+        self.window.begin(self._load_sequence(actions, 1))
+        loss_sum = self._run_round(actions, 0, inputs, labels, 1.0, train=False)
+        self.window.flush()
+        self.p2p.wait_sends()
+        tokens = int((labels != IGNORE_INDEX).sum())
+        total = torch.tensor([loss_sum], dtype=torch.float64)
+        dist.all_reduce(total)
+        return float(total[0]) / max(tokens, 1), tokens
+
+    def close(self) -> None:
+        self.window.close()

@@ -1,0 +1,169 @@
+"""Where a run's numbers go: ``metrics.jsonl``, wandb and a progress line, on one rank only.
+
+Owns: the record sink (one JSON object per logged step, flushed line by line), the wandb run's
+life cycle (init, log, finish) and the console progress line. Does not own: computing the numbers
+(throughput, MFU, stall and bubble breakdowns are measured by the engine and passed in as record
+fields), or deciding which rank logs (the caller passes ``enabled``, normally ``rank == 0``).
+
+    with MetricsLogger(run_dir, cfg_dict, enabled=rank == 0, use_wandb=True, project="nodetrain",
+                       run_name=run_dir.name, total_steps=300) as metrics:
+        metrics.log({"step": 1, "loss": 8.3, "lr": 1.5e-4, "grad_norm": 2.1,
+                     "tokens": 2048, "tokens_per_s": 9100.0})
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+from rich.console import Console
+
+__all__ = ["METRICS_FILE", "MetricsLogger", "format_progress"]
+
+METRICS_FILE = "metrics.jsonl"
+"""Name of the per-run record file under the run directory."""
+
+
+def _jsonable(value: Any) -> Any:
+    """A JSON-safe copy: tensors/numpy values to Python numbers or lists, NaN/inf to null, paths to str."""
+    if hasattr(value, "tolist") and callable(value.tolist):
+        value = value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def format_progress(record: dict[str, Any], total_steps: int) -> str:
+    """One progress line, e.g. ``step 10/300 | loss 4.1234 | val 4.2001 | lr 3.00e-03 | 9,100 tok/s``.
+
+    Args:
+        record: a logged record; ``step`` is required, the other fields are shown when present.
+        total_steps: steps of the whole run, shown after the slash.
+    """
+    width = len(str(total_steps))
+    parts = [f"step {record['step']:>{width}}/{total_steps}"]
+    fields = (
+        ("loss", "loss {:.4f}"),
+        ("val_loss", "val {:.4f}"),
+        ("lr", "lr {:.2e}"),
+        ("grad_norm", "gnorm {:.3f}"),
+        ("tokens_per_s", "{:,.0f} tok/s"),
+    )
+    for key, fmt in fields:
+        value = record.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            parts.append(fmt.format(value))
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Appends each record to ``<run_dir>/metrics.jsonl``, sends it to wandb and prints a progress line.
+
+    Every method is a cheap no-op when ``enabled`` is False, so all ranks can hold one and only
+    the logging rank (rank 0) pays for files, wandb and printing. Usable as a context manager;
+    ``close`` is idempotent.
+
+    Args:
+        run_dir: the run directory (created if missing); wandb writes under ``run_dir/wandb``.
+        config: the resolved config as a plain dict, stored as the wandb run's config.
+        enabled: whether this process logs at all (normally ``rank == 0``).
+        use_wandb: also log to wandb; the mode comes from env ``WANDB_MODE``, else ``offline``.
+        project: wandb project.
+        run_name: wandb run name (normally the run directory's name).
+        total_steps: steps of the whole run, for the progress line.
+        print_every: print the progress line every this many steps (and whenever the record has a
+            ``val_loss`` or is the last step); records are always written.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        config: dict[str, Any],
+        *,
+        enabled: bool,
+        use_wandb: bool,
+        project: str,
+        run_name: str,
+        total_steps: int,
+        print_every: int = 1,
+    ) -> None:
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.print_every = max(1, print_every)
+        self.path: Path | None = None
+        self._file: IO[str] | None = None
+        self._run: Any = None
+        self._console: Console | None = None
+        if not enabled:
+            return
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / METRICS_FILE
+        self._file = self.path.open("a", encoding="utf-8")
+        self._console = Console(highlight=False, soft_wrap=True)
+        if use_wandb:
+            self._run = _init_wandb(run_dir, config, project, run_name)
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Write one record (at least ``step``; normally also loss, lr, grad_norm, tokens,
+        tokens_per_s, and val_loss when evaluated).
+
+        Raises:
+            KeyError: the record has no ``step``.
+        """
+        if self._file is None:
+            return
+        step = int(record["step"])
+        clean = _jsonable(record)
+        self._file.write(json.dumps(clean, allow_nan=False) + "\n")
+        self._file.flush()
+        if self._run is not None:
+            self._run.log({k: v for k, v in clean.items() if v is not None}, step=step)
+        if step % self.print_every == 0 or step == self.total_steps or clean.get("val_loss") is not None:
+            assert self._console is not None
+            self._console.print(format_progress(clean, self.total_steps))
+
+    def close(self, exit_code: int = 0) -> None:
+        """Close ``metrics.jsonl`` and finish the wandb run; later calls do nothing.
+
+        Args:
+            exit_code: reported to wandb (non-zero marks the run failed).
+        """
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._run is not None:
+            run, self._run = self._run, None
+            run.finish(exit_code=exit_code)
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close(exit_code=0 if exc_type is None else 1)
+
+
+def _init_wandb(run_dir: Path, config: dict[str, Any], project: str, run_name: str) -> Any:
+    """Start a wandb run writing under ``run_dir/wandb``; imported lazily (slow import, rank 0 only)."""
+    import wandb
+
+    mode = os.environ.get("WANDB_MODE") or "offline"
+    settings = wandb.Settings(console="off", quiet=True)
+    return wandb.init(
+        dir=str(run_dir), mode=mode, config=config, name=run_name, project=project, settings=settings
+    )

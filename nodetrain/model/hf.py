@@ -1,0 +1,241 @@
+"""Hugging Face adapter: split a Llama-family CausalLM into units and run them as stateless templates.
+
+Owns: building the HF config, the templates on the ``meta`` device (no storage anywhere), the
+flat layout of each unit's parameters, random init, and the forward of one block with weights
+bound per call (``torch.func.functional_call``). Does not own: where weights live (store.py),
+how they reach the device (stream.py), or which stage runs what (pipeline.py).
+
+Shapes: B = sequences in a micro-batch, T = tokens per sequence, D = hidden size, V = vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+from torch.func import functional_call
+from transformers import AutoConfig, PretrainedConfig
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from nodetrain.config import ModelConfig
+
+__all__ = ["SUPPORTED_ARCHS", "Param", "Unit", "Binding", "HFModel", "build_hf_config"]
+
+SUPPORTED_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass(frozen=True)
+class Param:
+    """One tensor of a unit: its HF state-dict name, its name inside the block template, and its
+    place in the unit's flat buffer (``offset``/``numel`` in elements)."""
+
+    hf_name: str
+    local_name: str
+    shape: tuple[int, ...]
+    offset: int
+    decay: bool
+    """True for matrices (weight decay applies), False for norms and biases."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """The smallest thing that streams: ``embed``, ``layers.<i>`` or ``head``.
+
+    Params are laid out decay-first, so ``[0, num_decay)`` and ``[num_decay, numel)`` of the flat
+    buffer are the two AdamW parameter groups.
+    """
+
+    index: int
+    name: str
+    params: tuple[Param, ...]
+    numel: int
+    num_decay: int
+
+
+@dataclass(frozen=True)
+class Binding:
+    """A template parameter bound to a range of some unit's flat buffer. A block normally binds only
+    its own unit; the tied head also binds the embedding unit's weight."""
+
+    local_name: str
+    unit: int
+    offset: int
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class _Head(nn.Module):
+    """Final norm + lm_head as one template: ``h [B, T, D] -> logits [B, T, V]``."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module):
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))
+
+
+def build_hf_config(cfg: ModelConfig, vocab_size: int | None = None) -> PretrainedConfig:
+    """The HF config of ``cfg``: ``config_path`` (if any) overridden by ``cfg.hf``.
+
+    Args:
+        cfg: the model section of the run config.
+        vocab_size: the tokenizer's vocabulary size, used when ``cfg.hf`` sets none.
+
+    Raises:
+        ValueError: unsupported ``model.arch``.
+    """
+    if cfg.arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"model.arch={cfg.arch!r} is not supported; use one of {sorted(SUPPORTED_ARCHS)}")
+    fields = dict(cfg.hf)
+    if vocab_size is not None and "vocab_size" not in fields:
+        fields["vocab_size"] = vocab_size
+    if cfg.config_path:
+        hf = AutoConfig.from_pretrained(Path(cfg.config_path).expanduser(), **fields)
+    else:
+        hf = AutoConfig.for_model(SUPPORTED_ARCHS[cfg.arch], **fields)
+    hf.architectures = [cfg.arch]
+    hf.use_cache = False
+    return hf
+
+
+def _layout(index: int, name: str, named: list[tuple[str, str, torch.Tensor]]) -> Unit:
+    ordered = sorted(named, key=lambda item: item[2].dim() < 2)  # stable: decay params first
+    params, offset, num_decay = [], 0, 0
+    for hf_name, local_name, t in ordered:
+        decay = t.dim() >= 2
+        params.append(Param(hf_name, local_name, tuple(t.shape), offset, decay))
+        offset += t.numel()
+        num_decay += t.numel() if decay else 0
+    return Unit(index, name, tuple(params), offset, num_decay)
+
+
+class HFModel:
+    """A CausalLM of the Llama family as units + meta templates; holds no weights.
+
+    Units (and blocks, one per unit, same index): 0 = embed, 1..L = decoder layers, L+1 = head.
+    """
+
+    def __init__(self, hf_config: PretrainedConfig):
+        self.config = hf_config
+        arch = hf_config.architectures[0]
+        with torch.device("meta"):
+            self._meta = getattr(transformers, arch)(hf_config)
+        self._meta.train()
+        self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        inner = self._meta.model
+        self.templates: list[nn.Module] = [inner.embed_tokens, *inner.layers, _Head(inner.norm, self._meta.lm_head)]
+        self.units = self._build_units()
+        self.bindings = [self._bindings(u) for u in self.units]
+        self.has_dropout = float(getattr(hf_config, "attention_dropout", 0.0) or 0.0) > 0
+        self._rotary: dict[torch.device, nn.Module] = {}
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def _build_units(self) -> list[Unit]:
+        units = [_layout(0, "embed", [("model.embed_tokens.weight", "weight", self.templates[0].weight)])]
+        for i in range(self.num_layers):
+            named = [(f"model.layers.{i}.{n}", n, p) for n, p in self.templates[1 + i].named_parameters()]
+            units.append(_layout(1 + i, f"layers.{i}", named))
+        head = [("model.norm.weight", "norm.weight", self.templates[-1].norm.weight)]
+        if not self.tied:
+            head.append(("lm_head.weight", "lm_head.weight", self.templates[-1].lm_head.weight))
+        units.append(_layout(self.num_layers + 1, "head", head))
+        return units
+
+    def _bindings(self, unit: Unit) -> tuple[Binding, ...]:
+        own = [Binding(p.local_name, unit.index, p.offset, p.shape) for p in unit.params]
+        if unit.name == "head" and self.tied:
+            emb = self.units[0].params[0]
+            own.append(Binding("lm_head.weight", 0, emb.offset, emb.shape))
+        return tuple(own)
+
+    def block_cost(self, index: int) -> int:
+        """Compute cost of a block in parameters multiplied per token (2 FLOPs each, forward).
+
+        The embedding is a lookup (no matmul, cost 0); the head counts its ``V × D`` matmul,
+        also when that weight is the tied embedding's.
+        """
+        return 0 if index == 0 else sum(b.numel for b in self.bindings[index])
+
+    def init_unit(self, unit: Unit, out: torch.Tensor, seed: int) -> None:
+        """Random init of one unit into ``out`` ([unit.numel] fp32), independent of the stage layout.
+
+        Matrices ~ N(0, initializer_range) (as HF's ``_init_weights`` for these architectures),
+        norm weights = 1, biases = 0. The generator is seeded by (seed, unit index).
+        """
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + unit.index)
+        std = float(getattr(self.config, "initializer_range", 0.02))
+        for p in unit.params:
+            view = out[p.offset : p.offset + p.numel]
+            if p.decay:
+                view.copy_(torch.randn(p.numel, generator=gen) * std)
+            elif p.local_name.endswith("bias"):
+                view.zero_()
+            else:
+                view.fill_(1.0)
+
+    # ---- compute ---------------------------------------------------------------------------
+
+    def context(self, h: torch.Tensor) -> dict:
+        """Per micro-batch inputs every decoder layer needs: rotary (cos, sin), position ids, masks.
+
+        Args:
+            h: [B, T, D] hidden states (any dtype/device); only shape, dtype and device are used.
+        """
+        device = h.device
+        if device not in self._rotary:
+            self._rotary[device] = type(self._meta.model.rotary_emb)(self.config).to(device)
+        pos = torch.arange(h.shape[1], device=device).unsqueeze(0)  # [1, T]
+        cos_sin = self._rotary[device](h, pos)
+        kwargs = dict(config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
+        masks = {"full_attention": create_causal_mask(**kwargs)}
+        if getattr(self.config, "sliding_window", None) is not None:
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+        return {"position_embeddings": cos_sin, "position_ids": pos, "masks": masks}
+
+    def _mask_for(self, layer: int, masks: dict) -> torch.Tensor | None:
+        types = getattr(self.config, "layer_types", None)
+        if types is not None:
+            return masks.get(types[layer], masks["full_attention"])
+        return masks.get("sliding_attention", masks["full_attention"])
+
+    def forward_block(self, index: int, params: dict[str, torch.Tensor], x: torch.Tensor, ctx: dict | None):
+        """Run block ``index`` with ``params`` bound.
+
+        Args:
+            params: local name -> tensor (compute dtype, on the compute device).
+            x: embed: input ids [B, T] int64; layer and head: hidden [B, T, D].
+            ctx: from :meth:`context` (layers only).
+
+        Returns:
+            [B, T, D] hidden for embed and layers; [B, T, V] logits for the head.
+        """
+        template = self.templates[index]
+        if index == 0 or index == len(self.units) - 1:
+            return functional_call(template, params, (x,))
+        kwargs = {
+            "attention_mask": self._mask_for(index - 1, ctx["masks"]),
+            "position_embeddings": ctx["position_embeddings"],
+            "position_ids": ctx["position_ids"],
+        }
+        return functional_call(template, params, (x,), kwargs)

