@@ -33,8 +33,10 @@ def safetensors_index(model_dir: str | Path) -> dict[str, Path]:
         return {name: model_dir / file for name, file in weight_map.items()}
     single = model_dir / "model.safetensors"
     if not single.is_file():
-        raise FileNotFoundError(f"model.init_from={str(model_dir)!r} holds no model.safetensors or "
-                                "model.safetensors.index.json; point it at a save_pretrained() directory")
+        raise FileNotFoundError(
+            f"model.init_from={str(model_dir)!r} holds no model.safetensors or "
+            "model.safetensors.index.json; point it at a save_pretrained() directory"
+        )
     with safe_open(single, framework="pt") as f:
         return {name: single for name in f.keys()}
 
@@ -59,11 +61,15 @@ def load_hf_weights(model_dir: str | Path, store: HostStore, units: list[Unit]) 
                     handles[file] = safe_open(file, framework="pt")
                 t = handles[file].get_tensor(p.hf_name)
                 if tuple(t.shape) != p.shape:
-                    problems.append(f"{p.hf_name}: shape {tuple(t.shape)} in the checkpoint, model needs {p.shape}")
+                    problems.append(
+                        f"{p.hf_name}: shape {tuple(t.shape)} in the checkpoint, model needs {p.shape}"
+                    )
                     continue
                 master[p.offset : p.offset + p.numel].copy_(t.reshape(-1).to(torch.float32))
     finally:
         handles.clear()
     if problems:
-        raise ValueError(f"model.init_from={str(model_dir)!r} does not match model.arch/model.hf:\n  "
-                         + "\n  ".join(problems))
+        raise ValueError(
+            f"model.init_from={str(model_dir)!r} does not match model.arch/model.hf:\n  "
+            + "\n  ".join(problems)
+        )

@@ -70,8 +70,18 @@ class Engine:
             given units (checkpoint import); default is random init.
     """
 
-    def __init__(self, cfg: Config, model: HFModel, *, rank: int, world_size: int, local_rank: int,
-                 run_id: str, device: torch.device, init_from=None):
+    def __init__(
+        self,
+        cfg: Config,
+        model: HFModel,
+        *,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        run_id: str,
+        device: torch.device,
+        init_from=None,
+    ):
         self.cfg, self.model, self.device = cfg, model, device
         self.stage, self.num_stages = rank, world_size
         self.dtype = DTYPES[cfg.train.dtype]
@@ -82,22 +92,36 @@ class Engine:
         self.store = self._open_store(local_rank, run_id)
         self._init_weights(init_from)
         self.optimizer = StoreAdamW(self.store, self.units, cfg.optim)
-        self.window = Window(self.store, model.bindings, self.blocks, self.blocks, cfg.stream.slots, device,
-                             cfg.stream.test_copy_delay_s)
+        self.window = Window(
+            self.store,
+            model.bindings,
+            self.blocks,
+            self.blocks,
+            cfg.stream.slots,
+            device,
+            cfg.stream.test_copy_delay_s,
+        )
         self.runner = StageRunner(model, self.blocks, self.window, self.dtype)
         shape = (cfg.train.micro_batch_size, cfg.train.seq_len, model.config.hidden_size)
         p2p_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
         self.p2p = P2P(rank, world_size, shape, self.dtype, p2p_device)
         self._tied_across = model.tied and world_size > 1
-        log.info("stage %d/%d: units %s (%s), window %.1f MB, host store %.1f MB", rank, world_size,
-                 [model.units[i].name for i in (self.blocks[0], self.blocks[-1])], len(self.blocks),
-                 self.window.nbytes / 1e6, self.store.nbytes / 1e6)
+        log.info(
+            "stage %d/%d: units %s (%s), window %.1f MB, host store %.1f MB",
+            rank,
+            world_size,
+            [model.units[i].name for i in (self.blocks[0], self.blocks[-1])],
+            len(self.blocks),
+            self.window.nbytes / 1e6,
+            self.store.nbytes / 1e6,
+        )
 
     # ---- set-up ------------------------------------------------------------------------------
 
     def _open_store(self, local_rank: int, run_id: str) -> HostStore:
-        layout = StoreLayout(tuple(u.numel for u in self.model.units), self.dtype,
-                             tied_units=(0,) if self.model.tied else ())
+        layout = StoreLayout(
+            tuple(u.numel for u in self.model.units), self.dtype, tied_units=(0,) if self.model.tied else ()
+        )
         path = [None]
         if local_rank == 0:
             store = HostStore.create(layout, Path(self.cfg.store.dir), run_id)
@@ -152,8 +176,10 @@ class Engine:
         t = self.cfg.train
         want = (num_mb, t.micro_batch_size, t.seq_len)
         if tuple(inputs.shape) != want or tuple(labels.shape) != want:
-            raise ValueError(f"batch of shape {tuple(inputs.shape)}/{tuple(labels.shape)}; expected {want} "
-                             "(micro-batches, train.micro_batch_size, train.seq_len)")
+            raise ValueError(
+                f"batch of shape {tuple(inputs.shape)}/{tuple(labels.shape)}; expected {want} "
+                "(micro-batches, train.micro_batch_size, train.seq_len)"
+            )
 
     def train_step(self, step: int, inputs: torch.Tensor, labels: torch.Tensor) -> StepResult:
         """One optimizer step over ``grad_accum × pipeline.microbatches`` micro-batches.
@@ -188,8 +214,17 @@ class Engine:
         if self._tied_across:
             dist.barrier()  # the last stage must not prefetch the embedding before stage 0 updated it
         now = time.perf_counter()
-        return StepResult(step, float(totals[1]) / max(tokens, 1), grad_norm, lr, tokens, now - t0,
-                          self.window.stall_s, self.p2p.wait_s, now - t_opt)
+        return StepResult(
+            step,
+            float(totals[1]) / max(tokens, 1),
+            grad_norm,
+            lr,
+            tokens,
+            now - t0,
+            self.window.stall_s,
+            self.p2p.wait_s,
+            now - t_opt,
+        )
 
     def _sum_tied_grads(self) -> None:
         """Tied embedding: stage 0 adds the last stage's gradient of the lm_head use to its own."""

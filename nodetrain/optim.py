@@ -64,9 +64,18 @@ class StoreAdamW:
                     p = store.master(u.index)[lo:hi]
                     group.append(p)
                     p.grad = store.grad(u.index)[lo:hi]
-                    self._params.append((p, store.buffer(u.index, "exp_avg")[lo:hi],
-                                         store.buffer(u.index, "exp_avg_sq")[lo:hi], p.grad))
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+                    self._params.append(
+                        (
+                            p,
+                            store.buffer(u.index, "exp_avg")[lo:hi],
+                            store.buffer(u.index, "exp_avg_sq")[lo:hi],
+                            p.grad,
+                        )
+                    )
+        groups = [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
         groups = [g for g in groups if g["params"]]
         self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
         for p, exp_avg, exp_avg_sq, _ in self._params:  # state lives in the store, not in private tensors

@@ -119,7 +119,7 @@ class StageRunner:
                 out, grad_out = _cross_entropy_sum(out, labels) * loss_scale, None
         inputs = list(leaves.values()) + ([x_in] if x_in.requires_grad else [])
         grads = torch.autograd.grad(out, inputs, grad_out)
-        self.window.offload(block, dict(zip(leaves, grads[: len(leaves)])))
+        self.window.offload(block, dict(zip(leaves, grads[: len(leaves)], strict=True)))
         return grads[len(leaves)] if x_in.requires_grad else None
 
     def _rng_state(self):

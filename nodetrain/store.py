@@ -74,7 +74,9 @@ class StoreLayout:
     @property
     def nbytes(self) -> int:
         """Total bytes of the store file."""
-        return sum(_align(n * self.itemsize(f)) for u, n in enumerate(self.unit_numels) for f in self.fields_of(u))
+        return sum(
+            _align(n * self.itemsize(f)) for u, n in enumerate(self.unit_numels) for f in self.fields_of(u)
+        )
 
 
 def _pid_alive(pid: int) -> bool:
@@ -125,7 +127,7 @@ class HostStore:
         self._pin()
 
     @classmethod
-    def create(cls, layout: StoreLayout, directory: str | Path, run_id: str) -> "HostStore":
+    def create(cls, layout: StoreLayout, directory: str | Path, run_id: str) -> HostStore:
         """Create the store file (zero-filled, pages allocated now) and map it.
 
         Raises:
@@ -143,7 +145,7 @@ class HostStore:
         return cls(layout, path, owner=True)
 
     @classmethod
-    def attach(cls, layout: StoreLayout, path: str | Path) -> "HostStore":
+    def attach(cls, layout: StoreLayout, path: str | Path) -> HostStore:
         """Map a store created by another rank of this node."""
         return cls(layout, Path(path), owner=False)
 

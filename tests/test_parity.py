@@ -35,19 +35,39 @@ IGNORE = -100
 
 SEQ_LEN, MICRO_BATCH, STEPS = 16, 2, 5
 VOCAB = 256
-OPTIM = {"lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95,
-         "eps": 1e-8}
-HF_BASE = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "intermediate_size": 128, "vocab_size": VOCAB, "max_position_embeddings": 64,
-           "initializer_range": 0.02, "rms_norm_eps": 1e-6}
+# eps = 1e-4 rather than 1e-8: Adam's update g / (|g| + eps) turns an absolute gradient error δg
+# into a weight error of up to lr·δg/eps, so with eps = 1e-8 the few elements whose gradient is
+# near zero amplify fp32 summation-order noise to O(lr). Measured on the first case: two correct
+# plain-PyTorch references (one batch vs 8 accumulated micro-batches) end 4.4e-4 apart with
+# eps = 1e-8, 1.5e-5 with 1e-6 and 3.7e-7 with 1e-4. Gradients here are ~1e-3, so Adam still
+# normalises almost every element; the engine runs with the same eps.
+OPTIM = {
+    "lr": 1e-2,
+    "min_lr": 1e-3,
+    "warmup_steps": 2,
+    "weight_decay": 0.1,
+    "beta1": 0.9,
+    "beta2": 0.95,
+    "eps": 1e-4,
+}
+HF_BASE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 64,
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-6,
+}
 
 RTOL = 1e-5
-# Losses and gradient norms are O(1) numbers: rtol alone. Weights: matrices are ~N(0, 0.02) and
-# every element moves by up to lr = 1e-2 per step; elements that pass near zero have no relative
-# scale, so they get an absolute floor. fp32 summation order differs (micro-batch split vs one
-# batch, fused vs foreach AdamW): measured |diff| stays below 1e-7 over the matrix; 1e-6 is
-# 1e-4 × lr, i.e. one part in 10^4 of a single step's update — a stale weight, a lost
-# micro-batch, a skipped clip or a decayed norm/bias moves elements by ≥ 1e-4.
+# Losses, gradient norms: O(1) numbers, rtol alone. Weights: matrices are ~N(0, 0.02) and elements
+# that pass near zero have no relative scale, so they need an absolute floor. With the eps above,
+# summation-order noise leaves ≤ 4e-7 (measured, see above); 1e-6 is 1e-4 × lr, one part in 10^4
+# of a single step's update, while a stale weight, a lost micro-batch, a skipped clip or a decayed
+# norm/bias moves elements by ≥ 1e-4 (the mutant checks below measure it).
 ATOL_WEIGHT = 1e-6
 
 
@@ -69,22 +89,25 @@ class Case:
     """Reference variants the engine must NOT match (shows the comparison can fail)."""
 
 
+# fmt: off
 CASES = [
-    Case("llama-1stage-gpipe-slots1-accum2x4", "LlamaForCausalLM", 1, "gpipe", 1, 2, 4,
+    #    id                                                 arch                  S  schedule  slots accum M
+    Case("llama-1stage-gpipe-slots1-accum2x4",              "LlamaForCausalLM",   1, "gpipe", 1,    2,    4,
          mutants=("no_clip",)),
-    Case("llama-2stage-1f1b-slots2-accum2x4", "LlamaForCausalLM", 2, "1f1b", 2, 2, 4),
-    Case("llama-4stage-1f1b-slots1-accum2x4", "LlamaForCausalLM", 4, "1f1b", 1, 2, 4),
-    Case("llama-4stage-gpipe-slots2-accum3x2-delay3ms", "LlamaForCausalLM", 4, "gpipe", 2, 3, 2,
+    Case("llama-2stage-1f1b-slots2-accum2x4",               "LlamaForCausalLM",   2, "1f1b",  2,    2,    4),
+    Case("llama-4stage-1f1b-slots1-accum2x4",               "LlamaForCausalLM",   4, "1f1b",  1,    2,    4),
+    Case("llama-4stage-gpipe-slots2-accum3x2-delay3ms",     "LlamaForCausalLM",   4, "gpipe", 2,    3,    2,
          delay_s=0.003),
-    Case("llama-2stage-tied-gpipe-slots1-accum2x4", "LlamaForCausalLM", 2, "gpipe", 1, 2, 4, tied=True,
-         mutants=("untied_grad",)),
-    Case("qwen3-2stage-tied-1f1b-slots1-accum1x8-delay3ms", "Qwen3ForCausalLM", 2, "1f1b", 1, 1, 8,
+    Case("llama-2stage-tied-gpipe-slots1-accum2x4",         "LlamaForCausalLM",   2, "gpipe", 1,    2,    4,
+         tied=True, mutants=("untied_grad",)),
+    Case("qwen3-2stage-tied-1f1b-slots1-accum1x8-delay3ms", "Qwen3ForCausalLM",   2, "1f1b",  1,    1,    8,
          tied=True, delay_s=0.003, hf={"head_dim": 16}),
-    Case("qwen2-2stage-gpipe-slots2-accum2x4-noclip", "Qwen2ForCausalLM", 2, "gpipe", 2, 2, 4,
+    Case("qwen2-2stage-gpipe-slots2-accum2x4-noclip",       "Qwen2ForCausalLM",   2, "gpipe", 2,    2,    4,
          max_grad_norm=0.0, mutants=("decay_biases",)),
-    Case("mistral-4stage-1f1b-slots2-accum3x2-window8", "MistralForCausalLM", 4, "1f1b", 2, 3, 2,
+    Case("mistral-4stage-1f1b-slots2-accum3x2-window8",     "MistralForCausalLM", 4, "1f1b",  2,    3,    2,
          hf={"sliding_window": 8}),
 ]
+# fmt: on
 
 
 # ----------------------------------------------------------------------------- reference
@@ -112,7 +135,7 @@ def save_seeded_model(case: Case, model_dir: Path) -> None:
     torch.manual_seed(zlib.crc32(case.id.encode()))
     model = getattr(transformers, case.arch)(config_cls(**hf_fields(case))).float()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.ndim < 2:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(model_dir)
@@ -149,9 +172,11 @@ def run_reference(case: Case, model_dir: Path, inputs, labels, lengths, variant:
     model = getattr(transformers, case.arch).from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     named = list(model.named_parameters())  # a tied lm_head appears once, as the embedding
-    decays = [p.ndim >= 2 or (variant == "decay_biases" and n.endswith(".bias")) for n, p in named]
-    groups = [{"params": [p for (_, p), d in zip(named, decays) if d], "weight_decay": OPTIM["weight_decay"]},
-              {"params": [p for (_, p), d in zip(named, decays) if not d], "weight_decay": 0.0}]
+    decay = {n for n, p in named if p.ndim >= 2 or (variant == "decay_biases" and n.endswith(".bias"))}
+    groups = [
+        {"params": [p for n, p in named if n in decay], "weight_decay": OPTIM["weight_decay"]},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
     opt = torch.optim.AdamW(groups, lr=OPTIM["lr"], betas=(OPTIM["beta1"], OPTIM["beta2"]), eps=OPTIM["eps"])
     max_norm = case.max_grad_norm if case.max_grad_norm > 0 and variant != "no_clip" else math.inf
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings()
@@ -166,7 +191,8 @@ def run_reference(case: Case, model_dir: Path, inputs, labels, lengths, variant:
             head.weight = embed.detach()
         logits = model(input_ids=ids, attention_mask=mask).logits  # [N·B, T, V]
         valid = int((lab != IGNORE).sum())
-        loss = F.cross_entropy(logits.flatten(0, 1), lab.flatten(), ignore_index=IGNORE, reduction="sum") / valid
+        loss_sum = F.cross_entropy(logits.flatten(0, 1), lab.flatten(), ignore_index=IGNORE, reduction="sum")
+        loss = loss_sum / valid
         opt.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -178,8 +204,6 @@ def run_reference(case: Case, model_dir: Path, inputs, labels, lengths, variant:
         out.norms.append(norm.item())
         out.lrs.append(lr)
         out.tokens.append(valid)
-    if variant == "untied_grad":
-        head.weight = embed.detach()
     out.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return out
 
@@ -200,15 +224,30 @@ def run_nodetrain(case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs,
     out_dir.mkdir()
     save_file({"inputs": inputs, "labels": labels}, str(batch_file))
     overrides = {
-        "train.dtype": "float32", "train.seq_len": SEQ_LEN, "train.micro_batch_size": MICRO_BATCH,
-        "train.steps": STEPS, "train.grad_accum": case.grad_accum, "data.vocab_size": VOCAB,
-        "pipeline.stages": case.stages, "pipeline.schedule": case.schedule,
-        "pipeline.microbatches": case.microbatches, "stream.slots": case.slots,
-        "stream.test_copy_delay_s": case.delay_s, "optim.max_grad_norm": case.max_grad_norm,
-        "store.dir": str(shm_dir), **{f"optim.{k}": v for k, v in OPTIM.items()},
+        "train.dtype": "float32",
+        "train.seq_len": SEQ_LEN,
+        "train.micro_batch_size": MICRO_BATCH,
+        "train.steps": STEPS,
+        "train.grad_accum": case.grad_accum,
+        "data.vocab_size": VOCAB,
+        "pipeline.stages": case.stages,
+        "pipeline.schedule": case.schedule,
+        "pipeline.microbatches": case.microbatches,
+        "stream.slots": case.slots,
+        "stream.test_copy_delay_s": case.delay_s,
+        "optim.max_grad_norm": case.max_grad_norm,
+        "store.dir": str(shm_dir),
+        **{f"optim.{k}": v for k, v in OPTIM.items()},
     }
-    spec = {"arch": case.arch, "hf": hf_fields(case), "overrides": overrides, "model_dir": str(model_dir),
-            "batch_file": str(batch_file), "out_dir": str(out_dir), "run_id": f"parity-{case.id}"}
+    spec = {
+        "arch": case.arch,
+        "hf": hf_fields(case),
+        "overrides": overrides,
+        "model_dir": str(model_dir),
+        "batch_file": str(batch_file),
+        "out_dir": str(out_dir),
+        "run_id": f"parity-{case.id}",
+    }
     spec_file = tmp / "spec.json"
     spec_file.write_text(json.dumps(spec))
     torchrun(case.stages, WORKER, str(spec_file), timeout_s=150)
@@ -219,6 +258,17 @@ def run_nodetrain(case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs,
         weights.update(part)
         units.append(json.loads((out_dir / f"rank{rank}.json").read_text())["units"])
     return Run(json.loads((out_dir / "steps.json").read_text()), weights, units)
+
+
+def _sliding_window_matters(case: Case, model_dir: Path, ids: torch.Tensor) -> bool:
+    """The reference's logits change when the window is removed, i.e. the case exercises it."""
+    model = getattr(transformers, case.arch).from_pretrained(model_dir, dtype=torch.float32)
+    assert case.hf["sliding_window"] < SEQ_LEN == ids.shape[-1]
+    with torch.no_grad():
+        windowed = model(input_ids=ids).logits
+        model.config.sliding_window = None
+        full = model(input_ids=ids).logits
+    return not torch.allclose(windowed, full, rtol=1e-3, atol=1e-3)
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -236,7 +286,8 @@ def test_parity_with_transformers_adamw(case: Case, tmp_path: Path, shm_dir: Pat
     # one stage per rank, each a non-empty contiguous slice, together every unit in order
     layers = case.hf.get("num_hidden_layers", HF_BASE["num_hidden_layers"])
     assert [u for rank_units in run.units for u in rank_units] == (
-        ["embed"] + [f"layers.{i}" for i in range(layers)] + ["head"])
+        ["embed"] + [f"layers.{i}" for i in range(layers)] + ["head"]
+    )
     assert all(run.units), f"a stage owns no unit: {run.units}"
 
     assert [s["tokens"] for s in run.steps] == ref.tokens
@@ -248,7 +299,9 @@ def test_parity_with_transformers_adamw(case: Case, tmp_path: Path, shm_dir: Pat
 
     assert sorted(run.weights) == sorted(ref.weights), "exported names differ from the HF state dict"
     for name, want in ref.weights.items():
-        torch.testing.assert_close(run.weights[name], want, rtol=RTOL, atol=ATOL_WEIGHT, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            run.weights[name], want, rtol=RTOL, atol=ATOL_WEIGHT, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
     if case.tied:
         assert ref.tied_ok, "the reference model does not tie lm_head to the embedding"
@@ -258,7 +311,7 @@ def test_parity_with_transformers_adamw(case: Case, tmp_path: Path, shm_dir: Pat
     if case.arch == "Qwen2ForCausalLM":
         assert "model.layers.0.self_attn.q_proj.bias" in ref.weights
     if case.arch == "MistralForCausalLM":
-        assert case.hf["sliding_window"] < SEQ_LEN
+        assert _sliding_window_matters(case, model_dir, inputs[0, 0])
 
     # The same comparison against a reference with one deliberate mistake must fail, by far.
     for variant in case.mutants:

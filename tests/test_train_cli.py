@@ -39,8 +39,16 @@ def _free_port() -> int:
 
 def _torchrun(nproc: int, overrides: list[str], runs: Path, timeout_s: float = 300):
     env = dict(os.environ, NODETRAIN_RUNS=str(runs), WANDB_MODE="offline", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={_free_port()}", "-m", "nodetrain.train", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={_free_port()}",
+        "-m",
+        "nodetrain.train",
+        *overrides,
+    ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     return proc, time.perf_counter() - t0

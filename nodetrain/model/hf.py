@@ -141,7 +141,11 @@ class HFModel:
         self._meta.train()
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         inner = self._meta.model
-        self.templates: list[nn.Module] = [inner.embed_tokens, *inner.layers, _Head(inner.norm, self._meta.lm_head)]
+        self.templates: list[nn.Module] = [
+            inner.embed_tokens,
+            *inner.layers,
+            _Head(inner.norm, self._meta.lm_head),
+        ]
         self.units = self._build_units()
         self.bindings = [self._bindings(u) for u in self.units]
         self.has_dropout = float(getattr(hf_config, "attention_dropout", 0.0) or 0.0) > 0

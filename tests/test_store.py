@@ -1,0 +1,248 @@
+"""The host store: layout, shared mapping, stale-store cleanup, and one copy per node (invariant 1).
+
+Cheapest first: the layout is pure arithmetic; create/attach and cleanup run in this process and
+in small subprocesses; the last test is a 4-rank torchrun job over a store of 1.8 GB that
+checks every rank maps the same (already unlinked) file and keeps no private copy of it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from nodetrain.store import FIELDS, PAGE_BYTES, HostStore, StoreLayout, remove_stale_stores
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().parent / "parity_worker.py"
+
+# ----------------------------------------------------------------------------- layout (pure)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_layout_buffers_are_page_aligned_and_disjoint(seed: int) -> None:
+    rng = random.Random(seed)
+    numels = tuple(rng.choice([1, 7, 1024, 1025, 4096, 50_000]) for _ in range(rng.randint(1, 8)))
+    dtype = rng.choice([torch.bfloat16, torch.float16, torch.float32])
+    tied = tuple(sorted(rng.sample(range(len(numels)), rng.randint(0, min(2, len(numels))))))
+    layout = StoreLayout(numels, dtype, tied_units=tied)
+    offsets = layout.offsets
+
+    want_keys = {(u, f) for u in range(len(numels)) for f in FIELDS}
+    want_keys |= {(u, "grad_tied") for u in tied}
+    assert set(offsets) == want_keys
+    spans = []
+    for (u, name), off in offsets.items():
+        itemsize = dtype.itemsize if name == "compute" else 4
+        assert layout.dtype(name) == (dtype if name == "compute" else torch.float32)
+        assert off % PAGE_BYTES == 0, (u, name, off)
+        spans.append((off, off + numels[u] * itemsize))
+    spans.sort()
+    assert all(end <= nxt for (_, end), (nxt, _) in itertools.pairwise(spans)), "buffers overlap"
+    assert spans[0][0] == 0 and layout.nbytes % PAGE_BYTES == 0
+    assert spans[-1][1] <= layout.nbytes < spans[-1][1] + PAGE_BYTES, "store larger than its last page"
+
+
+# ----------------------------------------------------------------------------- create / attach
+
+_LAYOUT = StoreLayout((1000, 5000, 3), torch.bfloat16, tied_units=(0,))
+
+
+def test_create_and_attach_share_memory(shm_dir: Path) -> None:
+    store = HostStore.create(_LAYOUT, shm_dir, "share-test")
+    assert store.path.parent == shm_dir and store.path.name == f"nodetrain-share-test-{os.getpid()}.store"
+    assert store.path.stat().st_size == _LAYOUT.nbytes == store.nbytes
+    other = HostStore.attach(_LAYOUT, store.path)
+    try:
+        assert not store.master(1).any() and not other.compute(1).any(), "a new store is zero-filled"
+        store.master(1).copy_(torch.arange(5000.0))
+        store.compute(0).fill_(1.5)
+        other.buffer(0, "grad_tied").fill_(-2.0)
+        assert torch.equal(other.master(1), torch.arange(5000.0))
+        assert other.compute(0).dtype == torch.bfloat16 and bool((other.compute(0) == 1.5).all())
+        assert bool((store.buffer(0, "grad_tied") == -2.0).all())
+        assert not store.grad(1).any() and not store.buffer(1, "exp_avg").any(), "fields alias each other"
+
+        # another process attaches the same file and writes; we see it without re-reading
+        code = textwrap.dedent(f"""
+            import torch
+            from nodetrain.store import HostStore, StoreLayout
+            layout = StoreLayout((1000, 5000, 3), torch.bfloat16, tied_units=(0,))
+            s = HostStore.attach(layout, {str(store.path)!r})
+            assert float(s.master(1)[4999]) == 4999.0
+            s.buffer(2, "exp_avg_sq").copy_(torch.tensor([7.0, 8.0, 9.0]))
+        """)
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=env)
+        assert store.buffer(2, "exp_avg_sq").tolist() == [7.0, 8.0, 9.0]
+
+        store.unlink()  # the name goes, the memory stays while mapped
+        assert not store.path.exists()
+        store.master(2).fill_(3.0)
+        assert other.master(2).tolist() == [3.0, 3.0, 3.0]
+        other.unlink()  # not the owner: nothing to do, no error
+    finally:
+        store.unlink()
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_remove_stale_stores_removes_only_dead_runs(shm_dir: Path) -> None:
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        dead_pid = _dead_pid()
+        dead = shm_dir / f"nodetrain-2024-01-01_00-00-00_p1-{dead_pid}.store"
+        dead.write_bytes(b"x" * 12345)
+        alive = shm_dir / f"nodetrain-live-run-{live.pid}.store"
+        alive.write_bytes(b"y")
+        mine = shm_dir / f"nodetrain-mine-{os.getpid()}.store"
+        mine.write_bytes(b"z")
+        unrelated = shm_dir / "nodetrain-notes.txt"
+        unrelated.write_bytes(b"n")
+
+        removed = remove_stale_stores(shm_dir)
+        assert removed == [(dead, 12345)]
+        assert not dead.exists() and alive.exists() and mine.exists() and unrelated.exists()
+
+        # creating a store cleans up too
+        dead.write_bytes(b"x")
+        store = HostStore.create(_LAYOUT, shm_dir, "after-stale")
+        store.unlink()
+        assert not dead.exists() and alive.exists()
+        for p in (alive, mine, unrelated):
+            p.unlink()
+    finally:
+        live.kill()
+        live.wait()
+
+
+@pytest.mark.parametrize("ending", ["exit", "sigterm"])
+def test_creator_removes_its_store_when_it_ends(shm_dir: Path, ending: str) -> None:
+    """A creator that never reaches ``unlink`` (it ends first) still leaves no file behind."""
+    code = textwrap.dedent(f"""
+        import sys, time, torch
+        from nodetrain.store import HostStore, StoreLayout
+        s = HostStore.create(StoreLayout((1000,), torch.float32), {str(shm_dir)!r}, "ending")
+        print(s.path, flush=True)
+        if {ending!r} == "sigterm":
+            time.sleep(120)
+    """)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    try:
+        path = Path(proc.stdout.readline().strip())
+        assert path.parent == shm_dir
+        if ending == "sigterm":
+            assert path.exists()
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not path.exists(), f"{ending}: the store file outlived its creator"
+
+
+# ----------------------------------------------------------------------------- one copy per node
+
+# ~99M parameters in many small units: 396 MB of fp32 master weights, a store of 1.8 GB, while
+# the largest unit (one layer, 3M parameters) bounds what a rank holds privately (window slot,
+# gradient temporaries); 4 tokens per micro-batch keep the step short.
+_BIG_HF = {
+    "hidden_size": 512,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "intermediate_size": 1536,
+    "vocab_size": 2048,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
+
+
+def test_four_ranks_map_one_store_and_keep_no_private_copy(tmp_path: Path, shm_dir: Path, torchrun) -> None:
+    ranks, seq_len, microbatches = 4, 4, 4
+    with torch.device("meta"):
+        num_params = sum(
+            p.numel() for p in transformers.LlamaForCausalLM(transformers.LlamaConfig(**_BIG_HF)).parameters()
+        )
+    master_bytes = 4 * num_params
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, _BIG_HF["vocab_size"], (1, microbatches, 1, seq_len), generator=gen)
+    save_file({"inputs": tokens, "labels": tokens.roll(-1, -1)}, str(tmp_path / "batch.safetensors"))
+    out = tmp_path / "out"
+    out.mkdir()
+    run_id = f"onecopy-{os.getpid()}-{time.time_ns()}"
+    overrides = {
+        "train.dtype": "bfloat16",
+        "train.seq_len": seq_len,
+        "train.micro_batch_size": 1,
+        "train.steps": 1,
+        "data.vocab_size": 256,
+        "pipeline.microbatches": microbatches,
+        "stream.slots": 1,
+        "store.dir": str(shm_dir),
+    }
+    spec = {
+        "arch": "LlamaForCausalLM",
+        "hf": _BIG_HF,
+        "overrides": overrides,
+        "model_dir": None,
+        "batch_file": str(tmp_path / "batch.safetensors"),
+        "out_dir": str(out),
+        "run_id": run_id,
+        "memory_report": True,
+    }
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    torchrun(ranks, WORKER, str(tmp_path / "spec.json"), timeout_s=180)
+
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    store_nbytes = reports[0]["store_nbytes"]
+    # master, grad, exp_avg, exp_avg_sq in fp32 + the bf16 transfer copy, page-aligned per buffer
+    assert 18 * num_params <= store_nbytes <= 18 * num_params + 6 * (_BIG_HF["num_hidden_layers"] + 2) * 4096
+    assert store_nbytes >= 200e6
+
+    maps = [r["memory"]["store"] for r in reports]
+    assert all(m is not None for m in maps), f"a rank does not map the store: {maps}"
+    for m in maps:
+        assert len(m["maps_lines"]) == 1, m["maps_lines"]
+        assert m["path"].endswith(" (deleted)"), f"store name not unlinked after attach: {m['path']}"
+        assert m["size"] == store_nbytes
+        assert m["perms"].endswith("s") and m["anonymous"] == 0, f"a private (copy-on-write) mapping: {m}"
+    assert len({m["path"] for m in maps}) == 1 and len({m["inode"] for m in maps}) == 1, maps
+    assert run_id in maps[0]["path"] and maps[0]["inode"] > 0
+
+    for rank, r in enumerate(reports):
+        mem = r["memory"]
+        # USS counts store pages that only this rank touched (its own units' buffers) as private,
+        # although they live once in the shared file; take them out, what remains is the rank's
+        # own memory. A per-rank copy of the master weights would add all of master_bytes.
+        private_outside = mem["uss_after"] - mem["store"]["private"]
+        growth = private_outside - mem["uss_before"]
+        assert private_outside - mem["uss_before"] < master_bytes / 2, (
+            f"rank {rank}: private memory grew by {growth / 1e6:.0f} MB outside the store "
+            f"(master weights: {master_bytes / 1e6:.0f} MB, USS {mem['uss_after'] / 1e6:.0f} MB)"
+        )
+
+    leftovers = [p.name for p in Path("/dev/shm").rglob("*") if run_id in p.name]
+    assert not leftovers, f"store files left after the job: {leftovers}"

@@ -1,0 +1,168 @@
+"""The streaming window on CPU, single process, over a real small host store.
+
+The copy workers are slowed down (``delay_s``) so that a protocol mistake shows: ``acquire``
+must always return exactly the host transfer copy of the requested block (a missing wait would
+hand out the slot's previous contents), ``offload`` must accumulate into the owner's ``grad``
+(or a non-owned tied unit's ``grad_tied``), and ``flush`` must wait for every queued offload.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nodetrain.stream as stream
+from nodetrain.model import Binding
+from nodetrain.store import HostStore, StoreLayout
+from nodetrain.stream import Window
+
+# Three units: 0 = an "embedding" [8, 4] (tied: owned elsewhere), 1 and 2 = "layers" with a matrix and a
+# vector. Block 2 also binds unit 0's weight, as the tied head does.
+UNIT_NUMELS = (32, 20, 20)
+BINDINGS = [
+    (Binding("weight", 0, 0, (8, 4)),),
+    (Binding("a", 1, 0, (4, 4)), Binding("b", 1, 16, (4,))),
+    (Binding("w", 2, 0, (4, 4)), Binding("n", 2, 16, (4,)), Binding("lm_head.weight", 0, 0, (8, 4))),
+]
+BLOCKS, OWNED = [1, 2], [1, 2]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@pytest.fixture
+def make_store(shm_dir):
+    def make(dtype: torch.dtype) -> HostStore:
+        store = HostStore.create(StoreLayout(UNIT_NUMELS, dtype, tied_units=(0,)), shm_dir, "stream-test")
+        store.unlink()  # the mapping stays; the name must not outlive the test
+        return store
+
+    return make
+
+
+def _fill_compute(store: HostStore, gen: torch.Generator) -> None:
+    """New transfer copies, as after an optimizer step."""
+    for u in range(len(UNIT_NUMELS)):
+        store.compute(u).copy_(torch.randn(UNIT_NUMELS[u], generator=gen))
+
+
+def _expected(store: HostStore, block: int) -> dict[str, torch.Tensor]:
+    return {
+        b.local_name: store.compute(b.unit)[b.offset : b.offset + b.numel].view(b.shape).clone()
+        for b in BINDINGS[block]
+    }
+
+
+def _stale_acquires(window: Window, store: HostStore, sequence: list[int]) -> list[tuple[int, str]]:
+    """Run ``sequence`` through the window; (load index, parameter) of every value that differs
+    from the host transfer copy at the time of acquire."""
+    stale = []
+    window.begin(sequence)
+    for k, block in enumerate(sequence):
+        got = window.acquire(block)
+        want = _expected(store, block)
+        assert set(got) == set(want)
+        stale += [(k, name) for name in want if not torch.equal(got[name], want[name])]
+        for name, t in got.items():
+            assert t.shape == want[name].shape and t.dtype == store.layout.compute_dtype, name
+        window.release()
+    window.flush()
+    return stale
+
+
+# forward then backward order of a stage's blocks, for three micro-batches
+SEQUENCE = [1, 2, 2, 1] * 3
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_acquire_returns_the_current_transfer_copy(make_store, slots: int, dtype: torch.dtype) -> None:
+    store, gen = make_store(dtype), torch.Generator().manual_seed(slots)
+    window = Window(store, BINDINGS, BLOCKS, OWNED, slots, "cpu", delay_s=0.005)
+    try:
+        largest = max(sum(b.numel for b in BINDINGS[i]) for i in BLOCKS)
+        assert window.nbytes == slots * largest * dtype.itemsize
+        for _ in range(3):  # steps: the transfer copies change between them
+            _fill_compute(store, gen)
+            assert _stale_acquires(window, store, SEQUENCE) == []
+    finally:
+        window.close()
+
+
+def test_a_missing_wait_would_be_caught(make_store, monkeypatch) -> None:
+    """The check above can fail: without the wait in ``acquire`` the slow copies are not there yet."""
+    store = make_store(torch.float32)
+    _fill_compute(store, torch.Generator().manual_seed(0))
+    window = Window(store, BINDINGS, BLOCKS, OWNED, 2, "cpu", delay_s=0.05)
+    monkeypatch.setattr(stream, "_wait", lambda fut: None)
+    try:
+        assert _stale_acquires(window, store, [1, 2, 2, 1]) != []
+    finally:
+        window.close()
+
+
+def test_acquire_refuses_a_block_out_of_order(make_store) -> None:
+    store = make_store(torch.float32)
+    window = Window(store, BINDINGS, BLOCKS, OWNED, 2, "cpu")
+    try:
+        window.begin([1, 2])
+        with pytest.raises(AssertionError, match="load order"):
+            window.acquire(2)
+    finally:
+        window.close()
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_offload_accumulates_into_grad_and_grad_tied(make_store, dtype: torch.dtype) -> None:
+    store = make_store(dtype)
+    gen = torch.Generator().manual_seed(1)
+    window = Window(store, BINDINGS, BLOCKS, OWNED, 2, "cpu", delay_s=0.005)
+
+    def grads(block: int) -> dict[str, torch.Tensor]:
+        return {b.local_name: torch.randn(b.shape, generator=gen).to(dtype) for b in BINDINGS[block]}
+
+    try:
+        g1, g1b, g2 = grads(1), grads(1), grads(2)
+        for block, g in ((1, g1), (2, g2), (1, g1b)):
+            window.offload(block, g)
+        window.flush()
+        flat = lambda g, names: torch.cat([g[n].float().reshape(-1) for n in names])  # noqa: E731
+        want1 = flat(g1, ["a", "b"]) + flat(g1b, ["a", "b"])
+        torch.testing.assert_close(store.grad(1), want1, rtol=0, atol=0)
+        torch.testing.assert_close(store.grad(2), flat(g2, ["w", "n"]), rtol=0, atol=0)
+        # unit 0 is not owned here: its use in block 2 goes to grad_tied, its own grad stays zero
+        torch.testing.assert_close(store.buffer(0, "grad_tied"), flat(g2, ["lm_head.weight"]), rtol=0, atol=0)
+        assert not store.grad(0).any()
+    finally:
+        window.close()
+
+
+def test_offload_into_an_owned_tied_unit_uses_grad(make_store) -> None:
+    """On a single stage the tied embedding is owned: the head's use accumulates into ``grad``."""
+    store = make_store(torch.float32)
+    window = Window(store, BINDINGS, [0, 2], [0, 2], 2, "cpu")
+    try:
+        g0 = {"weight": torch.ones(8, 4)}
+        g2 = {"w": torch.zeros(4, 4), "n": torch.zeros(4), "lm_head.weight": torch.full((8, 4), 2.0)}
+        window.offload(0, g0)
+        window.offload(2, g2)
+        window.flush()
+        assert torch.equal(store.grad(0), torch.full((32,), 3.0))
+        assert not store.buffer(0, "grad_tied").any()
+    finally:
+        window.close()
+
+
+def test_offload_bounds_in_flight_and_flush_waits_for_all(make_store) -> None:
+    store, slots, calls = make_store(torch.float32), 2, 5
+    window = Window(store, BINDINGS, BLOCKS, OWNED, slots, "cpu", delay_s=0.1)
+    try:
+        for i in range(calls):
+            g = {"a": torch.zeros(4, 4), "b": torch.zeros(4)}
+            g["a"].view(-1)[i] = 1.0  # call i marks element i
+            window.offload(1, g)
+            completed = int(store.grad(1)[:calls].sum())
+            assert completed >= i + 1 - slots, f"more than {slots} offloads in flight after call {i}"
+        assert int(store.grad(1)[:calls].sum()) < calls, "the last offload finished before its delay"
+        window.flush()
+        assert torch.equal(store.grad(1)[:calls], torch.ones(calls))
+    finally:
+        window.close()
