@@ -24,7 +24,7 @@ import torch.distributed as dist
 from nodetrain.config import Config, grad_accum_of
 from nodetrain.model import HFModel
 from nodetrain.optim import StoreAdamW, clip_coef, lr_at
-from nodetrain.pipeline import P2P, build_schedule, partition
+from nodetrain.pipeline import P2P, Action, build_schedule, partition
 from nodetrain.stage import IGNORE_INDEX, StageRunner
 from nodetrain.store import HostStore, StoreLayout
 from nodetrain.stream import Window
@@ -159,7 +159,7 @@ class Engine:
             mb = r * m + a.mb
             lab = labels[mb].to(self.device) if self.runner.is_last else None
             if a.kind == "F":
-                x = inputs[mb].to(self.device) if self.runner.is_first else self.p2p.recv_activation(mb)
+                x = inputs[mb] if self.runner.is_first else self.p2p.recv_activation(mb)
                 out = self.runner.forward(mb, x.to(self.device), lab, keep=train)
                 if self.runner.is_last:
                     loss_sum += float(out)
@@ -242,7 +242,7 @@ class Engine:
         identical on every rank. No gradients, no optimizer state is touched."""
         n = inputs.shape[0]
         self._check_batch(inputs, labels, n)
-        actions = build_schedule("gpipe", self.num_stages, self.stage, n)[:n]
+        actions = [Action("F", i) for i in range(n)]
         self.window.begin(self._load_sequence(actions, 1))
         loss_sum = self._run_round(actions, 0, inputs, labels, 1.0, train=False)
         self.window.flush()

@@ -16,6 +16,7 @@ Protocol (load ``k`` of the sequence uses slot ``k % slots``):
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -146,7 +147,8 @@ class Window:
         _wait(self._loads.pop(k))
         self.stall_s += time.perf_counter() - t0
         slot = self._slots[k % len(self._slots)]
-        return {name: slot[pos : pos + _numel(shape)].view(shape) for name, pos, shape in self._views[block]}
+        views = self._views[block]
+        return {name: slot[pos : pos + math.prod(shape)].view(shape) for name, pos, shape in views}
 
     def release(self) -> None:
         """Compute on the current slot is issued; reuse the slot for the load ``slots`` ahead."""
@@ -177,10 +179,3 @@ class Window:
     def close(self) -> None:
         self._h2d.shutdown()
         self._d2h.shutdown()
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
