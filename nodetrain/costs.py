@@ -44,6 +44,8 @@ class ModelShape:
     load_numels: tuple[int, ...]
     """Elements each block binds, i.e. one H2D load and one D2H gradient offload (the tied head
     binds the embedding too)."""
+    largest_tensors: tuple[int, ...]
+    """Elements of the largest tensor each block binds."""
     costs: tuple[int, ...]
     """Parameters each block multiplies per token (``HFModel.block_cost``; 0 for the embedding)."""
     tied: bool
@@ -72,6 +74,7 @@ def shape_of(model: HFModel) -> ModelShape:
     return ModelShape(
         unit_numels=tuple(u.numel for u in model.units),
         load_numels=tuple(sum(b.numel for b in bs) for bs in model.bindings),
+        largest_tensors=tuple(max(b.numel for b in bs) for bs in model.bindings),
         costs=tuple(model.block_cost(i) for i in range(len(model.units))),
         tied=model.tied,
         hidden=c.hidden_size,
@@ -114,7 +117,7 @@ class StageMemory:
     p2p_bytes: int
     """Sent activations and input gradients, held by their ``isend`` until the step ends (G·M each)."""
     transient_bytes: int
-    """Recompute + backward of the largest block, and the weight gradients queued for offload."""
+    """Recompute + backward of one block (the largest such), plus gradients queued for D2H."""
 
     @property
     def activation_bytes(self) -> int:
@@ -128,24 +131,46 @@ class StageMemory:
 def _layer_recompute_bytes(shape: ModelShape, n: int, e: int) -> int:
     """Autograd-saved tensors of one recomputed decoder layer plus its backward working set.
 
-    Per token: two RMSNorms keep an fp32 upcast and the normalized copy, D·(4 + e) each; SDPA keeps
-    q, k, v and its output, (2H + 2K)·Q·e (GQA without repeating k, v; a flash-style kernel keeps
-    no T×T matrix); o_proj keeps its contiguous input, H·Q·e; the residual D·e; the SwiGLU MLP keeps
-    gate, act(gate), up and their product, 4·F·e; Qwen3's q/k norms (H + K)·Q·(4 + e). Backward
-    then holds about two F-wide and two D-wide gradients at once, (2F + 2D)·e.
+    Per token, as counted with ``torch.autograd.graph.saved_tensors_hooks`` on transformers 5's
+    Llama and Qwen3 layers (SDPA, no T×T matrix): each RMSNorm keeps its fp32 upcast 4·D (with
+    e = 4 that is its input, which only the post-attention norm adds) and two D·e tensors (the
+    normalized copy and the output); SDPA keeps q, k, v, its output (2H + 2K)·Q·e and an fp32
+    log-sum-exp 4·H (GQA: k and v are not repeated); the SwiGLU MLP keeps gate, act(gate), up and
+    their product, 4·F·e; Qwen3's q/k norms add (H + K)·Q·(4 + e). Backward then holds about one
+    F-wide and one D-wide gradient beyond what it frees, (F + D)·e.
     """
     d, f, q = shape.hidden, shape.intermediate, shape.head_dim
     h, k = shape.heads, shape.kv_heads
-    per_token = 2 * d * (4 + e) + (2 * h + 2 * k) * q * e + h * q * e + d * e + 4 * f * e
+    norms = 2 * (4 * d + 2 * d * e) if e < 4 else 5 * d * e
+    per_token = norms + (2 * h + 2 * k) * q * e + 4 * h + 4 * f * e + (f + d) * e
     per_token += (h + k) * q * (4 + e) if shape.qk_norm else 0
-    per_token += (2 * f + 2 * d) * e
     return n * per_token
 
 
 def _head_recompute_bytes(shape: ModelShape, n: int, e: int) -> int:
-    """Final norm D·(4 + e) and the loss over logits: the logits (e), their fp32 copy, log-softmax
-    and its gradient (4 each), and the logits' gradient (4 + e), per token and vocabulary entry."""
-    return n * (shape.hidden * (4 + e) + shape.vocab * (2 * e + 16))
+    """The final norm, 4·D + 2·D·e per token, and the loss: its fp32 log-softmax (saved), the
+    gradient flowing into it and the one it produces, 3 × 4 bytes per token and vocabulary entry
+    (the bf16 logits and their fp32 copy, 2 + 4 + 4 bytes in the forward, are fewer)."""
+    return n * (shape.hidden * (4 + 2 * e) + 12 * shape.vocab)
+
+
+def _block_peak_bytes(shape: ModelShape, block: int, n: int, e: int, on_cpu: bool) -> int:
+    """Peak of recomputing ``block`` and taking its gradients.
+
+    Activation gradients and saved tensors are freed as the backward walks the block while its
+    weight gradients (``load × e``) accumulate, so the peak is the larger of the two, not their sum.
+    When the device is the CPU, ``Window.offload``'s D2H worker converts each gradient tensor to
+    fp32 in that same memory (4 bytes per element of the block's largest tensor, when e < 4).
+    """
+    last = len(shape.unit_numels) - 1
+    if block == 0:
+        acts = 0  # the embedding's backward only scatters into its weight gradient
+    elif block == last:
+        acts = _head_recompute_bytes(shape, n, e)
+    else:
+        acts = _layer_recompute_bytes(shape, n, e)
+    grads = shape.load_numels[block] * e + (4 * shape.largest_tensors[block] if on_cpu and e < 4 else 0)
+    return max(acts, grads)
 
 
 def stage_memory(
@@ -161,35 +186,34 @@ def stage_memory(
     schedule: str,
     slots: int,
     itemsize: int,
+    on_cpu: bool = False,
 ) -> StageMemory:
     """Peak device bytes of ``stage`` (owning ``blocks``) for micro-batches of ``b × t`` tokens.
+
+    Gradients queued for D2H: on a GPU up to ``slots`` earlier blocks' (``Window.offload``'s bound;
+    the planner takes the bound, since a D2H-bound stage reaches it); on the CPU none (measured by
+    ``bench/plan_accuracy.py``: the copy worker drains each block's gradients before the next
+    block's recompute peaks).
 
     Args:
         shape: the model; blocks: this stage's block indices (from ``partition``).
         b, t, m, g: micro-batch size, sequence length, micro-batches per round, rounds per step.
         schedule: ``1f1b`` or ``gpipe``; slots: window slots; itemsize: compute-dtype bytes (e).
+        on_cpu: the device is the CPU (the stage's memory is host memory).
     """
     n, e, d = b * t, itemsize, shape.hidden
     largest = max(shape.load_numels[i] for i in blocks)
     in_flight = m if schedule == "gpipe" else min(num_stages - stage, m)
     per_mb = sum(n * 8 if i == 0 else n * d * e for i in blocks)  # the embedding saves its int64 ids
     sends = (stage < num_stages - 1) + (stage > 0)
-    recompute = max(
-        _head_recompute_bytes(shape, n, e)
-        if i == len(shape.unit_numels) - 1
-        else 0
-        if i == 0
-        else _layer_recompute_bytes(shape, n, e)
-        for i in blocks
-    )
-    grads_in_flight = (slots + 1) * largest * e  # the one computed + ``slots`` queued for D2H
+    queued = 0 if on_cpu else slots * largest * e
     return StageMemory(
         stage=stage,
         blocks=blocks,
         window_bytes=slots * largest * e,
         saved_bytes=in_flight * per_mb,
         p2p_bytes=sends * g * m * n * d * e,
-        transient_bytes=recompute + grads_in_flight,
+        transient_bytes=max(_block_peak_bytes(shape, i, n, e, on_cpu) for i in blocks) + queued,
     )
 
 

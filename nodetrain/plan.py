@@ -158,6 +158,7 @@ class _Node:
                 schedule=self.schedule,
                 slots=self.slots,
                 itemsize=self.itemsize,
+                on_cpu=self.cpu,
             )
             for s, blocks in enumerate(self.stage_blocks)
         ]

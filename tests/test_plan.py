@@ -108,15 +108,16 @@ def test_config_a_device_memory_by_hand() -> None:
     assert s1.saved_bytes == 1 * (2 * n * d * e) == 8_192
     # one direction of sends each (stage 0 activations, stage 1 input gradients), G·M of them
     assert s0.p2p_bytes == s1.p2p_bytes == 1 * 2 * n * d * e == 8_192
-    # layer recompute per token: norms 2·D·(4+e) + SDPA (2H+2K)·Q·e + o_proj input H·Q·e + residual D·e
-    # + MLP 4·F·e + backward (2F+2D)·e = 768 + 384 + 128 + 128 + 1024 + 768 = 3200 bytes
-    layer = n * 3200
-    # head per token: norm D·(4+e) + V·(2e+16) = 384 + 6000
-    head = n * (384 + 300 * 20)
-    grads = 3 * A_LAYER * e  # the block computed + 2 queued for D2H
-    assert s0.transient_bytes == layer + grads == 324_352
-    assert s1.transient_bytes == head + grads == 426_240
-    assert s1.total_bytes == 147_968 + 8_192 + 8_192 + 426_240
+    # layer recompute per token: norms 2·(4D + 2·D·e) + SDPA (2H+2K)·Q·e + lse 4·H + MLP 4·F·e
+    # + backward (F+D)·e = 1024 + 384 + 16 + 1024 + 384 = 2832 bytes; it beats the layer's
+    # weight gradients (36,992·e) and the embedding's (19,200·e)
+    layer = n * 2832
+    # head per token: norm D·(4 + 2e) + loss 12·V = 512 + 3600, beats its gradients 19,264·e
+    head = n * (512 + 12 * 300)
+    queued = 2 * A_LAYER * e  # a GPU stage may hold `slots` earlier blocks' gradients for D2H
+    assert s0.transient_bytes == layer + queued == 238_592
+    assert s1.transient_bytes == head + queued == 279_552
+    assert s1.total_bytes == 147_968 + 8_192 + 8_192 + 279_552 == 443_904
 
 
 def test_config_a_step_time_by_hand() -> None:
@@ -194,8 +195,11 @@ def test_config_b_memory_and_time_by_hand() -> None:
     assert s0.window_bytes == 2 * B_LAYER * e == 296_192  # the tied head binds 64 + 19,200 < B_LAYER
     assert s0.saved_bytes == 3 * (n * 8 + 3 * n * d * e) == 18_624  # GPipe: all M in flight
     assert s0.p2p_bytes == 0
-    # head per token: D·(4+e) + V·(2e+16) = 512 + 7200; it beats a layer's 6656 (incl. q/k norms)
-    assert s0.transient_bytes == n * (512 + 7200) + 3 * B_LAYER * e == 505_984
+    # the peak is a layer's weight gradients, 37,024·4 = 148,096: more than its recompute (n·5,648:
+    # norms 5·D·e + SDPA 768 + lse 16 + MLP 2048 + backward 768 + q/k norms 768), the head's
+    # n·(D·12 + 12·V) = 34,944 or its tied gradients 77,056; fp32 needs no conversion, and the CPU
+    # copy worker holds no queued gradients
+    assert s0.transient_bytes == B_LAYER * e == 148_096
     # on a CPU profile the stage lives in host memory next to the store and the rank overhead
     assert plan.host_need_bytes == plan.store_bytes + int(0.5e9) + s0.total_bytes
     t = plan.time
@@ -220,13 +224,13 @@ def test_config_b_memory_and_time_by_hand() -> None:
 
 def test_device_does_not_fit_names_the_largest_micro_batch() -> None:
     cfg = _config_a()
-    cfg.hardware.device_memory_gb = 2.0 + 0.0005  # 500 kB usable beyond the 2 GB reserve
+    cfg.hardware.device_memory_gb = 2.0 + 0.0004  # 400 kB usable beyond the 2 GB reserve
     plan = make_plan(cfg)
-    # stage 1 at B=1 (n=16): window + saved + P2P + head recompute + grads in flight; B=2 is 590,592
-    assert plan.stages[1].total_bytes == 590_592
+    assert plan.stages[1].total_bytes == 443_904  # B=2 (see above) does not fit
+    # stage 1 at B=1 (n=16): window + saved + P2P + head recompute + gradients queued
     saved = 1 * 2 * (16 * 64 * 2)  # one micro-batch in flight, inputs of L1 and the head
     p2p = 2 * (16 * 64 * 2)  # G·M input gradients sent back
-    assert 147_968 + saved + p2p + 16 * 6_384 + 221_952 == 480_256 < 500_000
+    assert 147_968 + saved + p2p + 16 * 4_112 + 147_968 == 369_920 < 400_000
     assert not plan.fits and plan.max_micro_batch == 1
     assert "train.micro_batch_size=1" in plan.problems[0] and "device memory" in plan.problems[0]
 
