@@ -324,25 +324,32 @@ def make_plan(cfg: Config, model: HFModel | None = None) -> Plan:
 
 def _problems(cfg: Config, node: _Node, stages: list[StageMemory], host_need: int, max_b: int) -> list[str]:
     """Why the run cannot start on this hardware, each with its numbers and a fix."""
-    hw, b, host = cfg.hardware, cfg.train.micro_batch_size, node.host_bytes
+    hw, b, host, problems = cfg.hardware, cfg.train.micro_batch_size, node.host_bytes, []
     if node.store_bytes + node.overhead_bytes > host:
         per_param = node.store_bytes / node.shape.num_params
         largest = (host - node.overhead_bytes) / per_param
-        return [
+        problems.append(
             f"host memory: the host store needs {node.store_bytes / GB:,.0f} GB ({per_param:.1f} bytes/param)"
             f" + {node.overhead_bytes / GB:.1f} GB rank overhead, but {hw.name} has {host / GB:,.0f} GB; the "
             f"largest model that fits is ~{largest / 1e9:,.1f}B parameters"
-        ]
+        )
+        if node.cpu:
+            return problems
     if max_b >= b:
-        return []
+        return problems
     worst = max(stages, key=lambda x: x.total_bytes)
     limit, need = (host, host_need) if node.cpu else (node.device_limit_bytes, worst.total_bytes)
-    fix = f"use train.micro_batch_size={max_b}" if max_b else "shorten train.seq_len or use more stages"
-    return [
+    fix = (
+        f"use train.micro_batch_size={max_b}"
+        if max_b
+        else "shorten train.seq_len, lower stream.slots or use more stages"
+    )
+    problems.append(
         f"{'host' if node.cpu else 'device'} memory at train.micro_batch_size={b}: needs {need / GB:,.1f} GB "
         f"(stage {worst.stage}: window {worst.window_bytes / GB:.2f} + activations "
         f"{worst.activation_bytes / GB:.2f} GB) but {limit / GB:,.1f} GB is usable; {fix}"
-    ]
+    )
+    return problems
 
 
 def _hints(cfg: Config, t: StepTime, max_b: int, num_stages: int) -> list[str]:

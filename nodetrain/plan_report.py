@@ -4,6 +4,8 @@ number comes from ``plan.make_plan``."""
 
 from __future__ import annotations
 
+import os
+
 from rich.console import Console
 from rich.table import Table
 
@@ -82,7 +84,11 @@ def _stage_table(plan: Plan) -> Table:
 
 def _time_table(plan: Plan) -> Table:
     t, over = plan.time, plan.cfg.plan.overlap_optimizer
-    table = Table(title="Predicted step time (slowest stage)", title_justify="left")
+    how = "the optimizer hidden behind them" if over else "then the optimizer"
+    title = (
+        f"Predicted step time of the slowest stage (parts overlap: max(compute, H2D, D2H) + bubble, {how})"
+    )
+    table = Table(title=title, title_justify="left")
     for col in ("part", "seconds", "of step"):
         table.add_column(col, justify="left" if col == "part" else "right")
     rows = [
@@ -121,8 +127,9 @@ def _summary(plan: Plan) -> list[str]:
 
 
 def render(plan: Plan, console: Console | None = None) -> None:
-    """Print ``plan`` to ``console`` (default: stdout, at least 120 columns wide)."""
-    console = console or Console(width=None if Console().is_terminal else 120)
+    """Print ``plan`` to ``console`` (default: stdout; 120 columns when it is not a terminal and
+    ``COLUMNS`` is unset)."""
+    console = console or Console(width=None if Console().is_terminal or "COLUMNS" in os.environ else 120)
     console.print(_header(plan))
     console.print(_store_table(plan))
     console.print(_stage_table(plan))
