@@ -31,7 +31,7 @@ OVERRIDES = [
 
 def main() -> None:
     predicted = plan(NPROC, OVERRIDES)
-    ranks = measure(NPROC, OVERRIDES)
+    ranks = measure(NPROC, OVERRIDES, pin_malloc=False)  # glibc defaults, as in training
     store = ranks[0]["store_bytes"]
     pss = sum(r["pss_bytes"] for r in ranks)
     shmem = sum(r["pss_shmem_bytes"] for r in ranks)

@@ -32,21 +32,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(nproc: int, overrides: list[str], steps: int = 2, timeout_s: float = 900) -> list[dict]:
+def measure(
+    nproc: int, overrides: list[str], steps: int = 2, timeout_s: float = 900, pin_malloc: bool = True
+) -> list[dict]:
     """Run the real engine on ``nproc`` ranks (gloo, CPU) and return every rank's figures.
 
-    ``MALLOC_MMAP_THRESHOLD_`` pins glibc's mmap threshold at 64 kB so freed tensors go back to the
-    kernel and a step's resident peak (VmHWM) tracks the bytes actually live in it.
+    With ``pin_malloc``, ``MALLOC_MMAP_THRESHOLD_`` pins glibc's mmap threshold at 64 kB so freed
+    tensors go back to the kernel and a step's resident peak (VmHWM) tracks the bytes actually live
+    in it; without, the ranks run with glibc's defaults, as a training run does.
     """
     store_dir = Path(tempfile.mkdtemp(prefix="nt-bench-", dir="/dev/shm"))
     env = dict(
         os.environ,
         PYTHONPATH=str(ROOT),
         OMP_NUM_THREADS="1",
-        MALLOC_MMAP_THRESHOLD_="65536",
         WANDB_MODE="disabled",
         TRANSFORMERS_VERBOSITY="error",
     )
+    if pin_malloc:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     spec = json.dumps({"overrides": [*overrides, f"store.dir={store_dir}"], "steps": steps})
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
     cmd += [

@@ -12,7 +12,9 @@ same overrides). Printed side by side, with the relative error of each predictio
 - activations: the resident growth during the second step (VmHWM after − VmRSS before, see
   ``memory_worker.py``) vs the planner's peak activation bytes of that stage;
 - host total: the ranks' summed PSS after the step vs store + ranks × ``plan.rank_overhead_gb``
-  + windows (the per-rank overhead is an assumption of the planner; this row shows how good it is).
+  + windows (the per-rank overhead is an assumption of the planner; this row shows how good it is;
+  the pinned mmap threshold returns freed memory, so ranks here keep less heap than in a real run,
+  where ``bench/host_memory.py`` measures it).
 
 Target (issue 4): host and window memory within 10%.
 """

@@ -243,8 +243,8 @@ class PlanConfig:
     """Planner settings (``python -m nodetrain.plan``) and the training start-up memory check."""
 
     rank_overhead_gb: float = 0.5
-    """Host RAM per rank beyond the host store (interpreter, torch, buffers), GB; measured by
-    ``bench/host_memory.py``. CUDA ranks need more (context, pinned staging): raise it there."""
+    """Host RAM per rank beyond the host store (interpreter, torch, window, kept heap), GB; 0.38-0.50
+    measured per CPU rank by ``bench/host_memory.py``. CUDA ranks also hold a CUDA context: raise it."""
     device_reserve_gb: float = 2.0
     """Device memory the planner keeps free (CUDA context, allocator slack), GB."""
     overlap_optimizer: bool = True
