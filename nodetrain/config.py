@@ -29,10 +29,12 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "HardwareConfig",
     "LoggingConfig",
     "ModelConfig",
     "OptimConfig",
     "PipelineConfig",
+    "PlanConfig",
     "StoreConfig",
     "StreamConfig",
     "TrainConfig",
@@ -210,6 +212,50 @@ class LoggingConfig:
 
 
 @dataclass
+class HardwareConfig:
+    """One node's hardware, for the planner (``conf/hardware/``); GB = 1e9 bytes. Every YAML names the
+    source of each number in ``source``."""
+
+    name: str = MISSING
+    """Profile name, e.g. ``h100_sxm``."""
+    peak_flops: float = MISSING
+    """Dense bf16 peak of one device (one GPU; on a CPU profile the whole CPU), FLOP/s."""
+    matmul_efficiency: float = 0.6
+    """Fraction of ``peak_flops`` the model's matmuls reach (an assumption the planner prints), (0, 1]."""
+    device_memory_gb: float = MISSING
+    """Memory of one GPU, GB; 0 on a CPU profile (the "device" window then lives in host memory)."""
+    host_link_gbps: float = MISSING
+    """Host↔device bandwidth of one device, per direction, GB/s (PCIe; a memcpy on a CPU profile)."""
+    host_memory_gb: float = MISSING
+    """Host RAM of the node, GB."""
+    host_memory_bandwidth_gbps: float = MISSING
+    """Host memory bandwidth of the node (all sockets), GB/s; bounds the CPU optimizer."""
+    cores: int = MISSING
+    """CPU cores of the node."""
+    gpus_per_node: int = MISSING
+    """GPUs of the node; 0 = no accelerator (stages are CPU processes)."""
+    source: str = ""
+    """Where each number comes from (datasheet names/URLs, or the measuring script)."""
+
+
+@dataclass
+class PlanConfig:
+    """Planner settings (``python -m nodetrain.plan``) and the training start-up memory check."""
+
+    rank_overhead_gb: float = 0.5
+    """Host RAM per rank beyond the host store (interpreter, torch, window, kept heap), GB; 0.38-0.50
+    measured per CPU rank by ``bench/host_memory.py``. CUDA ranks also hold a CUDA context: raise it."""
+    device_reserve_gb: float = 2.0
+    """Device memory the planner keeps free (CUDA context, allocator slack), GB."""
+    overlap_optimizer: bool = True
+    """Plan with the CPU optimizer overlapped with device work (False: added after each step)."""
+    train_tokens: float = 0.0
+    """Tokens to train for; 0 = 20 × parameters (Chinchilla, arXiv:2203.15556)."""
+    days: float = 0.0
+    """When > 0, also report the nodes needed to train ``train_tokens`` within this many days."""
+
+
+@dataclass
 class Config:
     """The whole run: composed by Hydra from ``conf/config.yaml`` over ``base_config``."""
 
@@ -221,6 +267,8 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     seed: int = 1234
     """Seeds the random init and the data order (sampling is a pure function of seed and step)."""
 

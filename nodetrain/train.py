@@ -31,6 +31,7 @@ from nodetrain.config import Config, grad_accum_of, register_configs, to_typed, 
 from nodetrain.engine import Engine
 from nodetrain.metrics import MetricsLogger
 from nodetrain.model import HFModel, build_hf_config
+from nodetrain.plan import preflight
 
 __all__ = ["main", "run"]
 
@@ -89,7 +90,8 @@ def run(cfg: Config, run_dir: Path, resolved: dict) -> list[dict]:
     """Train with a validated config; returns the per-step records (on every rank).
 
     Raises:
-        ConfigError: the config cannot work with this world size (before any allocation).
+        ConfigError: the config cannot work with this world size, or its host store does not fit
+            this node (before any allocation).
     """
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     rank, world_size, local_rank, device = _init_distributed()
@@ -101,6 +103,7 @@ def run(cfg: Config, run_dir: Path, resolved: dict) -> list[dict]:
             f"model.hf.vocab_size={model.config.vocab_size} is smaller than the tokenizer's "
             f"{train_ds.vocab_size} ({data_dir}); remove it so the tokenizer's size is used"
         )
+    _on_rank0(lambda: preflight(cfg, model, world_size))  # refuse a store the node cannot hold
     init = (
         (lambda store, units: load_hf_weights(cfg.model.init_from, store, units))
         if cfg.model.init_from
