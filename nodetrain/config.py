@@ -201,12 +201,31 @@ class StoreConfig:
 
 @dataclass
 class LoggingConfig:
-    """Metrics destinations (rank 0 only)."""
+    """Metrics destinations (rank 0 only): metrics.jsonl, wandb, plots, the progress line."""
 
     wandb: bool = True
-    """Log to wandb (rank 0 only). Offline unless WANDB_MODE is set in the environment."""
+    """Log to wandb (rank 0 only). Offline unless WANDB_MODE is set in the environment
+    (``online``, ``offline`` or ``disabled``)."""
     project: str = "nodetrain"
     """wandb project name."""
+    entity: str = ""
+    """wandb entity (user or team); empty = the default of the logged-in account."""
+    group: str = ""
+    """wandb group; empty = the sweep's directory name in a ``--multirun`` (all its jobs in one
+    group), no group for a single run."""
+    name: str = ""
+    """wandb run name; empty = the job's overrides (Hydra's ``override_dirname``) in a
+    ``--multirun``, else the run directory's name."""
+    tags: list[str] = field(default_factory=list)
+    """wandb tags, e.g. ``logging.tags=[lr-sweep,baseline]``."""
+    notes: str = ""
+    """wandb notes: a free-text description of the run."""
+    wandb_id: str = ""
+    """wandb run id to continue (``resume="allow"``); empty = a new run. A run resumed from a
+    checkpoint continues the checkpoint's run id when this is empty."""
+    plots: bool = True
+    """Write PNG plots (loss, tokens/s, time breakdown) into ``<run dir>/plots`` at the end of the
+    run (rank 0); ``python -m nodetrain.plots <run dir>`` redraws them at any time."""
     log_every: int = 1
     """Progress line every this many steps (>= 1)."""
 
@@ -265,10 +284,13 @@ def run_id() -> str:
     start time of the shared parent (the torchrun agent) cannot.
 
     Returns:
-        ``<parent start>_<TORCHELASTIC_RUN_ID>`` when torchrun set a rendezvous id (not ``none``);
-        else ``<parent start>_p<ppid>`` under torchrun (``LOCAL_RANK`` set); else, for a plain
-        ``python`` process, ``<own start>_p<pid>``.
+        ``$NODETRAIN_RUN_ID`` when set (the multi-node launchers set it once for every node, whose
+        torchrun agents start at different instants); else ``<parent start>_<TORCHELASTIC_RUN_ID>``
+        when torchrun set a rendezvous id (not ``none``); else ``<parent start>_p<ppid>`` under
+        torchrun (``LOCAL_RANK`` set); else, for a plain ``python`` process, ``<own start>_p<pid>``.
     """
+    if given := os.environ.get("NODETRAIN_RUN_ID", ""):
+        return _UNSAFE.sub("_", given)
     rdzv_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if rdzv_id and rdzv_id.lower() != "none":
         return f"{_start_time(os.getppid())}_{_UNSAFE.sub('_', rdzv_id)}"
