@@ -97,6 +97,26 @@ def _evaluate(engine: Engine, val: data.TokenDataset, cfg: Config) -> float:
     return total / max(tokens, 1)
 
 
+def _metrics_logger(cfg: Config, job: Job, resolved: dict, enabled: bool) -> MetricsLogger:
+    """metrics.jsonl and the job's wandb run (named and grouped by the job, see jobs.py)."""
+    lc = cfg.logging
+    return MetricsLogger(
+        job.run_dir,
+        resolved,
+        enabled=enabled,
+        use_wandb=lc.wandb,
+        project=lc.project,
+        run_name=job.name,
+        total_steps=cfg.train.steps,
+        print_every=lc.log_every,
+        group=job.group,
+        tags=lc.tags,
+        notes=lc.notes,
+        entity=lc.entity,
+        resume_id=lc.wandb_id or None,
+    )
+
+
 def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> list[dict]:
     """Train with a validated config; returns the per-step records (on every rank).
 
@@ -136,21 +156,7 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
     )
     k = topology.num_replicas  # the global batch: every replica's micro-batches
     num_mb = grad_accum_of(cfg, k) * cfg.pipeline.microbatches * k
-    metrics = MetricsLogger(
-        run_dir,
-        resolved,
-        enabled=rank == 0,
-        use_wandb=cfg.logging.wandb,
-        project=cfg.logging.project,
-        run_name=job.name,
-        total_steps=cfg.train.steps,
-        print_every=cfg.logging.log_every,
-        group=job.group,
-        tags=cfg.logging.tags,
-        notes=cfg.logging.notes,
-        entity=cfg.logging.entity,
-        resume_id=cfg.logging.wandb_id or None,
-    )
+    metrics = _metrics_logger(cfg, job, resolved, enabled=rank == 0)
     records = []
     try:
         with metrics:

@@ -126,6 +126,33 @@ def test_multirun_of_two_learning_rates_on_two_ranks(
     assert exited - last_step < 30, f"exited {exited - last_step:.1f}s after the last step"
 
 
+def test_multirun_job_failing_on_one_rank_ends_the_sweep(tmp_path: Path, corpus: list[str], shm_dir) -> None:
+    """Job 0's store directory does not exist: only local rank 0 (which creates the store) fails, while
+    rank 1 waits in the store's broadcast. Hydra would start job 1 on rank 0 and leave the ranks in
+    different collectives; instead every rank exits, within seconds, and job 1 never starts."""
+    overrides = [*TINY, *corpus, "train.steps=2", "train.eval_every=0", "logging.plots=false"]
+    overrides.append(f"store.dir={tmp_path / 'missing'},{shm_dir}")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+    ]
+    cmd += ["-m", "nodetrain.train", "--multirun", *overrides]
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=_env(tmp_path, "disabled"), capture_output=True, text=True, timeout=300
+    )
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode != 0
+    (sweep,) = (tmp_path / "runs").iterdir()
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0"], "job 1 started after a failure"
+    log = (sweep / "0" / "rank0.log").read_text()
+    assert "job failed; ending this rank" in log and "FileNotFoundError" in log
+    assert elapsed < 120, f"the ranks took {elapsed:.0f}s to exit"
+
+
 # ----------------------------------------------------------------------------- launch/sweep.py
 
 
