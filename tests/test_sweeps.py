@@ -79,8 +79,8 @@ def _records(job: Path) -> list[dict]:
 def test_multirun_of_two_learning_rates_on_two_ranks(
     tmp_path: Path, corpus: list[str], shm_dir: Path
 ) -> None:
-    lrs, steps = ("0.001", "0.0003"), 3
-    overrides = [*TINY, *corpus, f"train.steps={steps}", "train.eval_every=3", f"store.dir={shm_dir}"]
+    lrs, steps = ("0.001", "0.0003"), 2
+    overrides = [*TINY, *corpus, f"train.steps={steps}", f"train.eval_every={steps}", f"store.dir={shm_dir}"]
     overrides += ["logging.tags=[lr-sweep]", f"optim.lr={','.join(lrs)}"]
     cmd = [
         sys.executable,
@@ -159,7 +159,7 @@ def test_multirun_job_failing_on_one_rank_ends_the_sweep(tmp_path: Path, corpus:
 def test_sweep_launcher_starts_one_torchrun_per_world_size(
     tmp_path: Path, corpus: list[str], shm_dir
 ) -> None:
-    overrides = [*TINY, *corpus, "train.steps=2", "train.eval_every=0", f"store.dir={shm_dir}"]
+    overrides = [*TINY, *corpus, "train.steps=1", "train.eval_every=0", f"store.dir={shm_dir}"]
     overrides += ["logging.plots=false", "pipeline.stages=1,2"]
     cmd = [sys.executable, str(ROOT / "launch" / "sweep.py"), "--multirun", *overrides]
     _run(cmd, _env(tmp_path, "disabled"), 400)
@@ -168,7 +168,7 @@ def test_sweep_launcher_starts_one_torchrun_per_world_size(
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
     for num, stages in enumerate((1, 2)):
         job = sweep / str(num)
-        assert [r["step"] for r in _records(job) if "loss" in r] == [1, 2]
+        assert [r["step"] for r in _records(job) if "loss" in r] == [1]
         assert sorted(p.name for p in job.glob("rank*.log")) == [f"rank{r}.log" for r in range(stages)]
         assert f"stage {stages - 1}/{stages}" in (job / f"rank{stages - 1}.log").read_text()
         assert "torch.distributed.run --standalone" in (job / "launcher.log").read_text()
