@@ -1,9 +1,9 @@
 """The stage engine: one rank's part of a training step, from micro-batches to updated weights.
 
 Owns: wiring store, window, stage runner, P2P and optimizer for this rank, and the order of a
-step: pipeline rounds → flush gradients → sum the tied embedding's two uses → one all-reduce
-(global grad norm² and loss) → clip → AdamW → refresh the transfer copy. Does not own: the
-config, data or logging (train.py).
+step: pipeline rounds → flush gradients → sum the tied embedding's two uses → sum gradients over
+the replicas (several nodes, see replicas.py) → one all-reduce (global grad norm² and loss) → clip
+→ AdamW → refresh the transfer copy. Does not own: the config, data or logging (train.py).
 
 Exactness (DESIGN invariant 2): the loss is the sum of token cross-entropies over every
 micro-batch and accumulation round of the step divided by the step's valid-token count, so
@@ -25,6 +25,7 @@ from nodetrain.config import Config, grad_accum_of
 from nodetrain.model import HFModel
 from nodetrain.optim import StoreAdamW, clip_coef, lr_at
 from nodetrain.pipeline import P2P, Action, build_schedule, partition
+from nodetrain.replicas import ReplicaGradSum, Topology, node_group, replica_slice
 from nodetrain.stage import IGNORE_INDEX, StageRunner
 from nodetrain.store import HostStore, StoreLayout
 from nodetrain.stream import Window
@@ -68,6 +69,8 @@ class Engine:
         device: compute device (CPU, or this rank's CUDA device).
         init_from: optional callable ``(store, units) -> None`` that fills master weights of the
             given units (checkpoint import); default is random init.
+        topology: stage and replica of this rank when several nodes each run a replica of the
+            pipeline (see replicas.py); default: one pipeline over the world, stage = rank.
     """
 
     def __init__(
@@ -81,15 +84,18 @@ class Engine:
         run_id: str,
         device: torch.device,
         init_from=None,
+        topology: Topology | None = None,
     ):
         self.cfg, self.model, self.device = cfg, model, device
-        self.stage, self.num_stages = rank, world_size
+        self.topo = topo = topology or Topology.single(rank, world_size, local_rank)
+        self.stage, self.num_stages = topo.stage, topo.num_stages
         self.dtype = DTYPES[cfg.train.dtype]
-        self.grad_accum = grad_accum_of(cfg)
-        self.stage_blocks = partition([model.block_cost(i) for i in range(len(model.units))], world_size)
-        self.blocks = self.stage_blocks[rank]
+        self.grad_accum = grad_accum_of(cfg, topo.num_replicas)
+        costs = [model.block_cost(i) for i in range(len(model.units))]
+        self.stage_blocks = partition(costs, topo.num_stages)
+        self.blocks = self.stage_blocks[topo.stage]
         self.units = [model.units[i] for i in self.blocks]
-        self.store = self._open_store(local_rank, run_id)
+        self.store = self._open_store(topo.local_rank, run_id)
         self._init_weights(init_from)
         self.optimizer = StoreAdamW(self.store, self.units, cfg.optim)
         self.window = Window(
@@ -104,12 +110,15 @@ class Engine:
         self.runner = StageRunner(model, self.blocks, self.window, self.dtype)
         shape = (cfg.train.micro_batch_size, cfg.train.seq_len, model.config.hidden_size)
         p2p_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
-        self.p2p = P2P(rank, world_size, shape, self.dtype, p2p_device)
-        self._tied_across = model.tied and world_size > 1
+        self.p2p = P2P(topo.stage, topo.num_stages, shape, self.dtype, p2p_device, topo.pipeline_ranks)
+        self._tied_across = model.tied and topo.num_stages > 1
+        self.grad_sum = ReplicaGradSum(topo, staging=device if dist.get_backend() == "nccl" else None)
         log.info(
-            "stage %d/%d: units %s (%s), window %.1f MB, host store %.1f MB",
-            rank,
-            world_size,
+            "stage %d/%d (replica %d/%d): units %s (%s), window %.1f MB, host store %.1f MB",
+            topo.stage,
+            topo.num_stages,
+            topo.replica,
+            topo.num_replicas,
             [model.units[i].name for i in (self.blocks[0], self.blocks[-1])],
             len(self.blocks),
             self.window.nbytes / 1e6,
@@ -126,7 +135,7 @@ class Engine:
         if local_rank == 0:
             store = HostStore.create(layout, Path(self.cfg.store.dir), run_id)
             path = [str(store.path)]
-        dist.broadcast_object_list(path, src=0)
+        dist.broadcast_object_list(path, src=self.topo.node_root, group=node_group(self.topo))  # one per node
         if local_rank != 0:
             store = HostStore.attach(layout, path[0])
         dist.barrier()  # every rank has mapped it: the name can go, the memory stays while mapped
@@ -186,7 +195,8 @@ class Engine:
 
         Args:
             step: 0-based optimizer step (sets the learning rate).
-            inputs: [N, B, T] int64 token ids, N = grad_accum × microbatches (same on all ranks).
+            inputs: [N, B, T] int64 token ids of the global batch, N = grad_accum × microbatches ×
+                replicas (same on all ranks; each replica runs its N / replicas, see replicas.py).
             labels: [N, B, T] int64 next-token ids, -100 where no loss is taken.
 
         Raises:
@@ -194,8 +204,9 @@ class Engine:
         """
         t0 = time.perf_counter()
         m = self.cfg.pipeline.microbatches
-        self._check_batch(inputs, labels, self.grad_accum * m)
-        tokens = int((labels != IGNORE_INDEX).sum())
+        self._check_batch(inputs, labels, self.grad_accum * m * self.topo.num_replicas)
+        tokens = int((labels != IGNORE_INDEX).sum())  # of the global batch: every replica scales by it
+        inputs, labels = self._replica_share(inputs, labels)
         actions = build_schedule(self.cfg.pipeline.schedule, self.num_stages, self.stage, m)
         self.window.begin(self._load_sequence(actions, self.grad_accum))
         self.p2p.reset_timer()
@@ -206,7 +217,9 @@ class Engine:
         self.p2p.wait_sends()
         t_opt = time.perf_counter()
         self._sum_tied_grads()
-        totals = torch.tensor([self.optimizer.grad_sq_sum(), loss_sum], dtype=torch.float64)
+        self.grad_sum([self.store.grad(u.index) for u in self.units])
+        grad_sq = self.optimizer.grad_sq_sum() if self.topo.replica == 0 else 0.0  # each stage counted once
+        totals = torch.tensor([grad_sq, loss_sum], dtype=torch.float64)
         dist.all_reduce(totals)
         grad_norm = math.sqrt(float(totals[0]))
         lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
@@ -226,6 +239,11 @@ class Engine:
             now - t_opt,
         )
 
+    def _replica_share(self, inputs: torch.Tensor, labels: torch.Tensor):
+        """This replica's micro-batches of the global batch ([N, B, T] → [N/K, B, T]; see replicas.py)."""
+        share = replica_slice(inputs.shape[0], self.topo.replica, self.topo.num_replicas)
+        return inputs[share], labels[share]
+
     def _sum_tied_grads(self) -> None:
         """Tied embedding: stage 0 adds the last stage's gradient of the lm_head use to its own."""
         if not self._tied_across:
@@ -239,15 +257,16 @@ class Engine:
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
         """Forward-only pass over N micro-batches ([N, B, T] each); returns (mean loss, tokens),
-        identical on every rank. No gradients, no optimizer state is touched."""
-        n = inputs.shape[0]
-        self._check_batch(inputs, labels, n)
-        actions = [Action("F", i) for i in range(n)]
+        identical on every rank. The replicas share the N micro-batches. No gradients, no optimizer
+        state is touched."""
+        self._check_batch(inputs, labels, inputs.shape[0])
+        tokens = int((labels != IGNORE_INDEX).sum())
+        inputs, labels = self._replica_share(inputs, labels)
+        actions = [Action("F", i) for i in range(inputs.shape[0])]
         self.window.begin(self._load_sequence(actions, 1))
         loss_sum = self._run_round(actions, 0, inputs, labels, 1.0, train=False)
         self.window.flush()
         self.p2p.wait_sends()
-        tokens = int((labels != IGNORE_INDEX).sum())
         total = torch.tensor([loss_sum], dtype=torch.float64)
         dist.all_reduce(total)
         return float(total[0]) / max(tokens, 1), tokens
