@@ -83,7 +83,8 @@ def test_replica_slices_partition_the_batch() -> None:
 def _config(**overrides) -> Config:
     model = {"name": "tiny", "hf": hf_fields(Case("x", "LlamaForCausalLM", 2, "1f1b", 1, 1, 4))}
     base = {"model": model, "train": {"seq_len": SEQ_LEN}, "data": {"vocab_size": VOCAB}}
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), base, overrides))
+    hardware = {"hardware": OmegaConf.load(Path(__file__).parents[1] / "conf" / "hardware" / "cpu.yaml")}
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), base, hardware, overrides))
 
 
 def test_config_accepts_world_of_stages_times_nodes() -> None:
