@@ -26,7 +26,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from nodetrain import data
-from nodetrain.checkpoint import load_hf_weights
+from nodetrain.checkpoint import Checkpointing
 from nodetrain.config import Config, grad_accum_of, register_configs, to_typed, validate
 from nodetrain.engine import Engine
 from nodetrain.metrics import MetricsLogger
@@ -101,11 +101,7 @@ def run(cfg: Config, run_dir: Path, resolved: dict) -> list[dict]:
             f"model.hf.vocab_size={model.config.vocab_size} is smaller than the tokenizer's "
             f"{train_ds.vocab_size} ({data_dir}); remove it so the tokenizer's size is used"
         )
-    init = (
-        (lambda store, units: load_hf_weights(cfg.model.init_from, store, units))
-        if cfg.model.init_from
-        else None
-    )
+    ckpt = Checkpointing(cfg, run_dir, resolved, model)  # resume or import is checked before the store exists
     engine = Engine(
         cfg,
         model,
@@ -114,7 +110,7 @@ def run(cfg: Config, run_dir: Path, resolved: dict) -> list[dict]:
         local_rank=local_rank,
         run_id=run_dir.name,
         device=device,
-        init_from=init,
+        init_from=ckpt.init_fn(),
     )
     num_mb = grad_accum_of(cfg) * cfg.pipeline.microbatches
     metrics = MetricsLogger(
@@ -127,12 +123,13 @@ def run(cfg: Config, run_dir: Path, resolved: dict) -> list[dict]:
         total_steps=cfg.train.steps,
         print_every=cfg.logging.log_every,
     )
-    records = []
+    records, ok = [], False
     try:
         with metrics:
-            if cfg.train.eval_every:
+            start = ckpt.attach(engine)  # on resume: AdamW counts and RNG states, right before the loop
+            if cfg.train.eval_every and start == 0:
                 metrics.log({"step": 0, "val_loss": _evaluate(engine, val_ds, cfg)})
-            for step in range(cfg.train.steps):
+            for step in range(start, cfg.train.steps):
                 x, y = _step_batch(train_ds, cfg, step, num_mb)
                 r = engine.train_step(step, x, y)
                 rec = {
@@ -151,10 +148,19 @@ def run(cfg: Config, run_dir: Path, resolved: dict) -> list[dict]:
                 every = cfg.train.eval_every
                 if every and ((step + 1) % every == 0 or last):
                     rec["val_loss"] = _evaluate(engine, val_ds, cfg)
+                stop, stall_s = ckpt.after_step(step + 1)  # after evaluation: it draws dropout masks too
+                if stall_s is not None:
+                    rec["ckpt_stall_s"] = stall_s
                 metrics.log(rec)
                 records.append(rec)
+                if stop:
+                    break
+            ok = True
     finally:
-        engine.close()
+        try:
+            ckpt.close(ok)  # waits for the last save and commits it
+        finally:
+            engine.close()
     log.info(
         "done: %d steps, final loss %.4f", len(records), records[-1]["loss"] if records else float("nan")
     )

@@ -29,7 +29,7 @@ from nodetrain.config import (
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-GROUPS = ("model", "data", "optim", "pipeline")
+GROUPS = ("model", "data", "optim", "pipeline", "checkpoint")
 
 
 @pytest.fixture(scope="module", autouse=True)
