@@ -259,7 +259,8 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 1234
-    """Seeds the random init and the data order (sampling is a pure function of seed and step)."""
+    """Seeds the random init, the data order (sampling is a pure function of seed and step) and each
+    rank's RNGs (dropout) at step 0."""
 
 
 def _fmt(value: Any) -> str:

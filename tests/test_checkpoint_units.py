@@ -72,7 +72,7 @@ def test_index_naming_a_missing_shard_is_refused(tmp_path: Path) -> None:
         "weight_map": {"w": "model-00001-of-00002.safetensors", "v": "model-00002-of-00002.safetensors"},
     }
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
+    with pytest.raises(FileNotFoundError, match=r"model-00002-of-00002\.safetensors"):
         tensors.read_index(tmp_path)
 
 
@@ -216,9 +216,9 @@ def test_damaged_checkpoint_is_refused_naming_the_file(tmp_path: Path, damage: s
     else:
         target.unlink()
     want = {"truncate": "truncated", "flip": "sha256", "delete": "missing"}[damage]
-    with pytest.raises(st.CheckpointError, match=f"model-00001-of-00001.safetensors.*{want}"):
+    with pytest.raises(st.CheckpointError, match=rf"model-00001-of-00001\.safetensors.*{want}"):
         st.verify(ckpt)
-    with pytest.raises(st.CheckpointError, match="checkpoint.resume="):
+    with pytest.raises(st.CheckpointError, match=r"checkpoint\.resume="):
         choose_checkpoint(str(ckpt), tmp_path)
 
 

@@ -28,7 +28,13 @@ import torch.distributed as dist
 from nodetrain.checkpoint import state as st
 from nodetrain.checkpoint.collective import broadcast_json
 from nodetrain.checkpoint.hf_import import check_model_dir, load_units
-from nodetrain.checkpoint.resume import choose_checkpoint, load_training_state, restore_rng, restore_steps
+from nodetrain.checkpoint.resume import (
+    choose_checkpoint,
+    load_training_state,
+    restore_rng,
+    restore_steps,
+    seed_rng,
+)
 from nodetrain.checkpoint.writer import CheckpointWriter
 from nodetrain.config import Config, grad_accum_of
 from nodetrain.model import HFModel
@@ -120,8 +126,9 @@ class Checkpointing:
         return None
 
     def attach(self, engine) -> int:
-        """Bind to the built engine; on resume restore AdamW's update counts and the RNG states
-        (call right before the first step). Returns the first step to run (0-based)."""
+        """Bind to the built engine; on resume restore AdamW's update counts and the RNG states, on
+        a fresh start seed the RNGs from (seed, rank). Call right before anything draws random
+        numbers (the first evaluation or step). Returns the first step to run (0-based)."""
         self._stage_blocks = engine.stage_blocks
         self.writer = CheckpointWriter(
             self.dir,
@@ -136,6 +143,8 @@ class Checkpointing:
             restore_steps(self.path, engine.optimizer, engine.units)
             restore_rng(self.state, self.rank, self.world, self.cfg.seed, self.model.has_dropout)
             self.writer.last_saved = self.start_step
+        else:
+            seed_rng(self.cfg.seed, 0, self.rank)
         if self.start_step >= self.cfg.train.steps:
             log.info(
                 "the checkpoint is at step %d of train.steps=%d: nothing to run",

@@ -28,7 +28,7 @@ from nodetrain.model import Unit
 from nodetrain.optim import StoreAdamW
 from nodetrain.store import HostStore
 
-__all__ = ["choose_checkpoint", "load_training_state", "restore_steps", "restore_rng"]
+__all__ = ["choose_checkpoint", "load_training_state", "restore_steps", "restore_rng", "seed_rng"]
 
 log = logging.getLogger(__name__)
 
@@ -139,9 +139,18 @@ def restore_steps(ckpt: Path, optimizer: StoreAdamW, units: list[Unit]) -> None:
         raise st.CheckpointError(f"{ckpt}: {e}") from e
 
 
-def _derived_seed(seed: int, step: int, rank: int) -> int:
+def seed_rng(seed: int, step: int, rank: int) -> None:
+    """Seed this rank's torch (CPU and CUDA), Python and numpy generators from (seed, step, rank).
+
+    A fresh run calls it with step 0 before anything draws (dropout, evaluation): torch seeds its
+    default generator nondeterministically per process, so without this two runs of one config
+    would draw different dropout masks.
+    """
     digest = hashlib.sha256(f"nodetrain.rng:{seed}:{step}:{rank}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+    s = int.from_bytes(digest[:8], "little") >> 1
+    torch.manual_seed(s)  # also every CUDA device
+    random.seed(s)
+    np.random.seed(s % 2**32)
 
 
 def restore_rng(state: dict[str, Any], rank: int, world_size: int, seed: int, dropout: bool) -> None:
@@ -157,10 +166,7 @@ def restore_rng(state: dict[str, Any], rank: int, world_size: int, seed: int, dr
     if len(saved) == world_size:
         st.set_rng_state(saved[rank])
         return
-    s = _derived_seed(seed, state["step"], rank)
-    torch.manual_seed(s)
-    random.seed(s)
-    np.random.seed(s % 2**32)
+    seed_rng(seed, state["step"], rank)
     if dropout:
         log.warning(
             "resuming on %d stages from a checkpoint written on %d: dropout masks are drawn from a "
