@@ -35,7 +35,12 @@ import transformers
 from safetensors.torch import load_file
 
 from nodetrain.checkpoint import state as st
-from nodetrain.checkpoint.resume import choose_checkpoint, load_training_state, restore_steps
+from nodetrain.checkpoint.resume import (
+    check_training_state,
+    choose_checkpoint,
+    load_training_state,
+    restore_steps,
+)
 from nodetrain.config import ModelConfig, OptimConfig
 from nodetrain.model import HFModel, build_hf_config
 from nodetrain.optim import StoreAdamW
@@ -262,7 +267,10 @@ def test_kill_during_save_keeps_the_previous_checkpoint_and_auto_resumes(work: P
     run = work / "q_crash"
     ckpts = run / "checkpoints"
     cmd, env = _cmd(
-        work, 2, run, [*Q, "checkpoint.every=2", "checkpoint.keep_last=2", "checkpoint.test_write_delay_s=1"]
+        work,
+        2,
+        run,
+        [*Q, "checkpoint.every=2", "checkpoint.keep_last=2", "checkpoint.test_write_delay_s=0.5"],
     )
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
@@ -298,6 +306,25 @@ def test_truncated_file_refused_and_auto_falls_back(work: Path, q_ref: Path, tmp
         choose_checkpoint(str(ckpts / "step-6"), ckpts)
     assert choose_checkpoint("auto", ckpts) == ckpts / "step-3"
     assert victim.name in caplog.text and "falling back" in caplog.text
+
+
+def test_checkpoint_of_another_model_is_refused_listing_the_tensors(q_ref: Path) -> None:
+    ckpt = q_ref / "checkpoints" / "step-6"
+    state = st.read_state(ckpt)
+    hf = {
+        **state["config"]["model"]["hf"],
+        "vocab_size": 300,
+        "intermediate_size": 96,
+        "num_hidden_layers": 5,
+    }
+    other = HFModel(build_hf_config(ModelConfig(name="q", arch=state["config"]["model"]["arch"], hf=hf)))
+    with pytest.raises(st.CheckpointError) as info:
+        check_training_state(ckpt, state, other.units)
+    message = str(info.value)
+    assert "model.layers.0.mlp.up_proj.weight: shape (128, 64)" in message
+    assert "model.layers.0.mlp.up_proj.weight.exp_avg_sq: shape (128, 64)" in message
+    assert "missing tensor model.layers.4.self_attn.q_proj.weight" in message
+    assert "missing tensor model.layers.4.mlp.down_proj.weight.step" in message
 
 
 # ----------------------------------------------------------------------------- export

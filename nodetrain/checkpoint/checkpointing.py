@@ -29,6 +29,7 @@ from nodetrain.checkpoint import state as st
 from nodetrain.checkpoint.collective import broadcast_json
 from nodetrain.checkpoint.hf_import import check_model_dir, load_units
 from nodetrain.checkpoint.resume import (
+    check_training_state,
     choose_checkpoint,
     load_training_state,
     restore_rng,
@@ -91,6 +92,7 @@ class Checkpointing:
             return None, None
         path = Path(answer["path"])
         state = st.read_state(path)
+        check_training_state(path, state, self.model.units)  # headers only, before allocation
         if self.rank == 0:
             self._report(path, state)
         return path, state

@@ -28,7 +28,14 @@ from nodetrain.model import Unit
 from nodetrain.optim import StoreAdamW
 from nodetrain.store import HostStore
 
-__all__ = ["choose_checkpoint", "load_training_state", "restore_steps", "restore_rng", "seed_rng"]
+__all__ = [
+    "choose_checkpoint",
+    "check_training_state",
+    "load_training_state",
+    "restore_steps",
+    "restore_rng",
+    "seed_rng",
+]
 
 log = logging.getLogger(__name__)
 
@@ -91,22 +98,39 @@ def _entries(
     return problems
 
 
-def load_training_state(ckpt: Path, state: dict[str, Any], store: HostStore, units: list[Unit]) -> None:
-    """Fill fp32 master weights, ``exp_avg`` and ``exp_avg_sq`` of ``units`` from a checkpoint.
+def check_training_state(
+    ckpt: Path, state: dict[str, Any], units: list[Unit]
+) -> tuple[dict[str, TensorEntry], dict[str, TensorEntry]]:
+    """Check, from the file headers alone, that a checkpoint holds every tensor of ``units`` (the
+    whole model, before the store is allocated) with the right shape.
+
+    Returns:
+        (master index, optimizer index): tensor name -> where its bytes are.
 
     Raises:
-        CheckpointError: the checkpoint lacks a tensor of these units or has another shape (the
-            model changed since it was written); all listed.
+        CheckpointError: a tensor is missing or of another shape (the model changed since the
+            checkpoint was written); all listed.
     """
     master = read_index(ckpt, state["weights"]["master"])
     opt = read_index(ckpt, "optimizer")
     params = [p for u in units for p in u.params]
     problems = _entries(master, ckpt, [(p.hf_name, p.shape) for p in params])
-    problems += _entries(
-        opt, ckpt, [(f"{p.hf_name}.{f}", p.shape) for p in params for f in ("exp_avg", "exp_avg_sq")]
-    )
+    moments = [(f"{p.hf_name}.{f}", p.shape) for p in params for f in ("exp_avg", "exp_avg_sq")]
+    problems += _entries(opt, ckpt, moments + [(f"{p.hf_name}.step", ()) for p in params])
     if problems:
-        raise st.CheckpointError(f"{ckpt} does not fit this model:\n  " + "\n  ".join(problems))
+        raise st.CheckpointError(
+            f"{ckpt} does not fit this model (set the model it was written with):\n  " + "\n  ".join(problems)
+        )
+    return master, opt
+
+
+def load_training_state(ckpt: Path, state: dict[str, Any], store: HostStore, units: list[Unit]) -> None:
+    """Fill fp32 master weights, ``exp_avg`` and ``exp_avg_sq`` of ``units`` from a checkpoint.
+
+    Raises:
+        CheckpointError: as :func:`check_training_state`.
+    """
+    master, opt = check_training_state(ckpt, state, units)
     for u in units:
         for field, index, suffix in (
             ("master", master, ""),
