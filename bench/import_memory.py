@@ -32,6 +32,7 @@ from pathlib import Path
 
 import psutil
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,8 +133,6 @@ class _Sampler(threading.Thread):
 
 def _safe_open_load(model_dir: Path, store, units) -> None:
     """The alternative: safetensors' own mmap-based reader, one file open at a time."""
-    from safetensors import safe_open
-
     from nodetrain.checkpoint.tensors import read_index
 
     index = read_index(model_dir)
@@ -147,6 +146,29 @@ def _safe_open_load(model_dir: Path, store, units) -> None:
                 store.master(u.index)[p.offset : p.offset + p.numel].copy_(
                     f.get_tensor(p.hf_name).reshape(-1)
                 )
+
+
+def _measured(load, units) -> dict:
+    """Run ``load()`` with the sampler on; its time, sizes and the rise of private and shared RSS."""
+    base = _status()
+    sampler = _Sampler()
+    sampler.start()
+    t0 = time.perf_counter()
+    load()
+    import_s = time.perf_counter() - t0
+    sampler.stop.set()
+    sampler.join()
+    end = _status()
+    private = base["RssAnon"] + base["RssFile"]
+    return {
+        "import_s": import_s,
+        "units": len(units),
+        "owned_fp32": sum(u.numel for u in units) * 4,
+        "largest_unit_fp32": max(u.numel for u in units) * 4,
+        "base_private": private,
+        "peak_private_rise": max(sampler.peak_private, end["RssAnon"] + end["RssFile"]) - private,
+        "shmem_rise": max(sampler.peak_shmem, end["RssShmem"]) - base["RssShmem"],
+    }
 
 
 def worker(spec_path: str) -> None:
@@ -168,29 +190,12 @@ def worker(spec_path: str) -> None:
     result = {}
 
     def init_from(store, units):
-        base = _status()
-        sampler = _Sampler()
-        sampler.start()
-        t0 = time.perf_counter()
-        if spec["reader"] == "safe_open":
-            _safe_open_load(model_dir, store, units)
-        else:
-            load_units(index, store, units)
-        result["import_s"] = time.perf_counter() - t0
-        sampler.stop.set()
-        sampler.join()
-        end = _status()
-        result.update(
-            units=len(units),
-            owned_fp32=sum(u.numel for u in units) * 4,
-            largest_unit_fp32=max(u.numel for u in units) * 4,
-            base_private=base["RssAnon"] + base["RssFile"],
-            peak_private_rise=max(sampler.peak_private, end["RssAnon"] + end["RssFile"])
-            - base["RssAnon"]
-            - base["RssFile"],
-            shmem_rise=max(sampler.peak_shmem, end["RssShmem"]) - base["RssShmem"],
-        )
+        result.update(_measured(lambda: load(store, units), units))
 
+    if spec["reader"] == "safe_open":
+        load = lambda store, units: _safe_open_load(model_dir, store, units)  # noqa: E731
+    else:
+        load = lambda store, units: load_units(index, store, units)  # noqa: E731
     engine = Engine(
         cfg,
         model,
@@ -203,8 +208,6 @@ def worker(spec_path: str) -> None:
     )
     u = engine.units[len(engine.units) // 2]  # spot check one tensor against safetensors' own reader
     p = u.params[0]
-    from safetensors import safe_open
-
     with safe_open(index[p.hf_name].file, framework="pt") as f:
         want = f.get_tensor(p.hf_name).float().reshape(-1)
     result["spot_check_equal"] = bool(
