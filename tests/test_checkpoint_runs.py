@@ -1,9 +1,11 @@
-"""Checkpoints end to end: ``torchrun -m nodetrain.train`` saves, is killed, resumes, and exports.
+"""Checkpoints end to end: ``torchrun -m nodetrain.train`` imports, saves, is killed, resumes, exports.
 
 Every launch is the real entry point (Hydra, gloo, CPU, fp32 compute) on a tiny corpus whose
 training split holds 19 windows of 16 tokens; a step takes 4 of them, so a resume after step 3
-starts mid-epoch and step 5 crosses into the second, reshuffled epoch. Two model families:
+starts mid-epoch and step 5 crosses into the second, reshuffled epoch.
 
+* Import: sharded ``save_pretrained`` directories (Llama fp32 on 1 stage, tied Qwen3 bf16 on 2) as
+  ``model.init_from``: the first loss equals ``transformers``' loss on the same batch (1e-5).
 * ``Q``: Qwen3, tied embeddings, 4 layers, fp32 export, no dropout. Its uninterrupted 2-stage run
   is the reference for resuming on 2 → 4 and 4 → 1 stages (to 1e-6) and for a run killed with
   SIGKILL while writing a checkpoint and resumed with ``auto`` (bitwise).
@@ -31,9 +33,11 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file
 
+from nodetrain import data
 from nodetrain.checkpoint import state as st
 from nodetrain.checkpoint.resume import (
     check_training_state,
@@ -170,6 +174,70 @@ def d_full(work: Path) -> Path:
     run = work / "d_full"
     train(work, 2, run, [*D, "checkpoint.every=0"])
     return run
+
+
+# ----------------------------------------------------------------------------- import
+
+SHAPE = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
+IMPORTS = [
+    # id, model YAML, dtype of the saved shards, stages, every HF field the YAML sets (vocab: the tokenizer's)
+    (
+        "llama-fp32-1stage",
+        "llama_10m",
+        torch.float32,
+        1,
+        {
+            **SHAPE,
+            "num_hidden_layers": 2,
+            "max_position_embeddings": 1024,
+            "rope_theta": 10000.0,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+            "initializer_range": 0.02,
+        },
+    ),
+    (
+        "qwen3-bf16-tied-2stages",
+        "qwen3_tiny",
+        torch.bfloat16,
+        2,
+        {
+            **SHAPE,
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "max_position_embeddings": 512,
+            "rope_theta": 1e6,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+            "initializer_range": 0.02,
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize("case", IMPORTS, ids=lambda c: c[0])
+def test_import_step0_loss_equals_transformers(work: Path, case, tmp_path: Path) -> None:
+    """A sharded ``save_pretrained`` directory as ``model.init_from`` (and ``model.config_path``): the
+    first step's loss is transformers' own loss for that model on the same batch."""
+    _, yaml, dtype, stages, fields = case
+    run, hf_dir = tmp_path / "run", tmp_path / "hf"
+    model = [f"model={yaml}", f"model.config_path={hf_dir}", f"model.init_from={hf_dir}"]
+    model += [f"model.hf.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items()]
+    arch = {"llama_10m": "LlamaForCausalLM", "qwen3_tiny": "Qwen3ForCausalLM"}[yaml]
+    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**fields, vocab_size=300)
+    torch.manual_seed(5)
+    getattr(transformers, arch)(config).to(dtype).save_pretrained(hf_dir, max_shard_size="100KB")
+    assert len(list(hf_dir.glob("model-*.safetensors"))) > 2, "the import must read several shards"
+    train(work, stages, run, [*model, "train.steps=1", "train.eval_every=0"])
+    got = records(run)[1]["loss"]
+
+    seed = st.read_state(run / "checkpoints" / "step-1")["config"]["seed"]
+    x, y = data.batch(data.TokenDataset.open(work / "prepared", "train"), seed, 0, 4, 16)  # step 0's batch
+    ref = getattr(transformers, arch).from_pretrained(hf_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = ref(input_ids=x).logits  # [4, 16, 300]
+    want = F.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
+    assert got == pytest.approx(want, rel=1e-5, abs=0)
 
 
 # ----------------------------------------------------------------------------- exact resume
