@@ -33,7 +33,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from nodetrain import data
-from nodetrain.checkpoint import load_hf_weights
+from nodetrain.checkpoint import Checkpointing
 from nodetrain.config import Config, grad_accum_of, register_configs, to_typed, validate
 from nodetrain.engine import Engine
 from nodetrain.jobs import Job, Release, current_job, fail_fast
@@ -98,8 +98,11 @@ def _evaluate(engine: Engine, val: data.TokenDataset, cfg: Config) -> float:
     return total / max(tokens, 1)
 
 
-def _metrics_logger(cfg: Config, job: Job, resolved: dict, enabled: bool) -> MetricsLogger:
-    """metrics.jsonl and the job's wandb run (named and grouped by the job, see jobs.py)."""
+def _metrics_logger(
+    cfg: Config, job: Job, resolved: dict, enabled: bool, resume_id: str | None
+) -> MetricsLogger:
+    """metrics.jsonl and the job's wandb run (named and grouped by the job, see jobs.py); a resumed
+    run continues the wandb run its checkpoint recorded unless ``logging.wandb_id`` names another."""
     lc = cfg.logging
     return MetricsLogger(
         job.run_dir,
@@ -114,7 +117,7 @@ def _metrics_logger(cfg: Config, job: Job, resolved: dict, enabled: bool) -> Met
         tags=lc.tags,
         notes=lc.notes,
         entity=lc.entity,
-        resume_id=lc.wandb_id or None,
+        resume_id=lc.wandb_id or resume_id,
     )
 
 
@@ -142,11 +145,7 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
         )
     # refuse a store the node cannot hold (nodes are alike: node 0 answers for all)
     _on_rank0(lambda: preflight(cfg, model, topology.num_stages))
-    init = (
-        (lambda store, units: load_hf_weights(cfg.model.init_from, store, units))
-        if cfg.model.init_from
-        else None
-    )
+    ckpt = Checkpointing(cfg, run_dir, resolved, model)  # resume or import is checked before the store exists
     engine = Engine(
         cfg,
         model,
@@ -155,18 +154,20 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
         local_rank=local_rank,
         run_id=job.id,
         device=device,
-        init_from=init,
+        init_from=ckpt.init_fn(),
         topology=topology,
     )
     k = topology.num_replicas  # the global batch: every replica's micro-batches
     num_mb = grad_accum_of(cfg, k) * cfg.pipeline.microbatches * k
-    metrics = _metrics_logger(cfg, job, resolved, enabled=rank == 0)
-    records = []
+    metrics = _metrics_logger(cfg, job, resolved, enabled=rank == 0, resume_id=ckpt.wandb_run_id)
+    ckpt.wandb_run_id = metrics.run_id or ckpt.wandb_run_id  # kept in trainer_state.json (rank 0)
+    records, ok = [], False
     try:
         with metrics:
-            if cfg.train.eval_every:
+            start = ckpt.attach(engine)  # on resume: AdamW counts and RNG states, right before the loop
+            if cfg.train.eval_every and start == 0:
                 metrics.log({"step": 0, "val_loss": _evaluate(engine, val_ds, cfg)})
-            for step in range(cfg.train.steps):
+            for step in range(start, cfg.train.steps):
                 x, y = _step_batch(train_ds, cfg, step, num_mb)
                 r = engine.train_step(step, x, y)
                 rec = {
@@ -185,10 +186,19 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
                 every = cfg.train.eval_every
                 if every and ((step + 1) % every == 0 or last):
                     rec["val_loss"] = _evaluate(engine, val_ds, cfg)
+                stop, stall_s = ckpt.after_step(step + 1)  # after evaluation: it draws dropout masks too
+                if stall_s is not None:
+                    rec["ckpt_stall_s"] = stall_s
                 metrics.log(rec)
                 records.append(rec)
+                if stop:
+                    break
+            ok = True
     finally:
-        engine.close()
+        try:
+            ckpt.close(ok)  # waits for the last save and commits it
+        finally:
+            engine.close()
     store_path = engine.store.path
     del engine  # the last reference: the store mapping goes before a sweep's next job
     release.check(store_path)
