@@ -488,3 +488,25 @@ def test_resume_load_path_never_unpickles(q_ref: Path, monkeypatch, tmp_path: Pa
             assert torch.equal(
                 store.buffer(u.index, "exp_avg_sq")[sl].view(p.shape), moments[p.hf_name + ".exp_avg_sq"]
             )
+
+
+def _train_offline_wandb(work: Path, run_dir: Path, overrides: list[str]) -> None:
+    cmd, env = _cmd(work, 2, run_dir, [*Q, "logging.wandb=true", "logging.plots=false", *overrides])
+    env["WANDB_MODE"] = "offline"
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+
+def test_resume_continues_the_same_wandb_run(work: Path, tmp_path: Path) -> None:
+    """The wandb run id goes into trainer_state.json and a resumed run logs into that same run."""
+    run = tmp_path / "run"
+    _train_offline_wandb(work, run, ["train.steps=2", "checkpoint.every=2"])
+    (first,) = list((run / "wandb").glob("offline-run-*"))
+    run_id = first.name.rsplit("-", 1)[1]
+    state = json.loads((run / "checkpoints" / "step-2" / "trainer_state.json").read_text())
+    assert state["wandb_run_id"] == run_id
+    _train_offline_wandb(work, run, ["train.steps=3", "checkpoint.resume=auto"])
+    ids = sorted(p.name.rsplit("-", 1)[1] for p in (run / "wandb").glob("offline-run-*"))
+    assert ids == [run_id, run_id], ids  # a second offline segment of the same run, not a new run
+    state = json.loads((run / "checkpoints" / "step-3" / "trainer_state.json").read_text())
+    assert state["wandb_run_id"] == run_id
