@@ -27,6 +27,7 @@ __all__ = [
     "HF_KEYS",
     "SUPPORTED_ARCHS",
     "Config",
+    "CheckpointConfig",
     "ConfigError",
     "DataConfig",
     "DistConfig",
@@ -316,6 +317,45 @@ class PlanConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """When and where training state is saved, and what a run resumes from (``nodetrain/checkpoint/``).
+
+    A checkpoint ``<dir>/step-N/`` is a Hugging Face model directory (``from_pretrained`` loads it)
+    plus the fp32 resume state and ``trainer_state.json``; see the README's "Checkpoints and resume".
+    """
+
+    every: int = 500
+    """Save every this many optimizer steps (>= 0); the last step is always saved; 0 = only at the end."""
+    keep_last: int = 3
+    """Complete checkpoints kept in ``dir`` (the newest ones, >= 0); older ones are deleted after each
+    save; 0 = keep all."""
+    dir: str = ""
+    """Directory of the ``step-N`` checkpoints; empty = ``<run dir>/checkpoints``."""
+    resume: str = ""
+    """What to start from: empty = a fresh run (``model.init_from`` or random init); ``auto`` = the
+    newest complete checkpoint in ``dir`` (a fresh run when there is none; a corrupted one is skipped
+    with a warning); or the path of one ``step-N`` directory (refused if incomplete or corrupted).
+    To continue a run in its own directory, also pass ``hydra.run.dir=<that run dir>``."""
+    export_dtype: str = "bfloat16"
+    """Dtype of the exported HF model files: bfloat16 | float16 | float32. With float32 the model
+    files are the fp32 master weights themselves and no separate ``master-*`` files are written."""
+    async_write: bool = True
+    """True: each rank copies its units' fp32 master, ``exp_avg`` and ``exp_avg_sq`` (12 bytes per
+    parameter) to private RAM — training stalls only for that copy — and a background thread writes
+    the files. False (or too little free RAM for the copy): write from the host store while
+    training waits."""
+    stop_after_steps: int = 0
+    """End this launch after this many optimizer steps (>= 0), saving a checkpoint first; 0 = run to
+    ``train.steps``. For time-sliced jobs: relaunch with ``checkpoint.resume=auto``."""
+    test_write_delay_s: float = 0.0
+    """Test-only: seconds the writer sleeps before each file, to widen the window a crash can hit."""
+    on_signal: str = "save"
+    """What SIGINT/SIGTERM (Ctrl-C, a scheduler's pre-emption) do during training: every rank stops
+    after the same step, then ``save`` writes a checkpoint of that step first, ``exit`` does not.
+    The rank exits with 128 + the signal number either way; resume with ``checkpoint.resume=auto``."""
+
+
+@dataclass
 class Config:
     """The whole run: composed by Hydra from ``conf/config.yaml`` over ``base_config``."""
 
@@ -329,10 +369,12 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     test: TestConfig = field(default_factory=TestConfig)
     seed: int = 1234
-    """Seeds the random init and the data order (sampling is a pure function of seed and step)."""
+    """Seeds the random init, the data order (sampling is a pure function of seed and step) and each
+    rank's RNGs (dropout) at step 0."""
 
 
 def _fmt(value: Any) -> str:
@@ -496,6 +538,24 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
         "point it at a directory holding tokenizer.json, or leave it empty to train a BPE",
     ),
     ("logging.log_every", lambda v: v >= 1, "must be >= 1", "use 1 for a line every step"),
+    ("checkpoint.every", lambda v: v >= 0, "must be >= 0", "use 0 to save only at the end"),
+    ("checkpoint.keep_last", lambda v: v >= 0, "must be >= 0", "use 0 to keep every checkpoint"),
+    ("checkpoint.export_dtype", lambda v: v in DTYPES, f"not one of {', '.join(DTYPES)}", "pick one"),
+    ("checkpoint.stop_after_steps", lambda v: v >= 0, "must be >= 0", "use 0 to run to train.steps"),
+    ("checkpoint.test_write_delay_s", lambda v: v >= 0, "must be >= 0", "use 0 outside tests"),
+    ("checkpoint.on_signal", lambda v: v in ("save", "exit"), "not one of save, exit", "pick one"),
+    (
+        "checkpoint.resume",
+        lambda v: v in ("", "auto") or Path(v).expanduser().is_dir(),
+        "neither empty, auto nor an existing directory",
+        "use auto, or the path of a step-N checkpoint directory",
+    ),
+    (
+        "model.init_from",
+        lambda v: not v or Path(v).expanduser().is_dir(),
+        "no such directory",
+        "point it at a Hugging Face save_pretrained() directory",
+    ),
     ("logging.project", lambda v: bool(v), "must not be empty", "the default is nodetrain"),
     ("plan.rank_overhead_gb", lambda v: v >= 0, "must be >= 0", "the measured value is 0.5"),
     ("plan.device_reserve_gb", lambda v: v >= 0, "must be >= 0", "the default is 2.0"),

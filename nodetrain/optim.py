@@ -58,9 +58,11 @@ class StoreAdamW:
         self.store, self.units, self.cfg = store, units, cfg
         decay, no_decay = [], []
         self._params: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._names: list[list[str]] = []  # HF names of the tensors in each optimizer parameter
         for u in units:
             for lo, hi, group in ((0, u.num_decay, decay), (u.num_decay, u.numel, no_decay)):
                 if hi > lo:
+                    self._names.append([q.hf_name for q in u.params if lo <= q.offset < hi])
                     p = store.master(u.index)[lo:hi]
                     group.append(p)
                     p.grad = store.grad(u.index)[lo:hi]
@@ -80,6 +82,28 @@ class StoreAdamW:
         self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
         for p, exp_avg, exp_avg_sq, _ in self._params:  # state lives in the store, not in private tensors
             self.opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+    def steps_by_name(self) -> dict[str, float]:
+        """AdamW's update count of every owned HF tensor (all tensors of a parameter share it)."""
+        return {
+            name: float(self.opt.state[p]["step"])
+            for (p, *_), names in zip(self._params, self._names, strict=True)
+            for name in names
+        }
+
+    def load_steps(self, steps: dict[str, float]) -> None:
+        """Restore update counts saved by :meth:`steps_by_name` (fp32 CPU scalars, as AdamW keeps them).
+
+        Raises:
+            ValueError: a tensor is missing from ``steps``, or one parameter's tensors disagree.
+        """
+        for (p, *_), names in zip(self._params, self._names, strict=True):
+            counts = {steps.get(n) for n in names}
+            if None in counts or len(counts) != 1:
+                raise ValueError(
+                    f"AdamW step counts of {names} are missing or disagree: {sorted(map(str, counts))}"
+                )
+            self.opt.state[p]["step"] = torch.tensor(counts.pop(), dtype=torch.float32)
 
     def grad_sq_sum(self) -> float:
         """Sum of squared fp32 gradients of the owned units (this stage's share of the norm²)."""

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from nodetrain import data
-from nodetrain.checkpoint import load_hf_weights
+from nodetrain.checkpoint import Checkpointing
 from nodetrain.config import Config, grad_accum_of, register_configs, to_typed, validate
 from nodetrain.data_checks import check_vocab, open_splits
 from nodetrain.engine import Engine
@@ -105,8 +105,11 @@ def _evaluate(engine: Engine, val: data.TokenDataset, cfg: Config) -> float:
     return total / max(tokens, 1)
 
 
-def _metrics_logger(cfg: Config, job: Job, resolved: dict, enabled: bool) -> MetricsLogger:
-    """metrics.jsonl and the job's wandb run (named and grouped by the job, see jobs.py)."""
+def _metrics_logger(
+    cfg: Config, job: Job, resolved: dict, enabled: bool, resume_id: str | None
+) -> MetricsLogger:
+    """metrics.jsonl and the job's wandb run (named and grouped by the job, see jobs.py); a resumed
+    run continues the wandb run its checkpoint recorded unless ``logging.wandb_id`` names another."""
     lc = cfg.logging
     return MetricsLogger(
         job.run_dir,
@@ -121,7 +124,7 @@ def _metrics_logger(cfg: Config, job: Job, resolved: dict, enabled: bool) -> Met
         tags=lc.tags,
         notes=lc.notes,
         entity=lc.entity,
-        resume_id=lc.wandb_id or None,
+        resume_id=lc.wandb_id or resume_id,
     )
 
 
@@ -145,11 +148,7 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
     check_vocab(model.config.vocab_size, train_ds)
     # refuse a store the node cannot hold (nodes are alike: node 0 answers for all)
     _on_rank0(lambda: preflight(cfg, model, topology.num_stages))
-    init = (
-        (lambda store, units: load_hf_weights(cfg.model.init_from, store, units))
-        if cfg.model.init_from
-        else None
-    )
+    ckpt = Checkpointing(cfg, run_dir, resolved, model)  # resume or import is checked before the store exists
     engine = Engine(
         cfg,
         model,
@@ -158,21 +157,23 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
         local_rank=local_rank,
         run_id=job.id,
         device=device,
-        init_from=init,
+        init_from=ckpt.init_fn(),
         topology=topology,
     )
     k = topology.num_replicas  # the global batch: every replica's micro-batches
     num_mb = grad_accum_of(cfg, k) * cfg.pipeline.microbatches * k
-    metrics = _metrics_logger(cfg, job, resolved, enabled=rank == 0)
-    records, stop, bad, stopped = [], StopRequest(), BadSteps(cfg.train.max_bad_steps), False
+    metrics = _metrics_logger(cfg, job, resolved, enabled=rank == 0, resume_id=ckpt.wandb_run_id)
+    ckpt.wandb_run_id = metrics.run_id or ckpt.wandb_run_id  # kept in trainer_state.json (rank 0)
+    records, ok, signals, bad = [], False, StopRequest(), BadSteps(cfg.train.max_bad_steps)
     try:
-        with metrics, stop:  # inside: SIGINT/SIGTERM end the run after the step every rank agrees on
-            if cfg.train.eval_every:
+        with metrics, signals:  # inside: SIGINT/SIGTERM end the run after a step every rank agrees on
+            start = ckpt.attach(engine)  # on resume: AdamW counts and RNG states, right before the loop
+            if cfg.train.eval_every and start == 0:
                 metrics.log({"step": 0, "val_loss": _evaluate(engine, val_ds, cfg)})
-            for step in range(cfg.train.steps):
+            for step in range(start, cfg.train.steps):
                 maybe_fail(cfg.test, rank, step + 1)  # test-only (test.fail_*)
                 x, y = _step_batch(train_ds, cfg, step, num_mb)
-                r = engine.train_step(step, x, y, stop=stop.requested)
+                r = engine.train_step(step, x, y, stop=signals.requested)
                 bad.count(r.skipped)
                 rec = {
                     "step": step + 1,
@@ -189,18 +190,28 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
                     "bad_steps": bad.total,
                 }
                 last = step + 1 == cfg.train.steps
+                interrupted = r.stop and not last
                 every = cfg.train.eval_every
-                if every and not r.stop and ((step + 1) % every == 0 or last):
+                if every and not interrupted and ((step + 1) % every == 0 or last):
                     rec["val_loss"] = _evaluate(engine, val_ds, cfg)
+                save = interrupted and cfg.checkpoint.on_signal == "save"
+                stop, stall_s = ckpt.after_step(step + 1, save=save)  # after evaluation (dropout RNG)
+                if stall_s is not None:
+                    rec["ckpt_stall_s"] = stall_s
+                if interrupted:
+                    rec["stopped"] = True  # by a signal, before train.steps
+                    log.warning("stop requested by a signal: every rank stops after step %d", step + 1)
                 metrics.log(rec)
                 records.append(rec)
-                if r.stop:
-                    stopped = True
-                    log.warning("stop requested by a signal: every rank stops after step %d", step + 1)
+                if stop or interrupted:
                     break
                 bad.check(step + 1)
+            ok = True
     finally:
-        engine.close()
+        try:
+            ckpt.close(ok)  # waits for the last save and commits it
+        finally:
+            engine.close()
     store_path = engine.store.path
     del engine  # the last reference: the store mapping goes before a sweep's next job
     release.check(store_path)
@@ -209,8 +220,8 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
     )
     if rank == 0 and cfg.logging.plots:
         _write_plots(run_dir)
-    if stopped:
-        raise SystemExit(128 + (stop.signum or signal.SIGTERM))  # not finished: say so to the caller
+    if records and records[-1].get("stopped"):
+        raise SystemExit(128 + (signals.signum or signal.SIGTERM))  # not finished: say so to the caller
     return records
 
 

@@ -114,7 +114,7 @@ def main(spec_path: str) -> None:
         model_dir = spec["model_dir"]
 
         def init_from(store, units):
-            load_hf_weights(model_dir, store, units)
+            load_hf_weights(model_dir, store, units, model)  # the whole directory is checked first
 
     proc = psutil.Process()
     uss_before = proc.memory_full_info().uss

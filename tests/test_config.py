@@ -29,7 +29,7 @@ from nodetrain.config import (
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-GROUPS = ("model", "data", "optim", "pipeline", "hardware")
+GROUPS = ("model", "data", "optim", "pipeline", "hardware", "checkpoint")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -198,6 +198,13 @@ INVALID = [
     (["data.source="], 2, ["data.source"]),
     (["logging.log_every=0"], 2, ["logging.log_every"]),
     (["seed=-1"], 2, ["seed"]),
+    (["checkpoint.every=-1"], 2, ["checkpoint.every"]),
+    (["checkpoint.keep_last=-2"], 2, ["checkpoint.keep_last"]),
+    (["checkpoint.export_dtype=int8"], 2, ["checkpoint.export_dtype"]),
+    (["checkpoint.stop_after_steps=-1"], 2, ["checkpoint.stop_after_steps"]),
+    (["checkpoint.test_write_delay_s=-1"], 2, ["checkpoint.test_write_delay_s"]),
+    (["checkpoint.resume=/nonexistent/step-3"], 2, ["checkpoint.resume", "auto"]),
+    (["model.init_from=/nonexistent/hf"], 2, ["model.init_from", "save_pretrained"]),
 ]
 
 
