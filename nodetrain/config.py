@@ -39,7 +39,7 @@ __all__ = [
     "PlanConfig",
     "StoreConfig",
     "StreamConfig",
-    "TestConfig",
+    "FaultInjectionConfig",
     "TrainConfig",
     "grad_accum_of",
     "register_configs",
@@ -224,7 +224,7 @@ class DistConfig:
 
 
 @dataclass
-class TestConfig:
+class FaultInjectionConfig:
     """Test-only fault injection (leave the defaults in real runs). Steps are 1-based, as in
     metrics.jsonl; -1 = off."""
 
@@ -371,7 +371,7 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
-    test: TestConfig = field(default_factory=TestConfig)
+    test: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
     seed: int = 1234
     """Seeds the random init, the data order (sampling is a pure function of seed and step) and each
     rank's RNGs (dropout) at step 0."""
@@ -671,7 +671,7 @@ def _check_batch(train: TrainConfig, pipeline: PipelineConfig, nodes: int, probl
         problems.add("train.grad_accum", train.grad_accum, what, "leave it at 1 when train.batch_size is set")
 
 
-def _check_test_knobs(test: TestConfig, world_size: int, problems: _Problems) -> None:
+def _check_test_knobs(test: FaultInjectionConfig, world_size: int, problems: _Problems) -> None:
     for kind in ("fail", "nan"):
         rank, step = getattr(test, f"{kind}_rank"), getattr(test, f"{kind}_step")
         if not -1 <= rank < world_size:

@@ -8,7 +8,7 @@ Owns:
         ends the rank at once.
     :class:`BadSteps`  counts steps whose loss or gradient norm was NaN/inf (the engine skipped
         their update on every stage) and ends the run after ``train.max_bad_steps`` in a row.
-    :func:`maybe_fail`, :func:`poison_grads`  the ``test.*`` knobs (config.TestConfig): fail or hang
+    :func:`maybe_fail`, :func:`poison_grads`  the ``test.*`` knobs (config.FaultInjectionConfig): fail or hang
         a rank at a step, put a NaN into a rank's gradient.
     :func:`record_failure`  the failing rank's traceback into torchrun's error file, so torchrun's
         summary names it as the root cause.
@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from nodetrain.config import TestConfig
+from nodetrain.config import FaultInjectionConfig
 
 __all__ = ["FORCE_AFTER_S", "BadSteps", "NonFiniteError", "StopRequest", "maybe_fail", "poison_grads"]
 __all__ += ["record_failure"]
@@ -116,7 +116,7 @@ class BadSteps:
             )
 
 
-def maybe_fail(test: TestConfig, rank: int, step: int) -> None:
+def maybe_fail(test: FaultInjectionConfig, rank: int, step: int) -> None:
     """Test-only: fail (or hang) here when ``rank`` and the 1-based ``step`` are the configured ones.
 
     Raises:
@@ -130,7 +130,7 @@ def maybe_fail(test: TestConfig, rank: int, step: int) -> None:
     raise RuntimeError(f"test.fail_rank={rank}, test.fail_step={step}: injected failure")
 
 
-def poison_grads(test: TestConfig, rank: int, step: int, grads: list[torch.Tensor]) -> None:
+def poison_grads(test: FaultInjectionConfig, rank: int, step: int, grads: list[torch.Tensor]) -> None:
     """Test-only: write NaN into the first element of the last of ``grads`` (the flat fp32 gradient
     accumulators of this rank's units, in the host store) when ``rank`` and the 1-based ``step`` are
     ``test.nan_rank`` and ``test.nan_step``."""
