@@ -113,6 +113,8 @@ class MetricsLogger:
         self.path: Path | None = None
         self._file: IO[str] | None = None
         self._run: Any = None
+        self.run_id: str | None = None
+        """The wandb run's id (keep it in a checkpoint to continue the run), or None without wandb."""
         self._console: Console | None = None
         if not enabled:
             return
@@ -134,8 +136,7 @@ class MetricsLogger:
                 id=resume_id or None,
                 resume="allow" if resume_id else None,
             )
-        self.run_id: str | None = getattr(self._run, "id", None)
-        """The wandb run's id (keep it in a checkpoint to continue the run), or None without wandb."""
+        self.run_id = getattr(self._run, "id", None)
 
     def log(self, record: dict[str, Any]) -> None:
         """Write one record (at least ``step``; normally also loss, lr, grad_norm, tokens,
