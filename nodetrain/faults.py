@@ -19,11 +19,16 @@ collective and receive is bounded by ``dist.timeout_s``, train.py), or the store
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
+import re
 import signal
 import threading
 import time
+import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -139,12 +144,30 @@ def poison_grads(test: FaultInjectionConfig, rank: int, step: int, grads: list[t
         grads[-1][0] = math.nan
 
 
+_PEER_FAILED = re.compile(r"(closed|reset) by peer|Broken pipe|Connection refused|remote process exited")
+"""Communication errors that only say another rank went away (gloo and NCCL wording)."""
+
+
 def record_failure(exc: BaseException) -> None:
     """Write ``exc`` and its traceback to torchrun's error file (``TORCHELASTIC_ERROR_FILE``; nothing
-    outside torchrun), which torchrun's failure summary prints as this rank's root cause."""
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    outside torchrun), which torchrun's failure summary prints, naming the earliest as root cause.
 
+    torchrun orders failures by whole seconds, and the ranks that lose their connection to a failed
+    rank fail within milliseconds of it. Such a consequence is stamped one second later so that the
+    rank that failed first stays the root cause.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    stamp = int(time.time()) + (1 if _PEER_FAILED.search(str(exc)) else 0)
+    callstack = "".join(traceback.format_exception(exc))
+    data = {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {"py_callstack": callstack, "timestamp": str(stamp)},
+        }
+    }  # the layout of torch.distributed.elastic's ErrorHandler.record_exception
     try:
-        ErrorHandler().record_exception(exc)
-    except Exception:  # the summary is a convenience: never let it hide the real error
-        log.exception("could not write torchrun's error file")
+        Path(path).write_text(json.dumps(data))
+    except OSError:  # the summary is a convenience: never let it hide the real error
+        log.exception("could not write torchrun's error file %s", path)

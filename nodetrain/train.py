@@ -213,7 +213,7 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
         finally:
             engine.close()
     store_path = engine.store.path
-    del engine  # the last reference: the store mapping goes before a sweep's next job
+    del engine, ckpt  # the last references (ckpt's writer holds the store): the mapping goes now
     release.check(store_path)
     log.info(
         "done: %d steps, final loss %.4f", len(records), records[-1]["loss"] if records else float("nan")

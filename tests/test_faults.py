@@ -333,14 +333,14 @@ def test_kill9_of_a_rank_then_the_next_run_removes_stale_stores_only(
     assert not list(shm_dir.iterdir()), "the killed run left its store (it is unlinked once mapped)"
 
     # What kill -9 can leak: a store whose creator died before every rank mapped it; and a live run's.
+    live, live_path = _store_maker(shm_dir, "alive")  # first: its creation would remove the dead one
     dead, dead_path = _store_maker(shm_dir, "killed-before-attach")
     dead.kill()
     dead.wait()
-    live, live_path = _store_maker(shm_dir, "alive")
     try:
         rc, out, _ = _finish(_launch(2, [*overrides, "train.steps=1"], tmp_path / "b"))
         assert rc == 0, out[-4000:]
-        assert f"removed stale host store {dead_path} (1.0 MB) of dead process {dead.pid}" in out
+        assert f"removed stale host store {dead_path} (5.0 MB) of dead process {dead.pid}" in out
         assert not dead_path.exists()
         assert live_path.exists() and torch.from_file(str(live_path), size=250_000).eq(7.0).all()
     finally:
