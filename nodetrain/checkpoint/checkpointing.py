@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ class Checkpointing:
         c = cfg.checkpoint
         self.dir = Path(c.dir).expanduser() if c.dir else Path(run_dir) / "checkpoints"
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.group = dist.new_group(backend="gloo")
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.dist.timeout_s))
         self.path, self.state = self._choose()
         self.start_step = int(self.state["step"]) if self.state else 0
         self._hf_index = None
