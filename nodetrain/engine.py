@@ -3,7 +3,11 @@
 Owns: wiring store, window, stage runner, P2P and optimizer for this rank, and the order of a
 step: pipeline rounds → flush gradients → sum the tied embedding's two uses → sum gradients over
 the replicas (several nodes, see replicas.py) → one all-reduce (global grad norm² and loss) → clip
-→ AdamW → refresh the transfer copy. Does not own: the config, data or logging (train.py).
+→ AdamW → refresh the transfer copy. A step whose all-reduced loss or gradient norm is NaN/inf is
+skipped on every stage (they all see the same totals): gradients dropped, no AdamW update, so no
+non-finite value reaches the master weights. The same all-reduce carries the stop request of a
+signal (faults.StopRequest), so every rank stops after the same step. Does not own: the config,
+data or logging (train.py).
 
 Exactness (DESIGN invariant 2): the loss is the sum of token cross-entropies over every
 micro-batch and accumulation round of the step divided by the step's valid-token count, so
@@ -22,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from nodetrain.config import Config, grad_accum_of
+from nodetrain.faults import poison_grads
 from nodetrain.model import HFModel
 from nodetrain.optim import StoreAdamW, clip_coef, lr_at
 from nodetrain.pipeline import P2P, Action, build_schedule, partition
@@ -55,6 +60,10 @@ class StepResult:
     p2p_wait_s: float
     """This rank's seconds blocked receiving activations/gradients (bubble + transfer)."""
     optim_s: float
+    skipped: bool = False
+    """The loss or gradient norm was NaN/inf: no update was applied (on any stage)."""
+    stop: bool = False
+    """Some rank asked to stop (a signal) before this step's all-reduce: every rank stops after it."""
 
 
 class Engine:
@@ -133,7 +142,7 @@ class Engine:
         )
         path = [None]
         if local_rank == 0:
-            store = HostStore.create(layout, Path(self.cfg.store.dir), run_id)
+            store = HostStore.create(layout, Path(self.cfg.store.dir), run_id, self.cfg.store.cleanup_stale)
             path = [str(store.path)]
         dist.broadcast_object_list(path, src=self.topo.node_root, group=node_group(self.topo))  # one per node
         if local_rank != 0:
@@ -190,7 +199,9 @@ class Engine:
                 "(micro-batches, train.micro_batch_size, train.seq_len)"
             )
 
-    def train_step(self, step: int, inputs: torch.Tensor, labels: torch.Tensor) -> StepResult:
+    def train_step(
+        self, step: int, inputs: torch.Tensor, labels: torch.Tensor, stop: bool = False
+    ) -> StepResult:
         """One optimizer step over ``grad_accum × pipeline.microbatches`` micro-batches.
 
         Args:
@@ -198,6 +209,7 @@ class Engine:
             inputs: [N, B, T] int64 token ids of the global batch, N = grad_accum × microbatches ×
                 replicas (same on all ranks; each replica runs its N / replicas, see replicas.py).
             labels: [N, B, T] int64 next-token ids, -100 where no loss is taken.
+            stop: this rank was asked to stop (a signal); shared with every rank in ``StepResult.stop``.
 
         Raises:
             ValueError: a batch of the wrong shape.
@@ -216,14 +228,20 @@ class Engine:
         self.window.flush()
         self.p2p.wait_sends()
         t_opt = time.perf_counter()
+        poison_grads(self.cfg.test, dist.get_rank(), step + 1, [self.store.grad(u.index) for u in self.units])
         self._sum_tied_grads()
         self.grad_sum([self.store.grad(u.index) for u in self.units])
         grad_sq = self.optimizer.grad_sq_sum() if self.topo.replica == 0 else 0.0  # each stage counted once
-        totals = torch.tensor([grad_sq, loss_sum], dtype=torch.float64)
-        dist.all_reduce(totals)
+        totals = torch.tensor([grad_sq, loss_sum, float(stop)], dtype=torch.float64)
+        dist.all_reduce(totals)  # NaN/inf on any stage makes the sums non-finite on every stage
         grad_norm = math.sqrt(float(totals[0]))
         lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
-        self.optimizer.step(lr, clip_coef(grad_norm, self.cfg.optim.max_grad_norm))
+        skipped = not math.isfinite(float(totals[0]) + float(totals[1]))
+        if skipped:
+            self.optimizer.drop_grads()
+            log.warning("step %d: loss or gradient norm is NaN/inf; update skipped on every stage", step + 1)
+        else:
+            self.optimizer.step(lr, clip_coef(grad_norm, self.cfg.optim.max_grad_norm))
         if self._tied_across:
             dist.barrier()  # the last stage must not prefetch the embedding before stage 0 updated it
         now = time.perf_counter()
@@ -237,6 +255,8 @@ class Engine:
             self.window.stall_s,
             self.p2p.wait_s,
             now - t_opt,
+            skipped,
+            float(totals[2]) > 0,
         )
 
     def _replica_share(self, inputs: torch.Tensor, labels: torch.Tensor):

@@ -30,6 +30,7 @@ from hydra.errors import HydraException
 from hydra.types import RunMode
 
 from nodetrain.config import LoggingConfig
+from nodetrain.faults import record_failure
 
 __all__ = ["Job", "current_job", "swept_name", "fail_fast", "Release", "mapped"]
 
@@ -108,12 +109,14 @@ def fail_fast():
 
     Hydra's multirun catches a job's exception and starts the next job; ranks of a distributed job
     that failed on one rank would then meet in different collectives and wait forever (DESIGN
-    invariant 7). Here the traceback is logged and ``SystemExit(1)`` (not an ``Exception``, so Hydra
+    invariant 7). Here the traceback is logged and written to torchrun's error file (its summary
+    names this rank as the root cause), and ``SystemExit(1)`` (not an ``Exception``, so Hydra
     lets it through) ends this rank; torchrun then stops the others. One process: unchanged.
     """
     try:
         yield
-    except Exception:
+    except Exception as e:
+        record_failure(e)  # torchrun's failure summary then shows this traceback as the root cause
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             raise
         log.error("job failed; ending this rank so that no rank waits:\n%s", traceback.format_exc())

@@ -109,6 +109,14 @@ class StoreAdamW:
         """Sum of squared fp32 gradients of the owned units (this stage's share of the norm²)."""
         return float(sum(torch.dot(g, g) for *_, g in self._params)) if self._params else 0.0
 
+    def drop_grads(self) -> None:
+        """Zero the gradient accumulators without an update: a skipped (non-finite) step leaves master
+        weights, ``exp_avg``, ``exp_avg_sq`` and AdamW's step count as they were."""
+        for u in self.units:
+            for name in self.store.layout.fields_of(u.index):
+                if name.startswith("grad"):
+                    self.store.buffer(u.index, name).zero_()
+
     def step(self, lr: float, grad_scale: float) -> None:
         """Scale gradients by ``grad_scale`` (the clip coefficient), update master weights, refresh
         the transfer copy, and zero the gradient accumulators."""

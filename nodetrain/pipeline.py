@@ -92,8 +92,10 @@ def build_schedule(kind: str, num_stages: int, stage: int, num_microbatches: int
 class P2P:
     """Activations forward (stage s → s+1) and their gradients backward (s+1 → s).
 
-    Sends are asynchronous (``isend``) so neighbouring stages never block on each other; their
-    handles are kept until :meth:`wait_sends`. Tags separate micro-batches and directions.
+    Sends are asynchronous (``isend``) so neighbouring stages never block on each other. A handle
+    holds its tensor until the send completes; completed handles are dropped at each new send, so
+    the activations of micro-batches already received downstream are freed during the step, and
+    :meth:`wait_sends` waits for the rest. Tags separate micro-batches and directions.
 
     Args:
         stage, num_stages: this rank's stage and the pipeline depth.
@@ -120,14 +122,23 @@ class P2P:
         self.wait_s += time.perf_counter() - t0
         return buf
 
+    def _keep(self, work) -> None:
+        pending = []
+        for w in self._sends:
+            if w.is_completed():
+                w.wait()  # returns at once; raises the error of a failed send
+            else:
+                pending.append(w)
+        self._sends = [*pending, work]
+
     def send_activation(self, mb: int, h: torch.Tensor) -> None:
-        self._sends.append(dist.isend(h.contiguous(), dst=self.ranks[self.stage + 1], tag=2 * mb))
+        self._keep(dist.isend(h.contiguous(), dst=self.ranks[self.stage + 1], tag=2 * mb))
 
     def recv_activation(self, mb: int) -> torch.Tensor:
         return self._recv(self.ranks[self.stage - 1], 2 * mb)
 
     def send_grad(self, mb: int, g: torch.Tensor) -> None:
-        self._sends.append(dist.isend(g.contiguous(), dst=self.ranks[self.stage - 1], tag=2 * mb + 1))
+        self._keep(dist.isend(g.contiguous(), dst=self.ranks[self.stage - 1], tag=2 * mb + 1))
 
     def recv_grad(self, mb: int) -> torch.Tensor:
         return self._recv(self.ranks[self.stage + 1], 2 * mb + 1)

@@ -64,10 +64,15 @@ def host_problems(
     """Why a host store cannot be created (empty when it can); pure arithmetic on given numbers.
 
     The node needs ``store_bytes + world_size × rank_overhead_bytes`` of host memory, and the store
-    file needs ``store_bytes`` of free space in ``store_dir`` (tmpfs counts its own limit).
+    file needs ``store_bytes`` of free space in ``store_dir`` (tmpfs counts its own limit). Pinned
+    memory adds nothing: on CUDA the store itself is page-locked in place (``cudaHostRegister``), and
+    the per-rank overhead covers the window and kept heap.
     """
     need = store_bytes + world_size * rank_overhead_bytes
-    fix = "use a smaller model, a node with more RAM, or see `python -m nodetrain.plan` for what fits"
+    fix = (
+        "use a smaller model, a node with more RAM (or free what holds it now), or see "
+        "`python -m nodetrain.plan` for what fits"
+    )
     problems = []
     if need > available_bytes:
         problems.append(
@@ -78,7 +83,8 @@ def host_problems(
     if store_bytes > free_bytes:
         problems.append(
             f"store.dir={store_dir}: the host store needs {store_bytes / GB:.1f} GB but the directory has "
-            f"{free_bytes / GB:.1f} GB free; point store.dir at a larger RAM-backed filesystem"
+            f"{free_bytes / GB:.1f} GB free; enlarge it (e.g. `mount -o remount,size=<GB>G /dev/shm`) or "
+            "point store.dir at a larger RAM-backed filesystem"
         )
     return problems
 
@@ -100,7 +106,7 @@ def preflight(cfg: Config, model: HFModel, world_size: int) -> int:
     store_dir = Path(cfg.store.dir)
     if not store_dir.is_dir():
         raise ConfigError(f"store.dir={store_dir}: not a directory; create it or use /dev/shm")
-    remove_stale_stores(store_dir)
+    remove_stale_stores(store_dir, remove=cfg.store.cleanup_stale)
     shape = shape_of(model)
     nbytes = store_layout(shape, getattr(torch, cfg.train.dtype)).nbytes
     overhead = int(cfg.plan.rank_overhead_gb * GB)

@@ -89,22 +89,43 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_stores(directory: str | Path) -> list[tuple[Path, int]]:
-    """Remove store files in ``directory`` whose creator process is dead; stores of live runs stay.
+def remove_stale_stores(directory: str | Path, remove: bool = True) -> list[tuple[Path, int]]:
+    """Find store files in ``directory`` whose creator process is dead; stores of live runs stay.
+
+    A store file lives only between its creation and the moment every rank of its node has mapped
+    it (then its creator unlinks the name), so a stale one is left by a run killed (``kill -9``, the
+    OOM killer) during start-up. Each is logged with its path, size and dead pid.
+
+    Args:
+        remove: delete them (``store.cleanup_stale=true``); False = only report them.
 
     Returns:
-        (path, size in bytes) of every removed store.
+        (path, size in bytes) of every stale store found.
     """
-    removed = []
+    found = []
     for path in Path(directory).glob("nodetrain-*.store"):
         m = _NAME.match(path.name)
         if m is None or _pid_alive(int(m["pid"])):
             continue
-        size = path.stat().st_size
-        path.unlink(missing_ok=True)
-        log.warning("removed stale host store %s (%.1f MB) of dead process %s", path, size / 1e6, m["pid"])
-        removed.append((path, size))
-    return removed
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:  # another run's start-up removed it first
+            continue
+        if remove:
+            path.unlink(missing_ok=True)
+            log.warning(
+                "removed stale host store %s (%.1f MB) of dead process %s", path, size / 1e6, m["pid"]
+            )
+        else:
+            log.warning(
+                "stale host store %s (%.1f MB) of dead process %s left in place (store.cleanup_stale=false); "
+                "delete it to free its memory",
+                path,
+                size / 1e6,
+                m["pid"],
+            )
+        found.append((path, size))
+    return found
 
 
 class HostStore:
@@ -127,14 +148,17 @@ class HostStore:
         self._pin()
 
     @classmethod
-    def create(cls, layout: StoreLayout, directory: str | Path, run_id: str) -> HostStore:
-        """Create the store file (zero-filled, pages allocated now) and map it.
+    def create(
+        cls, layout: StoreLayout, directory: str | Path, run_id: str, cleanup_stale: bool = True
+    ) -> HostStore:
+        """Create the store file (zero-filled, pages allocated now) and map it, after removing (or,
+        with ``cleanup_stale=False``, reporting) the stale stores of dead runs in ``directory``.
 
         Raises:
             OSError: the directory cannot hold ``layout.nbytes`` (e.g. /dev/shm too small).
         """
         directory = Path(directory)
-        remove_stale_stores(directory)
+        remove_stale_stores(directory, remove=cleanup_stale)
         path = directory / f"nodetrain-{run_id}-{os.getpid()}.store"
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         _register_cleanup(path)

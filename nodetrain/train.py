@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+from datetime import timedelta
 from pathlib import Path
 
 import hydra
@@ -35,7 +37,9 @@ from omegaconf import DictConfig, OmegaConf
 from nodetrain import data
 from nodetrain.checkpoint import Checkpointing
 from nodetrain.config import Config, grad_accum_of, register_configs, to_typed, validate
+from nodetrain.data_checks import check_vocab, open_splits
 from nodetrain.engine import Engine
+from nodetrain.faults import BadSteps, StopRequest, maybe_fail
 from nodetrain.jobs import Job, Release, current_job, fail_fast
 from nodetrain.metrics import MetricsLogger
 from nodetrain.model import HFModel, build_hf_config
@@ -47,8 +51,9 @@ __all__ = ["main", "run"]
 log = logging.getLogger("nodetrain")
 
 
-def _init_distributed() -> tuple[int, int, int, torch.device]:
-    """Init the process group once per process (a multirun reuses it); gloo on CPU, NCCL on GPU."""
+def _init_distributed(timeout_s: float) -> tuple[int, int, int, torch.device]:
+    """Init the process group once per process (a multirun reuses it); gloo on CPU, NCCL on GPU.
+    No collective or receive waits longer than ``timeout_s`` (``dist.timeout_s``)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -59,7 +64,9 @@ def _init_distributed() -> tuple[int, int, int, torch.device]:
         if "RANK" not in os.environ:  # plain `python -m nodetrain.train`: a one-stage pipeline
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+        dist.init_process_group(
+            backend, device_id=device if backend == "nccl" else None, timeout=timedelta(seconds=timeout_s)
+        )
         log.info("process group: %s, world size %d", backend, dist.get_world_size())
     else:
         log.info("process group: reused (%s, world size %d)", dist.get_backend(), dist.get_world_size())
@@ -133,16 +140,12 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
     """
     job = job or Job.plain(run_dir, cfg.logging)
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
-    rank, world_size, local_rank, device = _init_distributed()
+    rank, world_size, local_rank, device = _init_distributed(cfg.dist.timeout_s)
     topology, release = Topology.from_env(cfg.pipeline.stages), Release()
     data_dir = Path(_on_rank0(lambda: str(data.prepare(cfg.data, cfg.seed))))
-    train_ds, val_ds = data.TokenDataset.open(data_dir, "train"), data.TokenDataset.open(data_dir, "val")
+    train_ds, val_ds = open_splits(data_dir, cfg, topology.num_replicas)
     model = HFModel(build_hf_config(cfg.model, vocab_size=train_ds.vocab_size))
-    if model.config.vocab_size < train_ds.vocab_size:
-        raise ValueError(
-            f"model.hf.vocab_size={model.config.vocab_size} is smaller than the tokenizer's "
-            f"{train_ds.vocab_size} ({data_dir}); remove it so the tokenizer's size is used"
-        )
+    check_vocab(model.config.vocab_size, train_ds)
     # refuse a store the node cannot hold (nodes are alike: node 0 answers for all)
     _on_rank0(lambda: preflight(cfg, model, topology.num_stages))
     ckpt = Checkpointing(cfg, run_dir, resolved, model)  # resume or import is checked before the store exists
@@ -161,15 +164,17 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
     num_mb = grad_accum_of(cfg, k) * cfg.pipeline.microbatches * k
     metrics = _metrics_logger(cfg, job, resolved, enabled=rank == 0, resume_id=ckpt.wandb_run_id)
     ckpt.wandb_run_id = metrics.run_id or ckpt.wandb_run_id  # kept in trainer_state.json (rank 0)
-    records, ok = [], False
+    records, ok, signals, bad = [], False, StopRequest(), BadSteps(cfg.train.max_bad_steps)
     try:
-        with metrics:
+        with metrics, signals:  # inside: SIGINT/SIGTERM end the run after a step every rank agrees on
             start = ckpt.attach(engine)  # on resume: AdamW counts and RNG states, right before the loop
             if cfg.train.eval_every and start == 0:
                 metrics.log({"step": 0, "val_loss": _evaluate(engine, val_ds, cfg)})
             for step in range(start, cfg.train.steps):
+                maybe_fail(cfg.test, rank, step + 1)  # test-only (test.fail_*)
                 x, y = _step_batch(train_ds, cfg, step, num_mb)
-                r = engine.train_step(step, x, y)
+                r = engine.train_step(step, x, y, stop=signals.requested)
+                bad.count(r.skipped)
                 rec = {
                     "step": step + 1,
                     "loss": r.loss,
@@ -181,18 +186,26 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
                     "stall_s": r.stall_s,
                     "p2p_wait_s": r.p2p_wait_s,
                     "optim_s": r.optim_s,
+                    "skipped": int(r.skipped),
+                    "bad_steps": bad.total,
                 }
                 last = step + 1 == cfg.train.steps
+                interrupted = r.stop and not last
                 every = cfg.train.eval_every
-                if every and ((step + 1) % every == 0 or last):
+                if every and not interrupted and ((step + 1) % every == 0 or last):
                     rec["val_loss"] = _evaluate(engine, val_ds, cfg)
-                stop, stall_s = ckpt.after_step(step + 1)  # after evaluation: it draws dropout masks too
+                save = interrupted and cfg.checkpoint.on_signal == "save"
+                stop, stall_s = ckpt.after_step(step + 1, save=save)  # after evaluation (dropout RNG)
                 if stall_s is not None:
                     rec["ckpt_stall_s"] = stall_s
+                if interrupted:
+                    rec["stopped"] = True  # by a signal, before train.steps
+                    log.warning("stop requested by a signal: every rank stops after step %d", step + 1)
                 metrics.log(rec)
                 records.append(rec)
-                if stop:
+                if stop or interrupted:
                     break
+                bad.check(step + 1)
             ok = True
     finally:
         try:
@@ -200,13 +213,15 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
         finally:
             engine.close()
     store_path = engine.store.path
-    del engine, ckpt  # the last references: the store mapping goes before a sweep's next job
+    del engine, ckpt  # the last references (ckpt's writer holds the store): the mapping goes now
     release.check(store_path)
     log.info(
         "done: %d steps, final loss %.4f", len(records), records[-1]["loss"] if records else float("nan")
     )
     if rank == 0 and cfg.logging.plots:
         _write_plots(run_dir)
+    if records and records[-1].get("stopped"):
+        raise SystemExit(128 + (signals.signum or signal.SIGTERM))  # not finished: say so to the caller
     return records
 
 
@@ -222,9 +237,9 @@ def _write_plots(run_dir: Path) -> None:
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(dict_cfg: DictConfig) -> None:
     """Hydra entry: converts the composed config once and runs training in the shared run dir."""
-    cfg = to_typed(dict_cfg)
-    job = current_job(cfg.logging)
-    with fail_fast():  # in a sweep under torchrun, a failed job ends every rank instead of the next job
+    with fail_fast():  # under torchrun: the traceback in the log and torchrun's summary, then exit 1
+        cfg = to_typed(dict_cfg)
+        job = current_job(cfg.logging)
         run(cfg, job.run_dir, OmegaConf.to_container(dict_cfg, resolve=True), job)
 
 

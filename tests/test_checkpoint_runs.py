@@ -365,6 +365,45 @@ def test_kill_during_save_keeps_the_previous_checkpoint_and_auto_resumes(work: P
     assert not list(ckpts.glob("*.tmp"))
 
 
+def test_sigterm_saves_the_step_every_rank_stopped_after_and_resume_is_exact(work: Path, q_ref: Path) -> None:
+    """SIGTERM to torchrun (a scheduler's pre-emption) once step 2 is logged, i.e. during step 3:
+    torchrun forwards it to both ranks, which agree (in the step's all-reduce) on the step to stop
+    after, save it (``checkpoint.on_signal=save``) and exit; ``auto`` resumes exactly (bitwise)."""
+    run = work / "q_signal"
+    args = [*Q, "checkpoint.every=0", "checkpoint.on_signal=save"]
+    cmd, env = _cmd(work, 2, run, [*args, "stream.test_copy_delay_s=0.05"])  # ~1 s steps, same arithmetic
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while 2 not in (records(run) if (run / "metrics.jsonl").is_file() else {}):
+            assert proc.poll() is None, proc.stdout.read().decode()[-4000:]
+            assert time.monotonic() < deadline, "step 2 never completed"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=120)[0].decode()
+    finally:
+        if proc.poll() is None:
+            _kill9(proc)
+    assert proc.returncode != 0, "a stopped run must not look finished"
+    done = records(run)
+    last = max(done)
+    assert last in (3, 4) and done[last].get("stopped") is True, out[-4000:]
+    for r in (0, 1):  # every rank stopped after the same step
+        assert f"every rank stops after step {last}" in (run / f"rank{r}.log").read_text()
+    assert [c.name for _, c in st.complete_checkpoints(run / "checkpoints")] == [f"step-{last}"]
+    assert st.verify(run / "checkpoints" / f"step-{last}")["step"] == last
+
+    out = train(work, 2, run, [*args, "checkpoint.resume=auto"])
+    assert f"step-{last}" in out
+    want = records(q_ref)
+    _assert_same_steps(records(run), want, range(1, STEPS + 1))
+    end, ref_end = run / "checkpoints" / "step-6", q_ref / "checkpoints" / "step-6"
+    _assert_same_tensors(master(end), master(ref_end))
+    _assert_same_tensors(optimizer(end), optimizer(ref_end))
+
+
 def test_truncated_file_refused_and_auto_falls_back(work: Path, q_ref: Path, tmp_path: Path, caplog) -> None:
     ckpts = tmp_path / "checkpoints"
     shutil.copytree(q_ref / "checkpoints", ckpts)

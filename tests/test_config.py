@@ -205,6 +205,17 @@ INVALID = [
     (["checkpoint.test_write_delay_s=-1"], 2, ["checkpoint.test_write_delay_s"]),
     (["checkpoint.resume=/nonexistent/step-3"], 2, ["checkpoint.resume", "auto"]),
     (["model.init_from=/nonexistent/hf"], 2, ["model.init_from", "save_pretrained"]),
+    (["train.max_bad_steps=0"], 2, ["train.max_bad_steps"]),
+    (["dist.timeout_s=0"], 2, ["dist.timeout_s"]),
+    (["checkpoint.on_signal=ignore"], 2, ["checkpoint.on_signal"]),
+    (["data.jsonl_field="], 2, ["data.jsonl_field"]),
+    (["data.tokenizer=/nonexistent/tokenizer"], 2, ["data.tokenizer"]),
+    (["logging.project="], 2, ["logging.project"]),
+    (["plan.rank_overhead_gb=-0.5"], 2, ["plan.rank_overhead_gb"]),
+    (["hardware.matmul_efficiency=1.5"], 2, ["hardware.matmul_efficiency"]),
+    (["test.fail_rank=2"], 2, ["test.fail_rank", "not a rank of 2"]),
+    (["test.nan_step=0"], 2, ["test.nan_step"]),
+    (["test.fail_mode=crash"], 2, ["test.fail_mode"]),
 ]
 
 

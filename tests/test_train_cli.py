@@ -97,15 +97,18 @@ def test_two_ranks_one_run_dir_with_metrics_logs_and_wandb(tmp_path, tiny_corpus
         (4, ["model.hf.num_hidden_layers=2"], "pipeline.stages"),
         (2, ["train.batch_size=10"], "train.batch_size"),
         (2, ["pipeline.schedule=zigzag"], "pipeline.schedule"),
+        (2, ["train.grad_accum=500"], "train.bin holds"),
     ],
-    ids=["more-stages-than-layers", "batch-not-divisible", "unknown-schedule"],
+    ids=["more-stages-than-layers", "batch-not-divisible", "unknown-schedule", "data-shorter-than-a-batch"],
 )
 def test_bad_config_refused_on_every_rank_within_seconds(tmp_path, tiny_corpus, nproc, overrides, key):
+    before = _shm_stores()
     proc, elapsed = _torchrun(nproc, [*TINY, *tiny_corpus, *overrides], tmp_path, timeout_s=120)
     assert proc.returncode != 0
     assert key in proc.stdout + proc.stderr
     assert elapsed < 60, f"refusal took {elapsed:.0f}s"
     assert not list(tmp_path.glob("*/metrics.jsonl")), "training started despite the refusal"
+    assert _shm_stores() <= before, "a refused run left a host store in /dev/shm"
 
 
 def test_default_model_learns_shakespeare(tmp_path):

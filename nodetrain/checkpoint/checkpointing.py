@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ class Checkpointing:
         c = cfg.checkpoint
         self.dir = Path(c.dir).expanduser() if c.dir else Path(run_dir) / "checkpoints"
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.group = dist.new_group(backend="gloo")
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.dist.timeout_s))
         self.path, self.state = self._choose()
         self.start_step = int(self.state["step"]) if self.state else 0
         self._hf_index = None
@@ -157,8 +158,9 @@ class Checkpointing:
             )
         return self.start_step
 
-    def after_step(self, step: int) -> tuple[bool, float | None]:
-        """Save if ``step`` (completed optimizer steps) is due, else commit a finished save.
+    def after_step(self, step: int, save: bool = False) -> tuple[bool, float | None]:
+        """Save if ``step`` (completed optimizer steps) is due or ``save`` asks for it (the run stops
+        on a signal with ``checkpoint.on_signal=save``), else commit a finished save.
 
         Returns:
             (stop: this launch ends here, ``checkpoint.stop_after_steps``;
@@ -166,7 +168,7 @@ class Checkpointing:
         """
         c = self.cfg.checkpoint
         stop = bool(c.stop_after_steps) and step - self.start_step >= c.stop_after_steps
-        due = stop or step == self.cfg.train.steps or (c.every > 0 and step % c.every == 0)
+        due = save or stop or step == self.cfg.train.steps or (c.every > 0 and step % c.every == 0)
         if not due:
             self.writer.poll()
             return False, None

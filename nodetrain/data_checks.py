@@ -1,0 +1,76 @@
+"""Start-up checks of a prepared dataset against the run that is about to use it.
+
+Owns: opening both splits for training, and refusing — before the host store exists — a split too
+short for one batch and a tokenizer whose vocabulary the model cannot embed. Does not own: preparing
+or validating the files themselves (data.py refuses a missing meta.json, a truncated or corrupt
+``.bin`` and ids >= the tokenizer's vocabulary when it opens a split).
+
+Rule for "too short": a split must hold at least as many non-overlapping windows of
+``train.seq_len + 1`` tokens (``data.batch``'s windows) as one batch has sequences: the global
+batch of one optimizer step for ``train.bin``, one evaluation batch for ``val.bin`` (checked only
+when ``train.eval_every`` > 0). A shorter split would repeat windows inside one batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nodetrain import data
+from nodetrain.config import Config, grad_accum_of
+
+__all__ = ["check_vocab", "open_splits"]
+
+
+def _check_length(ds: data.TokenDataset, num_sequences: int, seq_len: int, batch: str, fix: str) -> None:
+    windows = (ds.num_tokens - 1) // seq_len
+    if windows < num_sequences:
+        raise ValueError(
+            f"{ds.path} holds {ds.num_tokens} tokens = {windows} window(s) of train.seq_len + 1 = "
+            f"{seq_len + 1} tokens, fewer than the {num_sequences} sequences of {batch}; fix: {fix}"
+        )
+
+
+def open_splits(data_dir: str | Path, cfg: Config, num_replicas: int = 1):
+    """Open ``train.bin`` and ``val.bin`` of a prepared dataset and check their length.
+
+    Args:
+        data_dir: the directory ``data.prepare`` wrote.
+        cfg: the validated run config (batch shape, evaluation).
+        num_replicas: pipelines sharing the global batch (nodes).
+
+    Returns:
+        (train, val) ``data.TokenDataset``.
+
+    Raises:
+        FileNotFoundError, ValueError: as ``data.TokenDataset.open`` (missing, truncated or corrupt
+            files); a split shorter than one batch (see the module docstring), naming the file.
+    """
+    t, m = cfg.train, cfg.pipeline.microbatches
+    train = data.TokenDataset.open(data_dir, "train")
+    val = data.TokenDataset.open(data_dir, "val")
+    step_seqs = grad_accum_of(cfg, num_replicas) * m * t.micro_batch_size * num_replicas
+    batch = "one optimizer step (grad_accum × pipeline.microbatches × train.micro_batch_size × nodes)"
+    _check_length(train, step_seqs, t.seq_len, batch, "more text in data.source, or a smaller batch/seq_len")
+    if t.eval_every:
+        fix = "a larger data.val_fraction, more text, or train.eval_every=0"
+        _check_length(val, m * t.micro_batch_size, t.seq_len, "one evaluation batch", fix)
+    return train, val
+
+
+def check_vocab(model_vocab: int, ds: data.TokenDataset) -> None:
+    """Refuse a model whose embedding has fewer rows than the dataset's tokenizer has ids.
+
+    A larger model vocabulary is accepted (padded vocabularies are common: unused rows never see a
+    token).
+
+    Raises:
+        ValueError: ``model_vocab`` < the tokenizer's vocabulary, naming the dataset and the fix.
+    """
+    if model_vocab < ds.vocab_size:
+        tokenizer = ds.path.parent / "tokenizer.json"
+        raise ValueError(
+            f"model.hf.vocab_size={model_vocab} is smaller than the vocabulary of {tokenizer} "
+            f"({ds.vocab_size} ids; ids >= {model_vocab} would index past the embedding); fix: remove "
+            "model.hf.vocab_size so the tokenizer's size is used, raise it, or use the model's own "
+            "tokenizer (data.tokenizer=<model dir>)"
+        )
