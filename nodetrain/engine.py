@@ -15,16 +15,19 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from nodetrain.breakdown import StepBreakdown, flops_per_token, measured_peak_flops
 from nodetrain.config import Config, grad_accum_of
 from nodetrain.model import HFModel
 from nodetrain.optim import StoreAdamW, clip_coef, lr_at
+from nodetrain.overlap import UnitUpdates, fair_share_threads
 from nodetrain.pipeline import P2P, build_schedule, partition
+from nodetrain.residency import resident_blocks
 from nodetrain.stage import IGNORE_INDEX, StageRunner
 from nodetrain.store import HostStore, StoreLayout
 from nodetrain.stream import Window
@@ -54,6 +57,9 @@ class StepResult:
     p2p_wait_s: float
     """This rank's seconds blocked receiving activations/gradients (bubble + transfer)."""
     optim_s: float
+    """This rank's seconds of optimizer work the step waited for (not hidden behind compute)."""
+    breakdown: dict = field(default_factory=dict)
+    """On rank 0: every stage's step breakdown, flat (see ``breakdown.combine_stages``); else {}."""
 
 
 class Engine:
@@ -91,7 +97,18 @@ class Engine:
         self.units = [model.units[i] for i in self.blocks]
         self.store = self._open_store(local_rank, run_id)
         self._init_weights(init_from)
+        self._tied_across = model.tied and world_size > 1
         self.optimizer = StoreAdamW(self.store, self.units, cfg.optim)
+        self.updates = UnitUpdates(
+            self.optimizer,
+            model.bindings,
+            self.blocks,
+            shared_units=(0,) if self._tied_across and rank == 0 else (),
+            overlap=cfg.optim.overlap,
+            clip=cfg.optim.max_grad_norm > 0,
+            threads=cfg.optim.threads or fair_share_threads(),
+            delay_s=cfg.optim.test_delay_s,
+        )
         self.window = Window(
             self.store,
             model.bindings,
@@ -100,21 +117,41 @@ class Engine:
             cfg.stream.slots,
             device,
             cfg.stream.test_copy_delay_s,
+            resident=resident_blocks(cfg, model, self.blocks, rank, world_size, device),
         )
+        self.window.gate, self.window.on_offloaded = self.updates.gate, self.updates.offloaded
         self.runner = StageRunner(model, self.blocks, self.window, self.dtype)
         shape = (cfg.train.micro_batch_size, cfg.train.seq_len, model.config.hidden_size)
         p2p_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
         self.p2p = P2P(rank, world_size, shape, self.dtype, p2p_device)
-        self._tied_across = model.tied and world_size > 1
+        self.breakdown = self._make_breakdown()
+        self.window.timeline = self.p2p.timeline = self.breakdown.timeline
         log.info(
-            "stage %d/%d: units %s (%s), window %.1f MB, host store %.1f MB",
+            "stage %d/%d: units %s (%s), window %.1f MB (resident: %s), host store %.1f MB",
             rank,
             world_size,
             [model.units[i].name for i in (self.blocks[0], self.blocks[-1])],
             len(self.blocks),
             self.window.nbytes / 1e6,
+            [model.units[i].name for i in self.window.resident] or "none",
             self.store.nbytes / 1e6,
         )
+
+    def _make_breakdown(self) -> StepBreakdown:
+        n = sum(self.model.block_cost(i) for i in self.blocks)
+        layers = sum(1 for i in self.blocks if 0 < i <= self.model.num_layers)
+        per_token = flops_per_token(self.model.config, n, layers, self.cfg.train.seq_len)
+        peak = self.cfg.train.peak_flops or measured_peak_flops(
+            str(self.device), self.dtype, torch.get_num_threads()
+        )
+        static = {
+            "window_bytes": self.window.nbytes,
+            "resident_bytes": self.window.resident_nbytes,
+            "num_resident": len(self.window.resident),
+            "resident_units": ",".join(self.model.units[i].name for i in self.window.resident),
+            "store_bytes": self.store.nbytes,
+        }
+        return StepBreakdown(self.device, per_token, peak, static)
 
     # ---- set-up ------------------------------------------------------------------------------
 
@@ -193,44 +230,55 @@ class Engine:
             ValueError: a batch of the wrong shape.
         """
         t0 = time.perf_counter()
+        timeline = self.breakdown.timeline
+        timeline.start()
         m = self.cfg.pipeline.microbatches
         self._check_batch(inputs, labels, self.grad_accum * m)
         tokens = int((labels != IGNORE_INDEX).sum())
+        lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
         actions = build_schedule(self.cfg.pipeline.schedule, self.num_stages, self.stage, m)
+        self.updates.begin_step(lr, self.grad_accum * m)
         self.window.begin(self._load_sequence(actions, self.grad_accum))
         self.p2p.reset_timer()
         loss_sum = 0.0
         for r in range(self.grad_accum):
             loss_sum += self._run_round(actions, r, inputs, labels, 1.0 / max(tokens, 1), train=True)
         self.window.flush()
-        self.p2p.wait_sends()
-        t_opt = time.perf_counter()
-        self._sum_tied_grads()
-        totals = torch.tensor([self.optimizer.grad_sq_sum(), loss_sum], dtype=torch.float64)
-        dist.all_reduce(totals)
+        with timeline.phase("bubble"):
+            self.p2p.wait_sends()
+        with timeline.phase("optim"):
+            self._sum_tied_grads()
+            totals = torch.tensor([self.updates.grad_sq_sum(), loss_sum], dtype=torch.float64)
+        with timeline.phase("bubble"):
+            dist.all_reduce(totals)
         grad_norm = math.sqrt(float(totals[0]))
-        lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
-        self.optimizer.step(lr, clip_coef(grad_norm, self.cfg.optim.max_grad_norm))
+        with timeline.phase("optim"):  # the run's last step leaves the store final
+            last = step + 1 == self.cfg.train.steps
+            self.updates.finish_step(lr, clip_coef(grad_norm, self.cfg.optim.max_grad_norm), last)
         if self._tied_across:
-            dist.barrier()  # the last stage must not prefetch the embedding before stage 0 updated it
+            with timeline.phase("bubble"):
+                dist.barrier()  # the last stage must not prefetch the embedding before stage 0 updated it
+        phases = timeline.stop()
         now = time.perf_counter()
-        return StepResult(
-            step,
-            float(totals[1]) / max(tokens, 1),
-            grad_norm,
-            lr,
-            tokens,
-            now - t0,
-            self.window.stall_s,
-            self.p2p.wait_s,
-            now - t_opt,
-        )
+        busy = {**self.window.take_stats(), "optim_busy_s": self.updates.take_busy_s()}
+        record = self.breakdown.stage_record(now - t0, inputs.numel(), phases, busy)
+        loss = float(totals[1]) / max(tokens, 1)
+        stall_s, p2p_wait_s = self.window.stall_s, self.p2p.wait_s
+        res = StepResult(step, loss, grad_norm, lr, tokens, now - t0, stall_s, p2p_wait_s, phases["optim_s"])
+        res.breakdown = self.breakdown.gather(record)
+        return res
+
+    def wait_optimizer(self) -> None:
+        """Block until every submitted AdamW update is done: call before reading master weights or
+        optimizer state between steps (a checkpoint); a load of a unit always waits for it."""
+        self.updates.wait_all()
 
     def _sum_tied_grads(self) -> None:
         """Tied embedding: stage 0 adds the last stage's gradient of the lm_head use to its own."""
         if not self._tied_across:
             return
-        dist.barrier()  # the last stage's offloads into grad_tied are flushed
+        with self.breakdown.timeline.phase("bubble"):
+            dist.barrier()  # the last stage's offloads into grad_tied are flushed
         if self.stage == 0:
             tied = self.store.buffer(0, "grad_tied")
             self.store.grad(0).add_(tied)
@@ -253,4 +301,5 @@ class Engine:
         return float(total[0]) / max(tokens, 1), tokens
 
     def close(self) -> None:
+        self.updates.close()
         self.window.close()

@@ -146,6 +146,7 @@ def run(cfg: Config, run_dir: Path, resolved: dict) -> list[dict]:
                     "stall_s": r.stall_s,
                     "p2p_wait_s": r.p2p_wait_s,
                     "optim_s": r.optim_s,
+                    **r.breakdown,  # every stage's breakdown (rank 0): see nodetrain/breakdown.py
                 }
                 last = step + 1 == cfg.train.steps
                 every = cfg.train.eval_every

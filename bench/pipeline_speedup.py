@@ -1,0 +1,100 @@
+"""Pipeline speed-up on CPU: 2 ranks × 1 thread vs 1 rank × 1 thread, 8 micro-batches per step.
+
+    python bench/pipeline_speedup.py                 # llama_10m, 1F1B, 8 micro-batches
+    python bench/pipeline_speedup.py --rounds 2 --steps 8
+
+Runs the real entry point (``torchrun -m nodetrain.train``, gloo, ``OMP_NUM_THREADS=1``,
+``optim.threads=1``) on the same model, tokens and micro-batches with 1 and with 2 stages,
+alternating (1, 2, 1, 2, ...), and compares the median ``step_s`` of ``metrics.jsonl`` after the
+first two steps. The ideal 2-stage speed-up with M micro-batches is 2·M / (M + 1) = 1.78 for
+M = 8 (the 1F1B bubble, arXiv:2104.04473); the target is ≥ 1.6. The machine's load average is
+printed: on a shared machine, two ranks need two idle cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(nproc: int, overrides: list[str], runs: Path) -> list[dict]:
+    """One ``torchrun -m nodetrain.train`` launch; returns its step records (rank 0's metrics.jsonl)."""
+    out = runs / f"{nproc}ranks_{len(list(runs.iterdir()))}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    cmd += [f"--master_port={_free_port()}", "-m", "nodetrain.train", f"hydra.run.dir={out}", *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama_10m")
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--micro-batch-size", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=2, help="launches per configuration, alternating")
+    ap.add_argument("--data-dir", default=str(ROOT / "data" / "shakespeare"))
+    args = ap.parse_args()
+    shm = tempfile.mkdtemp(prefix="nt-bench-", dir="/dev/shm")
+    overrides = [
+        f"model={args.model}",
+        f"data.dir={args.data_dir}",
+        f"train.steps={args.steps}",
+        f"train.seq_len={args.seq_len}",
+        f"train.micro_batch_size={args.micro_batch_size}",
+        f"pipeline.microbatches={args.microbatches}",
+        "pipeline.schedule=1f1b",
+        "train.eval_every=0",
+        "optim.threads=1",
+        "logging.wandb=false",
+        f"store.dir={shm}",
+    ]
+    load_before = os.getloadavg()[0]
+    step_s: dict[int, list[float]] = {1: [], 2: []}
+    last: dict[int, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="nt-bench-runs-") as runs:
+        for _ in range(args.rounds):
+            for nproc in (1, 2):
+                records = run(nproc, overrides, Path(runs))
+                step_s[nproc] += [r["step_s"] for r in records[2:]]
+                last[nproc] = records[-1]
+    os.rmdir(shm)
+    one, two = statistics.median(step_s[1]), statistics.median(step_s[2])
+    m = args.microbatches
+    print(
+        f"{args.model}, {m} micro-batches of {args.micro_batch_size}×{args.seq_len}, 1F1B, 1 thread per rank"
+    )
+    load_after = os.getloadavg()[0]
+    print(f"  load average (1 min) before/after: {load_before:.2f}/{load_after:.2f}, {os.cpu_count()} cores")
+    print(f"  1 rank : {one * 1e3:8.1f} ms/step (median of {len(step_s[1])})")
+    print(f"  2 ranks: {two * 1e3:8.1f} ms/step (median of {len(step_s[2])})")
+    b = last[2]
+    parts = " ".join(f"{k} {b[f'stage{s}/{k}_s'] * 1e3:.0f}ms" for s in (0, 1) for k in ("compute", "bubble"))
+    print(f"  2-rank breakdown (last step): {parts}")
+    speedup = one / two
+    verdict = "met" if speedup >= 1.6 else "MISSED"
+    print(f"  speed-up {speedup:.2f} × (ideal {2 * m / (m + 1):.2f} ×, target ≥ 1.6 ×: {verdict})")
+
+
+if __name__ == "__main__":
+    main()
