@@ -245,7 +245,9 @@ class Run:
     """Resident units of all ranks, in rank order."""
 
 
-def run_nodetrain(case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs, labels, torchrun) -> Run:
+def run_nodetrain(
+    case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs, labels, torchrun, device: str = "cpu"
+) -> Run:
     batch_file, out_dir = tmp / "batch.safetensors", tmp / "out"
     out_dir.mkdir()
     save_file({"inputs": inputs, "labels": labels}, str(batch_file))
@@ -276,6 +278,7 @@ def run_nodetrain(case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs,
         "batch_file": str(batch_file),
         "out_dir": str(out_dir),
         "run_id": f"parity-{case.id}",
+        "device": device,
     }
     spec_file = tmp / "spec.json"
     spec_file.write_text(json.dumps(spec))
@@ -308,10 +311,15 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_parity_with_transformers_adamw(case: Case, tmp_path: Path, shm_dir: Path, torchrun) -> None:
+    check_parity(case, tmp_path, shm_dir, torchrun)
+
+
+def check_parity(case: Case, tmp_path: Path, shm_dir: Path, torchrun, device: str = "cpu") -> None:
+    """Run ``case`` on ``device`` (one rank per stage) and compare it with the reference (on CPU)."""
     model_dir = tmp_path / "hf"
     save_seeded_model(case, model_dir)
     inputs, labels, lengths = make_batches(case)
-    run = run_nodetrain(case, tmp_path, shm_dir, model_dir, inputs, labels, torchrun)
+    run = run_nodetrain(case, tmp_path, shm_dir, model_dir, inputs, labels, torchrun, device)
     ref = run_reference(case, model_dir, inputs, labels, lengths)
 
     # one stage per rank, each a non-empty contiguous slice, together every unit in order
