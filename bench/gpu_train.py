@@ -161,8 +161,11 @@ def main() -> None:
         f"store.dir={args.store_dir}",
         "optim.warmup_steps=2",
     ]
-    if args.dry_run:
+    if args.dry_run:  # a small real text (this repo's README) tokenizes in a second
+        corpus = args.out / "corpus.txt"
+        shutil.copyfile(ROOT / "README.md", corpus)
         common += [f"model.hf.{k}={v}" for k, v in DRY_RUN_HF.items()]
+        common += [f"data.source={corpus}", "data.vocab_size=300"]
     else:
         common += [f"train.peak_flops={args.peak_flops}"]
     summary = {

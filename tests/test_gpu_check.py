@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -27,9 +26,6 @@ def test_syntax_and_usage(tmp_path: Path) -> None:
 
 def test_dry_run_writes_the_results(tmp_path: Path) -> None:
     out = tmp_path / "results"
-    data = ROOT / "data" / "shakespeare"
-    if data.is_dir():  # the prepared default dataset, if a run made it: skip re-tokenizing
-        shutil.copytree(data, out / "data")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         ["bash", str(SCRIPT), str(out), "--dry-run"], capture_output=True, text=True, timeout=300, env=env
