@@ -90,7 +90,8 @@ class StoreAdamW:
 
     def step_unit(self, unit: int, lr: float, grad_scale: float) -> None:
         """Update one owned unit: scale its gradient by ``grad_scale`` (the clip coefficient), AdamW,
-        refresh its transfer copy, zero its gradient accumulator."""
+        refresh its transfer copy. The gradient accumulator is left as is: the next step's first
+        offload into it overwrites it (stream.py)."""
         opt = self._opts[unit]
         for group in opt.param_groups:
             group["lr"] = lr
@@ -99,7 +100,6 @@ class StoreAdamW:
                 g.mul_(grad_scale)
         opt.step()
         self.store.compute(unit).copy_(self.store.master(unit))
-        self.store.grad(unit).zero_()
 
     def step(self, lr: float, grad_scale: float) -> None:
         """Update every owned unit, in order (see :meth:`step_unit`)."""

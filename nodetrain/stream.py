@@ -11,7 +11,9 @@ the protocol below is exercised for real (``delay_s`` slows the workers to expos
 Protocol (the j-th streamed load of the sequence uses slot ``j % slots``):
     acquire()  waits until the next load is in its slot (or resident buffer), returns the views;
     release()  marks compute on it issued and issues the next streamed load into the freed slot;
-    offload()  queues the block's gradients for D2H + accumulate; at most ``slots`` in flight;
+    offload()  queues the block's gradients for D2H + accumulate; at most ``slots`` in flight; the
+               first offload into an accumulator since begin() overwrites it, so the optimizer
+               never spends a pass zeroing it;
     flush()    waits for every queued offload (before the optimizer reads the accumulators).
 A resident block's one load per sequence is issued when the prefetch reaches its first use, so
 the in-order H2D worker never blocks a needed load behind it. ``gate(block)`` (optional) returns
@@ -21,6 +23,7 @@ The waits enter the ``stall``, ``d2h_wait`` and ``optim`` phases of ``timeline``
 
 from __future__ import annotations
 
+import itertools
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -118,6 +121,8 @@ class Window:
         self._resident = {i: torch.empty(self._numel(i), dtype=dtype, device=self.device) for i in resident}
         self._views = {i: self._slot_views(bindings[i]) for i in blocks}
         self._grad_targets = {i: self._grad_views(bindings[i], set(owned_units)) for i in blocks}
+        self._check_targets()
+        self._written: set[int] = set()  # data_ptr of accumulators offloaded into since begin()
         self._h2d = _CopyWorker("h2d", self.device, delay_s)
         self._d2h = _CopyWorker("d2h", self.device, delay_s)
         self.gate = None
@@ -161,10 +166,18 @@ class Window:
             out[b.local_name] = self.store.buffer(b.unit, field)[b.offset : b.offset + b.numel]
         return out
 
+    def _check_targets(self) -> None:
+        """Gradient targets are disjoint or identical ranges (first-write tracking relies on it)."""
+        targets = [t for views in self._grad_targets.values() for t in views.values()]
+        spans = sorted({(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in targets})
+        for (_, end), (start, _) in itertools.pairwise(spans):
+            assert end <= start, "two bindings' gradient ranges overlap partially"
+
     def begin(self, sequence: list[int]) -> None:
         """Start a new load sequence (block indices in compute order) and prefetch its head."""
         assert not self._loads, "previous sequence not drained"
         self._seq, self.stall_s = list(sequence), 0.0
+        self._written.clear()
         self._next = self._cursor = self._streamed = self._in_flight = 0
         self._slot_at.clear()
         self._resident_loads.clear()
@@ -234,12 +247,22 @@ class Window:
     def offload(self, block: int, grads: dict[str, torch.Tensor]) -> None:
         """Queue D2H of ``grads`` (local name -> gradient, device) added into the host accumulators."""
         targets = self._grad_targets[block]
-        pairs = [(targets[name], g) for name, g in grads.items()]
+        jobs = []
+        for name, g in grads.items():
+            dst = targets[name]
+            jobs.append((dst, g, dst.data_ptr() not in self._written))
+            self._written.add(dst.data_ptr())
         self.d2h_bytes += sum(g.numel() * g.element_size() for g in grads.values())
 
         def accumulate():
-            for dst, g in pairs:
-                dst.add_(g.reshape(-1).to(device="cpu", dtype=torch.float32))
+            for dst, g, first in jobs:
+                src = g.reshape(-1)
+                if first:  # overwrite: no zeroing pass, no read of the stale accumulator
+                    dst.copy_(src)
+                elif src.device.type == "cpu":  # fp32 += bf16 widens elementwise, no temporary
+                    dst.add_(src)
+                else:
+                    dst.add_(src.to(device="cpu", dtype=torch.float32))
             if self.on_offloaded is not None:
                 self.on_offloaded(block)
 
