@@ -181,7 +181,8 @@ class StepBreakdown:
             tokens: tokens computed in the step (padding included: it costs the same FLOPs).
             phases: :meth:`Timeline.stop`'s output.
             busy: ``h2d_bytes``, ``d2h_bytes``, ``h2d_busy_s``, ``d2h_busy_s``, ``optim_busy_s``:
-                bytes moved and seconds the copy and optimizer workers worked (overlapped or not).
+                bytes moved and seconds the copy and optimizer workers worked (overlapped or not);
+                ``cpu_s``: CPU seconds of this process (all threads) during the step.
         """
         flops = self.flops_per_token * tokens
         rec = {"step_s": step_s, **phases, "other_s": step_s - sum(phases.values()), **busy}
@@ -224,7 +225,7 @@ def combine_stages(records: list[dict]) -> dict:
     out["step_s"] = step_s
     for key in (*_TIME_KEYS, "other_s"):
         out[key] = total(key) / n
-    for key in ("h2d_bytes", "d2h_bytes", "h2d_busy_s", "d2h_busy_s", "optim_busy_s", "flops"):
+    for key in ("h2d_bytes", "d2h_bytes", "h2d_busy_s", "d2h_busy_s", "optim_busy_s", "cpu_s", "flops"):
         out[key] = total(key)
     out["h2d_gbps"] = _rate(out["h2d_bytes"], out["h2d_busy_s"]) / 1e9
     out["d2h_gbps"] = _rate(out["d2h_bytes"], out["d2h_busy_s"]) / 1e9

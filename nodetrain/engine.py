@@ -229,7 +229,7 @@ class Engine:
         Raises:
             ValueError: a batch of the wrong shape.
         """
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         timeline = self.breakdown.timeline
         timeline.start()
         m = self.cfg.pipeline.microbatches
@@ -261,6 +261,7 @@ class Engine:
         phases = timeline.stop()
         now = time.perf_counter()
         busy = {**self.window.take_stats(), "optim_busy_s": self.updates.take_busy_s()}
+        busy["cpu_s"] = time.process_time() - cpu0
         record = self.breakdown.stage_record(now - t0, inputs.numel(), phases, busy)
         loss = float(totals[1]) / max(tokens, 1)
         stall_s, p2p_wait_s = self.window.stall_s, self.p2p.wait_s

@@ -81,6 +81,7 @@ def _rec(step_s, compute, bubble, flops, peak, h2d, busy):
     rec = dict.fromkeys((f"{p}_s" for p in PHASES), 0.0)
     rec.update(step_s=step_s, compute_s=compute, bubble_s=bubble, other_s=step_s - compute - bubble)
     rec.update(h2d_bytes=h2d, d2h_bytes=0, h2d_busy_s=busy, d2h_busy_s=0.0, optim_busy_s=0.5, flops=flops)
+    rec.update(cpu_s=1.0)
     rec.update(peak_flops=peak, window_bytes=h2d // 10, num_resident=1, store_bytes=1000)
     return rec
 
