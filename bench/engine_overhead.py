@@ -25,8 +25,49 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._engine import base_config, make_engine, median_time, model_config
+from nodetrain.model import build_hf_config
 
 VOCAB = 4096
+
+
+def plain_step_fn(mcfg, x: torch.Tensor, y: torch.Tensor):
+    """One plain step: ``transformers`` forward/backward of x, y ([N·B, T] int64), clip, AdamW."""
+    plain = transformers.AutoModelForCausalLM.from_config(build_hf_config(mcfg)).float().train()
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, weight_decay=0.1)
+
+    def step() -> None:
+        logits = plain(input_ids=x).logits  # [N·B, T, V]
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def engine_step_fns(mcfg, args, xs: torch.Tensor, ys: torch.Tensor) -> tuple[dict, dict, list]:
+    """name -> one engine step over xs, ys ([M, B, T]), with and without the overlapped optimizer;
+    also the dict their last StepResults land in, and the engines (to close)."""
+    fns, last, engines = {}, {}, []
+    m, b = xs.shape[:2]
+    for name, overlap in (("engine", True), ("engine, optim.overlap=false", False)):
+        cfg = base_config(
+            mcfg,
+            train={"seq_len": args.seq_len, "micro_batch_size": b, "steps": 10**6, "dtype": "float32"},
+            pipeline={"microbatches": m},
+            stream={"device_budget": 0},
+            optim={"lr": 1e-4, "min_lr": 1e-5, "overlap": overlap, "threads": 1, "max_grad_norm": 1.0},
+        )
+        engine = make_engine(cfg, f"bench-overhead-{overlap}")[0]
+        engines.append(engine)
+        step = iter(range(10**6))
+
+        def run(engine=engine, name=name, step=step) -> None:
+            last[name] = engine.train_step(next(step), xs, ys)
+
+        fns[name] = run
+    return fns, last, engines
 
 
 def main() -> None:
@@ -44,44 +85,12 @@ def main() -> None:
     x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()  # [N·B, T]
     m, b = args.microbatches, args.batch // args.microbatches
     mcfg = model_config(args.model, VOCAB)
-
-    plain = transformers.AutoModelForCausalLM.from_config(build_hf(mcfg)).float().train()
-    opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, weight_decay=0.1)
-
-    def plain_step() -> None:
-        logits = plain(input_ids=x).logits  # [N·B, T, V]
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    engines = {}
-    for name, overlap in (("engine", True), ("engine, optim.overlap=false", False)):
-        cfg = base_config(
-            mcfg,
-            train={"seq_len": args.seq_len, "micro_batch_size": b, "steps": 10**6, "dtype": "float32"},
-            pipeline={"microbatches": m},
-            stream={"device_budget": 0},
-            optim={"lr": 1e-4, "min_lr": 1e-5, "overlap": overlap, "threads": 1, "max_grad_norm": 1.0},
-        )
-        engines[name] = make_engine(cfg, f"bench-overhead-{overlap}")[0]
-    xs, ys = x.view(m, b, -1), y.view(m, b, -1)  # [M, B, T]
-    steps = dict.fromkeys(engines, 0)
-    last = {}
-
-    def engine_step(name: str):
-        def run() -> None:
-            last[name] = engines[name].train_step(steps[name], xs, ys)
-            steps[name] += 1
-
-        return run
-
-    runs = {"plain transformers + AdamW": plain_step, **{n: engine_step(n) for n in engines}}
+    fns, last, engines = engine_step_fns(mcfg, args, x.view(m, b, -1), y.view(m, b, -1))
+    runs = {"plain transformers + AdamW": plain_step_fn(mcfg, x, y), **fns}
     for fn in runs.values():  # warm-up
         fn()
     wall, cpu = {name: [] for name in runs}, {name: [] for name in runs}
-    for _ in range(3):
+    for _ in range(3):  # interleaved blocks: a load change on the machine hits every variant
         for name, fn in runs.items():
             w, c = median_time(fn, args.reps)
             wall[name].append(w)
@@ -100,14 +109,8 @@ def main() -> None:
     print(f"  engine breakdown (last step): {shares}; optimizer busy {bd['optim_busy_s'] * 1e3:.1f} ms")
     ratio = med["engine"][0] / base_w
     print(f"  target engine ≤ 1.50 × plain (wall): {ratio:.2f} × — {'met' if ratio <= 1.5 else 'MISSED'}")
-    for e in engines.values():
+    for e in engines:
         e.close()
-
-
-def build_hf(mcfg):
-    from nodetrain.model import build_hf_config
-
-    return build_hf_config(mcfg)
 
 
 if __name__ == "__main__":

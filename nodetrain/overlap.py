@@ -43,8 +43,11 @@ def fair_share_threads() -> int:
 
 
 def _openmp_runtime() -> ctypes.CDLL | None:
-    """The OpenMP runtime torch loaded (libgomp/libiomp), found in this process's mappings."""
-    for line in Path("/proc/self/maps").read_text().splitlines():
+    """The OpenMP runtime torch loaded (libgomp/libiomp), found in this process's mappings (Linux)."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        return None
+    for line in maps.read_text().splitlines():
         path = line.split()[-1]
         name = os.path.basename(path)
         if name.startswith(("libgomp", "libiomp5")) and ".so" in name:
