@@ -127,11 +127,11 @@ def flops_per_token(hf_config, num_matmul_params: int, num_layers: int, seq_len:
 def measured_peak_flops(device: str, dtype: torch.dtype, threads: int) -> float:
     """FLOP/s of a dense square matmul in ``dtype`` on ``device``, best of a few (cached per process).
 
-    CPU: n = 1024 (2.1 GFLOP per product, ~0.1 s in all) on ``threads`` intra-op threads (the
+    CPU: n = 512 (0.27 GFLOP per product, a few ms each) on ``threads`` intra-op threads (the
     cache key; the caller passes ``torch.get_num_threads()``). CUDA: n = 8192, timed with events.
     """
     dev = torch.device(device)
-    n, reps = (8192, 10) if dev.type == "cuda" else (1024, 3)
+    n, reps = (8192, 10) if dev.type == "cuda" else (512, 5)
     a = torch.randn(n, n, device=dev).to(dtype)
     b = torch.randn(n, n, device=dev).to(dtype)
     torch.mm(a, b)

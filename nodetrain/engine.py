@@ -2,8 +2,9 @@
 
 Owns: wiring store, window, stage runner, P2P and optimizer for this rank, and the order of a
 step: pipeline rounds → flush gradients → sum the tied embedding's two uses → one all-reduce
-(global grad norm² and loss) → clip → AdamW → refresh the transfer copy. Does not own: the
-config, data or logging (train.py).
+(global grad norm² and loss) → clip → AdamW → refresh the transfer copy, with the AdamW of each
+unit on a background thread (overlap.py decides when) and the step's phases timed
+(breakdown.py). Does not own: the config, data or logging (train.py).
 
 Exactness (DESIGN invariant 2): the loss is the sum of token cross-entropies over every
 micro-batch and accumulation round of the step divided by the step's valid-token count, so
