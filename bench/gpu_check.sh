@@ -42,17 +42,17 @@ tests_rc=$?
 tail -n 3 "$out/gpu_tests.log"
 t1=$(date +%s)
 
-store_dir=/dev/shm
+store_dir=""
 extra=()
 if [[ "$dry_run" == "--dry-run" ]]; then
     store_dir=$(mktemp -d /dev/shm/nt-gpucheck-XXXXXX)
-    extra=(--dry-run)
+    extra=(--dry-run --store-dir "$store_dir")
 fi
 left=$((450 - (t1 - t0)))
-timeout $((left + 20)) "$py" bench/gpu_train.py --out "$out" --budget-s "$left" --store-dir "$store_dir" \
-    "${extra[@]}" 2>&1 | tee "$out/gpu_train.log"
+timeout $((left + 20)) "$py" bench/gpu_train.py --out "$out" --budget-s "$left" ${extra[@]+"${extra[@]}"} 2>&1 \
+    | tee "$out/gpu_train.log"
 train_rc=${PIPESTATUS[0]}
-[[ "$store_dir" != /dev/shm ]] && rm -rf "$store_dir"
+[[ -n "$store_dir" ]] && rm -rf "$store_dir"
 t2=$(date +%s)
 
 cat >"$out/check.json" <<EOF

@@ -3,14 +3,15 @@
     python bench/gpu_train.py --out results/            # on a GPU node (one H200: Llama-3.2-3B)
     python bench/gpu_train.py --out /tmp/r --dry-run    # CPU: a tiny shape, 2 steps, streamed only
 
-Trains ``conf/model/llama3_2_3b.yaml`` (3.2B parameters; its host store, ~18 bytes per parameter,
-fits the default /dev/shm of a 128 GiB node; the model is shortened layer by layer if this node's
-/dev/shm or free memory is smaller) with ``torchrun --nproc_per_node 1 -m nodetrain.train`` on the
-Shakespeare text, bf16, seq 4096, for a few steps: first with every unit streaming
-(``stream.device_budget=0``), then, if time is left, with the automatic residency. From each
-run's ``metrics.jsonl`` it writes ``<out>/<run>.json``: median step time, TFLOP/s, MFU (over
-``--peak-flops``, default the H200's 989 TFLOP/s dense bf16, NVIDIA H200 datasheet), H2D/D2H GB/s,
-stall % and the last step's whole breakdown, and ``<out>/summary.json`` with all runs.
+Trains ``conf/model/llama3_2_3b.yaml`` (3.2B parameters; its host store, ~18 bytes per
+parameter, fits the default /dev/shm of a 128 GiB node; the store goes to the roomier of /dev/shm
+and $TMPDIR, and the model is shortened layer by layer if neither, or the free memory, holds it)
+with ``torchrun --nproc_per_node 1 -m nodetrain.train`` on the Shakespeare text, bf16, seq 4096,
+for a few steps: first with every unit streaming (``stream.device_budget=0``), then, if time is
+left, with the automatic residency. From each run's ``metrics.jsonl`` it writes
+``<out>/<run>.json``: median step time, TFLOP/s, MFU (over ``--peak-flops``, default the H200's
+989 TFLOP/s dense bf16, NVIDIA H200 datasheet), H2D/D2H GB/s, stall % and the last step's whole
+breakdown, and ``<out>/summary.json`` with all runs.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -68,16 +70,19 @@ def _model_cfg(layers: int, dry_run: bool):
     return cfg
 
 
-def fit_layers(store_dir: str, dry_run: bool) -> tuple[int, int, int]:
-    """(layers, store bytes, room): the most layers (≤ 28) whose store fits ``store_dir``'s free
-    space and 90% of the available memory."""
+def fit_layers(store_dirs: list[str], dry_run: bool) -> tuple[int, int, int, str]:
+    """(layers, store bytes, room, directory): the most layers (≤ 28) whose store fits 90% of the
+    available memory and the free space of the roomiest of ``store_dirs`` (a container's /dev/shm
+    may be small; a disk-backed directory then holds the store in the page cache)."""
     import psutil
 
-    room = min(shutil.disk_usage(store_dir).free, int(0.9 * psutil.virtual_memory().available))
+    free = {d: shutil.disk_usage(d).free for d in store_dirs if os.path.isdir(d)}
+    store_dir = max(free, key=free.get)
+    room = min(free[store_dir], int(0.9 * psutil.virtual_memory().available))
     layers = 4 if dry_run else 28
     while layers > 1 and store_bytes(layers, dry_run) > room:
         layers -= 1
-    return layers, store_bytes(layers, dry_run), room
+    return layers, store_bytes(layers, dry_run), room, store_dir
 
 
 def _free_port() -> int:
@@ -138,12 +143,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--budget-s", type=float, default=330, help="wall seconds for all runs")
     ap.add_argument("--peak-flops", type=float, default=H200_BF16_FLOPS)
-    ap.add_argument("--store-dir", default="/dev/shm")
+    ap.add_argument(
+        "--store-dir", action="append", help="candidate store directories (default /dev/shm, $TMPDIR)"
+    )
     args = ap.parse_args()
     t_start = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
-    layers, nbytes, room = fit_layers(args.store_dir, args.dry_run)
-    print(f"model: llama3_2_3b, {layers} layers, host store {nbytes / 1e9:.1f} GB (room {room / 1e9:.1f} GB)")
+    dirs = args.store_dir or ["/dev/shm", tempfile.gettempdir()]
+    layers, nbytes, room, store_dir = fit_layers(dirs, args.dry_run)
+    where = f"{store_dir} ({room / 1e9:.1f} GB room)"
+    print(f"model: llama3_2_3b, {layers} layers, host store {nbytes / 1e9:.1f} GB in {where}")
     steps = 2 if args.dry_run else args.steps
     seq, mb, m = (64, 2, 2) if args.dry_run else (4096, 2, 4)
     data_dir = args.out / "data"
@@ -158,7 +167,7 @@ def main() -> None:
         "train.dtype=bfloat16",
         "logging.wandb=false",
         f"data.dir={data_dir}",
-        f"store.dir={args.store_dir}",
+        f"store.dir={store_dir}",
         "optim.warmup_steps=2",
     ]
     if args.dry_run:  # a small real text (this repo's README) tokenizes in a second
@@ -173,6 +182,7 @@ def main() -> None:
         "dry_run": args.dry_run,
         "layers": layers,
         "store_bytes": nbytes,
+        "store_dir": store_dir,
         "tokens_per_step": seq * mb * m,
         "peak_flops": None if args.dry_run else args.peak_flops,
         "runs": {},
