@@ -77,14 +77,14 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     step_s: dict[int, list[float]] = {1: [], 2: []}
     cpu_s: dict[int, list[float]] = {1: [], 2: []}  # per step: the busiest rank's CPU seconds
-    last: dict[int, dict] = {}
+    two_rank: list[dict] = []  # step records of the 2-rank runs, for their phases
     with tempfile.TemporaryDirectory(prefix="nt-bench-runs-") as runs:
         for _ in range(args.rounds):
             for nproc in (1, 2):
                 records = run(nproc, overrides, Path(runs))
                 step_s[nproc] += [r["step_s"] for r in records[2:]]
                 cpu_s[nproc] += [max(r[f"stage{s}/cpu_s"] for s in range(nproc)) for r in records[2:]]
-                last[nproc] = records[-1]
+                two_rank += records[2:] if nproc == 2 else []
     os.rmdir(shm)
     one, two = statistics.median(step_s[1]), statistics.median(step_s[2])
     m = args.microbatches
@@ -95,9 +95,15 @@ def main() -> None:
     print(f"  load average (1 min) before/after: {load_before:.2f}/{load_after:.2f}, {os.cpu_count()} cores")
     print(f"  1 rank : {one * 1e3:8.1f} ms/step (median of {len(step_s[1])})")
     print(f"  2 ranks: {two * 1e3:8.1f} ms/step (median of {len(step_s[2])})")
-    b = last[2]
-    parts = " ".join(f"{k} {b[f'stage{s}/{k}_s'] * 1e3:.0f}ms" for s in (0, 1) for k in ("compute", "bubble"))
-    print(f"  2-rank breakdown (last step): {parts}")
+    print("  2-rank phases, median ms/step (and CPU s/step of the rank's process):")
+    for s in (0, 1):
+        keys = ("compute", "stall", "d2h_wait", "optim", "bubble")
+        parts = " ".join(
+            f"{k} {statistics.median(r[f'stage{s}/{k}_s'] for r in two_rank) * 1e3:.0f}" for k in keys
+        )
+        print(
+            f"    stage {s}: {parts} (CPU {statistics.median(r[f'stage{s}/cpu_s'] for r in two_rank):.2f} s)"
+        )
     speedup = one / two
     verdict = "met" if speedup >= 1.6 else "MISSED"
     print(f"  speed-up {speedup:.2f} × (ideal {2 * m / (m + 1):.2f} ×, target ≥ 1.6 ×: {verdict})")
