@@ -55,6 +55,7 @@ def make_engine(cfg: Config, run_id: str) -> tuple[Engine, HFModel]:
     validate(cfg, 1)
     model = HFModel(build_hf_config(cfg.model))
     engine = Engine(cfg, model, rank=0, world_size=1, local_rank=0, run_id=run_id, device=torch.device("cpu"))
+    os.rmdir(cfg.store.dir)  # the engine unlinked the store's name; the mapping lives on
     return engine, model
 
 

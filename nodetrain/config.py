@@ -27,12 +27,15 @@ __all__ = [
     "HF_KEYS",
     "SUPPORTED_ARCHS",
     "Config",
+    "CheckpointConfig",
     "ConfigError",
     "DataConfig",
+    "HardwareConfig",
     "LoggingConfig",
     "ModelConfig",
     "OptimConfig",
     "PipelineConfig",
+    "PlanConfig",
     "StoreConfig",
     "StreamConfig",
     "TrainConfig",
@@ -132,9 +135,10 @@ class TrainConfig:
     """Pipeline rounds per optimizer step; a step is grad_accum × pipeline.microbatches micro-batches.
     Derived from ``batch_size`` when that is > 0 (then leave this at 1 or set the same value)."""
     batch_size: int = 0
-    """Sequences per optimizer step; 0 = micro_batch_size × pipeline.microbatches × grad_accum. When
-    > 0 it must be a multiple of micro_batch_size × pipeline.microbatches, and grad_accum becomes
-    batch_size / (micro_batch_size × pipeline.microbatches) (see ``grad_accum_of``)."""
+    """Sequences per optimizer step over all nodes (the global batch); 0 = micro_batch_size ×
+    pipeline.microbatches × grad_accum × nodes. When > 0 it must be a multiple of micro_batch_size ×
+    pipeline.microbatches × nodes, and grad_accum becomes batch_size / (micro_batch_size ×
+    pipeline.microbatches × nodes) (see ``grad_accum_of``), so adding nodes keeps the global batch."""
     dtype: str = "bfloat16"
     """Compute dtype of the streamed transfer copy and the device math: bfloat16 | float16 | float32.
     Master weights and optimizer state are always fp32."""
@@ -153,8 +157,9 @@ class PipelineConfig:
     """How the stages split the model and order their work."""
 
     stages: int = 0
-    """Number of pipeline stages; 0 = the world size of one node (one stage per rank). Must equal the
-    world size, be <= 8 and <= model.hf.num_hidden_layers."""
+    """Number of pipeline stages; 0 = the ranks per node (one stage per rank). Must equal torchrun's
+    ``--nproc_per_node``, be <= 8 and <= model.hf.num_hidden_layers. With ``--nnodes K`` each node
+    runs one replica of the pipeline (data parallel, see nodetrain/replicas.py): world = stages × K."""
     schedule: str = "1f1b"
     """gpipe (arXiv:1811.06965) | 1f1b (PipeDream-Flush, arXiv:2104.04473)."""
     microbatches: int = 4
@@ -215,14 +220,112 @@ class StoreConfig:
 
 @dataclass
 class LoggingConfig:
-    """Metrics destinations (rank 0 only)."""
+    """Metrics destinations (rank 0 only): metrics.jsonl, wandb, plots, the progress line."""
 
     wandb: bool = True
-    """Log to wandb (rank 0 only). Offline unless WANDB_MODE is set in the environment."""
+    """Log to wandb (rank 0 only). Offline unless WANDB_MODE is set in the environment
+    (``online``, ``offline`` or ``disabled``)."""
     project: str = "nodetrain"
     """wandb project name."""
+    entity: str = ""
+    """wandb entity (user or team); empty = the default of the logged-in account."""
+    group: str = ""
+    """wandb group; empty = the sweep's directory name in a ``--multirun`` (all its jobs in one
+    group), no group for a single run."""
+    name: str = ""
+    """wandb run name; empty = the job's overrides (Hydra's ``override_dirname``) in a
+    ``--multirun``, else the run directory's name."""
+    tags: list[str] = field(default_factory=list)
+    """wandb tags, e.g. ``logging.tags=[lr-sweep,baseline]``."""
+    notes: str = ""
+    """wandb notes: a free-text description of the run."""
+    wandb_id: str = ""
+    """wandb run id to continue (``resume="allow"``); empty = a new run. A run resumed from a
+    checkpoint continues the checkpoint's run id when this is empty."""
+    plots: bool = True
+    """Write PNG plots (loss, tokens/s, time breakdown) into ``<run dir>/plots`` at the end of the
+    run (rank 0); ``python -m nodetrain.plots <run dir>`` redraws them at any time."""
     log_every: int = 1
     """Progress line every this many steps (>= 1)."""
+
+
+@dataclass
+class HardwareConfig:
+    """One node's hardware, for the planner (``conf/hardware/``); GB = 1e9 bytes. Every YAML names the
+    source of each number in ``source``."""
+
+    name: str = MISSING
+    """Profile name, e.g. ``h100_sxm``."""
+    peak_flops: float = MISSING
+    """Dense bf16 peak of one device (one GPU; on a CPU profile the whole CPU), FLOP/s."""
+    matmul_efficiency: float = 0.6
+    """Fraction of ``peak_flops`` the model's matmuls reach (an assumption the planner prints), (0, 1]."""
+    device_memory_gb: float = MISSING
+    """Memory of one GPU, GB; 0 on a CPU profile (the "device" window then lives in host memory)."""
+    host_link_gbps: float = MISSING
+    """Host↔device bandwidth of one device, per direction, GB/s (PCIe; a memcpy on a CPU profile)."""
+    host_memory_gb: float = MISSING
+    """Host RAM of the node, GB."""
+    host_memory_bandwidth_gbps: float = MISSING
+    """Host memory bandwidth of the node (all sockets), GB/s; bounds the CPU optimizer."""
+    cores: int = MISSING
+    """CPU cores of the node."""
+    gpus_per_node: int = MISSING
+    """GPUs of the node; 0 = no accelerator (stages are CPU processes)."""
+    source: str = ""
+    """Where each number comes from (datasheet names/URLs, or the measuring script)."""
+
+
+@dataclass
+class PlanConfig:
+    """Planner settings (``python -m nodetrain.plan``) and the training start-up memory check."""
+
+    rank_overhead_gb: float = 0.5
+    """Host RAM per rank beyond the host store (interpreter, torch, window, kept heap), GB; 0.38-0.50
+    measured per CPU rank by ``bench/host_memory.py``. CUDA ranks also hold a CUDA context: raise it."""
+    device_reserve_gb: float = 2.0
+    """Device memory the planner keeps free (CUDA context, allocator slack), GB."""
+    overlap_optimizer: bool = True
+    """Plan with the CPU optimizer overlapped with device work (False: added after each step)."""
+    train_tokens: float = 0.0
+    """Tokens to train for; 0 = 20 × parameters (Chinchilla, arXiv:2203.15556)."""
+    days: float = 0.0
+    """When > 0, also report the nodes needed to train ``train_tokens`` within this many days."""
+
+
+@dataclass
+class CheckpointConfig:
+    """When and where training state is saved, and what a run resumes from (``nodetrain/checkpoint/``).
+
+    A checkpoint ``<dir>/step-N/`` is a Hugging Face model directory (``from_pretrained`` loads it)
+    plus the fp32 resume state and ``trainer_state.json``; see the README's "Checkpoints and resume".
+    """
+
+    every: int = 500
+    """Save every this many optimizer steps (>= 0); the last step is always saved; 0 = only at the end."""
+    keep_last: int = 3
+    """Complete checkpoints kept in ``dir`` (the newest ones, >= 0); older ones are deleted after each
+    save; 0 = keep all."""
+    dir: str = ""
+    """Directory of the ``step-N`` checkpoints; empty = ``<run dir>/checkpoints``."""
+    resume: str = ""
+    """What to start from: empty = a fresh run (``model.init_from`` or random init); ``auto`` = the
+    newest complete checkpoint in ``dir`` (a fresh run when there is none; a corrupted one is skipped
+    with a warning); or the path of one ``step-N`` directory (refused if incomplete or corrupted).
+    To continue a run in its own directory, also pass ``hydra.run.dir=<that run dir>``."""
+    export_dtype: str = "bfloat16"
+    """Dtype of the exported HF model files: bfloat16 | float16 | float32. With float32 the model
+    files are the fp32 master weights themselves and no separate ``master-*`` files are written."""
+    async_write: bool = True
+    """True: each rank copies its units' fp32 master, ``exp_avg`` and ``exp_avg_sq`` (12 bytes per
+    parameter) to private RAM — training stalls only for that copy — and a background thread writes
+    the files. False (or too little free RAM for the copy): write from the host store while
+    training waits."""
+    stop_after_steps: int = 0
+    """End this launch after this many optimizer steps (>= 0), saving a checkpoint first; 0 = run to
+    ``train.steps``. For time-sliced jobs: relaunch with ``checkpoint.resume=auto``."""
+    test_write_delay_s: float = 0.0
+    """Test-only: seconds the writer sleeps before each file, to widen the window a crash can hit."""
 
 
 @dataclass
@@ -237,8 +340,12 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 1234
-    """Seeds the random init and the data order (sampling is a pure function of seed and step)."""
+    """Seeds the random init, the data order (sampling is a pure function of seed and step) and each
+    rank's RNGs (dropout) at step 0."""
 
 
 def _fmt(value: Any) -> str:
@@ -279,10 +386,13 @@ def run_id() -> str:
     start time of the shared parent (the torchrun agent) cannot.
 
     Returns:
-        ``<parent start>_<TORCHELASTIC_RUN_ID>`` when torchrun set a rendezvous id (not ``none``);
-        else ``<parent start>_p<ppid>`` under torchrun (``LOCAL_RANK`` set); else, for a plain
-        ``python`` process, ``<own start>_p<pid>``.
+        ``$NODETRAIN_RUN_ID`` when set (the multi-node launchers set it once for every node, whose
+        torchrun agents start at different instants); else ``<parent start>_<TORCHELASTIC_RUN_ID>``
+        when torchrun set a rendezvous id (not ``none``); else ``<parent start>_p<ppid>`` under
+        torchrun (``LOCAL_RANK`` set); else, for a plain ``python`` process, ``<own start>_p<pid>``.
     """
+    if given := os.environ.get("NODETRAIN_RUN_ID", ""):
+        return _UNSAFE.sub("_", given)
     rdzv_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if rdzv_id and rdzv_id.lower() != "none":
         return f"{_start_time(os.getppid())}_{_UNSAFE.sub('_', rdzv_id)}"
@@ -344,15 +454,18 @@ def to_typed(dict_config: DictConfig) -> Config:
     return cfg
 
 
-def grad_accum_of(cfg: Config) -> int:
-    """Effective pipeline rounds per optimizer step (call after ``validate``).
+def grad_accum_of(cfg: Config, num_replicas: int = 1) -> int:
+    """Effective pipeline rounds per optimizer step of each replica (call after ``validate``).
+
+    Args:
+        num_replicas: pipelines sharing the global batch (nodes; see nodetrain/replicas.py).
 
     Returns:
-        ``train.batch_size / (train.micro_batch_size × pipeline.microbatches)`` when
+        ``train.batch_size / (train.micro_batch_size × pipeline.microbatches × num_replicas)`` when
         ``train.batch_size`` > 0, else ``train.grad_accum``.
     """
     if cfg.train.batch_size > 0:
-        return cfg.train.batch_size // (cfg.train.micro_batch_size * cfg.pipeline.microbatches)
+        return cfg.train.batch_size // (cfg.train.micro_batch_size * cfg.pipeline.microbatches * num_replicas)
     return cfg.train.grad_accum
 
 
@@ -392,6 +505,23 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("data.dir", lambda v: bool(v), "must not be empty", "name the prepared dataset's directory"),
     ("store.dir", lambda v: bool(v), "must not be empty", "use /dev/shm"),
     ("logging.log_every", lambda v: v >= 1, "must be >= 1", "use 1 for a line every step"),
+    ("checkpoint.every", lambda v: v >= 0, "must be >= 0", "use 0 to save only at the end"),
+    ("checkpoint.keep_last", lambda v: v >= 0, "must be >= 0", "use 0 to keep every checkpoint"),
+    ("checkpoint.export_dtype", lambda v: v in DTYPES, f"not one of {', '.join(DTYPES)}", "pick one"),
+    ("checkpoint.stop_after_steps", lambda v: v >= 0, "must be >= 0", "use 0 to run to train.steps"),
+    ("checkpoint.test_write_delay_s", lambda v: v >= 0, "must be >= 0", "use 0 outside tests"),
+    (
+        "checkpoint.resume",
+        lambda v: v in ("", "auto") or Path(v).expanduser().is_dir(),
+        "neither empty, auto nor an existing directory",
+        "use auto, or the path of a step-N checkpoint directory",
+    ),
+    (
+        "model.init_from",
+        lambda v: not v or Path(v).expanduser().is_dir(),
+        "no such directory",
+        "point it at a Hugging Face save_pretrained() directory",
+    ),
     ("seed", lambda v: v >= 0, "must be >= 0", "use any non-negative integer"),
 ]
 
@@ -462,12 +592,15 @@ def _check_model_vs_run(cfg: Config, hf: dict[str, Any], problems: _Problems) ->
         problems.add("model.hf.vocab_size", vocab, what, "remove it (the tokenizer then sets it) or raise it")
 
 
-def _check_stages(cfg: Config, world_size: int, hf: dict[str, Any], problems: _Problems) -> None:
-    stages, layers = cfg.pipeline.stages or world_size, hf.get("num_hidden_layers")
+def _check_stages(
+    cfg: Config, world_size: int, per_node: int, hf: dict[str, Any], problems: _Problems
+) -> None:
+    stages, layers = cfg.pipeline.stages or per_node, hf.get("num_hidden_layers")
     if cfg.pipeline.stages < 0:
         return
-    if stages != world_size:
-        what = f"must equal the world size {world_size} (one stage per rank)"
+    if stages != per_node or world_size % per_node:
+        nodes = f" on each of {world_size // per_node} nodes" if world_size > per_node else ""
+        what = f"must equal the ranks per node, {per_node}{nodes} (one stage per rank)"
         fix = f"launch with torchrun --nproc_per_node {stages}, or set pipeline.stages=0"
         problems.add("pipeline.stages", cfg.pipeline.stages, what, fix)
     if stages > MAX_STAGES:
@@ -481,12 +614,13 @@ def _check_stages(cfg: Config, world_size: int, hf: dict[str, Any], problems: _P
         problems.add("pipeline.stages", stages, what, f"use at most {layers} stages or a deeper model")
 
 
-def _check_batch(train: TrainConfig, pipeline: PipelineConfig, problems: _Problems) -> None:
-    per_round = train.micro_batch_size * pipeline.microbatches
+def _check_batch(train: TrainConfig, pipeline: PipelineConfig, nodes: int, problems: _Problems) -> None:
+    per_round = train.micro_batch_size * pipeline.microbatches * nodes
     if train.batch_size <= 0 or train.micro_batch_size < 1 or pipeline.microbatches < 1:
         return
     if train.batch_size % per_round:
-        what = f"not a multiple of train.micro_batch_size × pipeline.microbatches = {per_round}"
+        nodes_factor = f" × {nodes} nodes" if nodes > 1 else ""
+        what = f"not a multiple of train.micro_batch_size × pipeline.microbatches{nodes_factor} = {per_round}"
         problems.add("train.batch_size", train.batch_size, what, "change it, or use 0 to derive it")
         return
     derived = train.batch_size // per_round
@@ -495,12 +629,13 @@ def _check_batch(train: TrainConfig, pipeline: PipelineConfig, problems: _Proble
         problems.add("train.grad_accum", train.grad_accum, what, "leave it at 1 when train.batch_size is set")
 
 
-def validate(cfg: Config, world_size: int) -> None:
+def validate(cfg: Config, world_size: int, local_world_size: int = 0) -> None:
     """Check every field and cross-field rule once, before any allocation (identically on every rank).
 
     Args:
         cfg: the typed config (see ``to_typed``).
-        world_size: ranks in the launch (torchrun ``--nproc_per_node`` on one node).
+        world_size: ranks in the launch (torchrun ``--nnodes`` × ``--nproc_per_node``).
+        local_world_size: ranks per node (``--nproc_per_node``); 0 = ``world_size`` (one node).
 
     Raises:
         ConfigError: listing every problem found, one per line, as ``key=value: what is wrong; fix``.
@@ -512,6 +647,7 @@ def validate(cfg: Config, world_size: int) -> None:
     hf = _effective_hf(cfg.model, problems)
     _check_shape(cfg.model, hf, problems)
     _check_model_vs_run(cfg, hf, problems)
-    _check_stages(cfg, world_size, hf, problems)
-    _check_batch(cfg.train, cfg.pipeline, problems)
+    per_node = local_world_size or world_size
+    _check_stages(cfg, world_size, per_node, hf, problems)
+    _check_batch(cfg.train, cfg.pipeline, max(1, world_size // per_node), problems)
     problems.raise_if_any()

@@ -1,10 +1,11 @@
 """The stage engine: one rank's part of a training step, from micro-batches to updated weights.
 
 Owns: wiring store, window, stage runner, P2P and optimizer for this rank, and the order of a
-step: pipeline rounds → flush gradients → sum the tied embedding's two uses → one all-reduce
-(global grad norm² and loss) → clip → AdamW → refresh the transfer copy, with the AdamW of each
-unit on a background thread (overlap.py decides when) and the step's phases timed
-(breakdown.py). Does not own: the config, data or logging (train.py).
+step: pipeline rounds → flush gradients → sum the tied embedding's two uses → sum gradients over
+the replicas (several nodes, see replicas.py) → one all-reduce (global grad norm² and loss) → clip
+→ AdamW → refresh the transfer copy, with the AdamW of each unit on a background thread
+(overlap.py decides when) and the step's phases timed (breakdown.py). Does not own: the config,
+data or logging (train.py).
 
 Exactness (DESIGN invariant 2): the loss is the sum of token cross-entropies over every
 micro-batch and accumulation round of the step divided by the step's valid-token count, so
@@ -27,7 +28,8 @@ from nodetrain.config import Config, grad_accum_of
 from nodetrain.model import HFModel
 from nodetrain.optim import StoreAdamW, clip_coef, lr_at
 from nodetrain.overlap import UnitUpdates, fair_share_threads
-from nodetrain.pipeline import P2P, build_schedule, partition
+from nodetrain.pipeline import P2P, Action, build_schedule, partition
+from nodetrain.replicas import ReplicaGradSum, Topology, node_group, replica_slice
 from nodetrain.residency import resident_blocks
 from nodetrain.stage import IGNORE_INDEX, StageRunner
 from nodetrain.store import HostStore, StoreLayout
@@ -75,6 +77,8 @@ class Engine:
         device: compute device (CPU, or this rank's CUDA device).
         init_from: optional callable ``(store, units) -> None`` that fills master weights of the
             given units (checkpoint import); default is random init.
+        topology: stage and replica of this rank when several nodes each run a replica of the
+            pipeline (see replicas.py); default: one pipeline over the world, stage = rank.
     """
 
     def __init__(
@@ -88,27 +92,31 @@ class Engine:
         run_id: str,
         device: torch.device,
         init_from=None,
+        topology: Topology | None = None,
     ):
         self.cfg, self.model, self.device = cfg, model, device
-        self.stage, self.num_stages = rank, world_size
+        self.topo = topo = topology or Topology.single(rank, world_size, local_rank)
+        self.stage, self.num_stages = topo.stage, topo.num_stages
         self.dtype = DTYPES[cfg.train.dtype]
-        self.grad_accum = grad_accum_of(cfg)
-        self.stage_blocks = partition([model.block_cost(i) for i in range(len(model.units))], world_size)
-        self.blocks = self.stage_blocks[rank]
+        self.grad_accum = grad_accum_of(cfg, topo.num_replicas)
+        costs = [model.block_cost(i) for i in range(len(model.units))]
+        self.stage_blocks = partition(costs, topo.num_stages)
+        self.blocks = self.stage_blocks[topo.stage]
         self.units = [model.units[i] for i in self.blocks]
-        self.store = self._open_store(local_rank, run_id)
+        self.store = self._open_store(topo.local_rank, run_id)
         self._init_weights(init_from)
-        self._tied_across = model.tied and world_size > 1
+        self._tied_across = model.tied and topo.num_stages > 1
         self.optimizer = StoreAdamW(self.store, self.units, cfg.optim)
         self.updates = UnitUpdates(
             self.optimizer,
             model.bindings,
             self.blocks,
-            shared_units=(0,) if self._tied_across and rank == 0 else (),
+            shared_units=(0,) if self._tied_across and topo.stage == 0 else (),
             overlap=cfg.optim.overlap,
             clip=cfg.optim.max_grad_norm > 0,
             threads=cfg.optim.threads or fair_share_threads(),
             delay_s=cfg.optim.test_delay_s,
+            replicated=topo.num_replicas > 1,
         )
         self.window = Window(
             self.store,
@@ -118,19 +126,22 @@ class Engine:
             cfg.stream.slots,
             device,
             cfg.stream.test_copy_delay_s,
-            resident=resident_blocks(cfg, model, self.blocks, rank, world_size, device),
+            resident=resident_blocks(cfg, model, self.blocks, topo.stage, topo.num_stages, device),
         )
         self.window.gate, self.window.on_offloaded = self.updates.gate, self.updates.offloaded
         self.runner = StageRunner(model, self.blocks, self.window, self.dtype)
         shape = (cfg.train.micro_batch_size, cfg.train.seq_len, model.config.hidden_size)
         p2p_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
-        self.p2p = P2P(rank, world_size, shape, self.dtype, p2p_device)
+        self.p2p = P2P(topo.stage, topo.num_stages, shape, self.dtype, p2p_device, topo.pipeline_ranks)
+        self.grad_sum = ReplicaGradSum(topo, staging=device if dist.get_backend() == "nccl" else None)
         self.breakdown = self._make_breakdown()
         self.window.timeline = self.p2p.timeline = self.breakdown.timeline
         log.info(
-            "stage %d/%d: units %s (%s), window %.1f MB (resident: %s), host store %.1f MB",
-            rank,
-            world_size,
+            "stage %d/%d (replica %d/%d): units %s (%s), window %.1f MB (resident: %s), host store %.1f MB",
+            topo.stage,
+            topo.num_stages,
+            topo.replica,
+            topo.num_replicas,
             [model.units[i].name for i in (self.blocks[0], self.blocks[-1])],
             len(self.blocks),
             self.window.nbytes / 1e6,
@@ -164,7 +175,7 @@ class Engine:
         if local_rank == 0:
             store = HostStore.create(layout, Path(self.cfg.store.dir), run_id)
             path = [str(store.path)]
-        dist.broadcast_object_list(path, src=0)
+        dist.broadcast_object_list(path, src=self.topo.node_root, group=node_group(self.topo))  # one per node
         if local_rank != 0:
             store = HostStore.attach(layout, path[0])
         dist.barrier()  # every rank has mapped it: the name can go, the memory stays while mapped
@@ -197,7 +208,7 @@ class Engine:
             mb = r * m + a.mb
             lab = labels[mb].to(self.device) if self.runner.is_last else None
             if a.kind == "F":
-                x = inputs[mb].to(self.device) if self.runner.is_first else self.p2p.recv_activation(mb)
+                x = inputs[mb] if self.runner.is_first else self.p2p.recv_activation(mb)
                 out = self.runner.forward(mb, x.to(self.device), lab, keep=train)
                 if self.runner.is_last:
                     loss_sum += float(out)
@@ -224,7 +235,8 @@ class Engine:
 
         Args:
             step: 0-based optimizer step (sets the learning rate).
-            inputs: [N, B, T] int64 token ids, N = grad_accum × microbatches (same on all ranks).
+            inputs: [N, B, T] int64 token ids of the global batch, N = grad_accum × microbatches ×
+                replicas (same on all ranks; each replica runs its N / replicas, see replicas.py).
             labels: [N, B, T] int64 next-token ids, -100 where no loss is taken.
 
         Raises:
@@ -234,8 +246,9 @@ class Engine:
         timeline = self.breakdown.timeline
         timeline.start()
         m = self.cfg.pipeline.microbatches
-        self._check_batch(inputs, labels, self.grad_accum * m)
-        tokens = int((labels != IGNORE_INDEX).sum())
+        self._check_batch(inputs, labels, self.grad_accum * m * self.topo.num_replicas)
+        tokens = int((labels != IGNORE_INDEX).sum())  # of the global batch: every replica scales by it
+        inputs, labels = self._replica_share(inputs, labels)
         lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
         actions = build_schedule(self.cfg.pipeline.schedule, self.num_stages, self.stage, m)
         self.updates.begin_step(lr, self.grad_accum * m)
@@ -249,7 +262,11 @@ class Engine:
             self.p2p.wait_sends()
         with timeline.phase("optim"):
             self._sum_tied_grads()
-            totals = torch.tensor([self.updates.grad_sq_sum(), loss_sum], dtype=torch.float64)
+        with timeline.phase("bubble"):  # the cross-node sum, before any update (none ran: replicated)
+            self.grad_sum([self.store.grad(u.index) for u in self.units])
+        with timeline.phase("optim"):
+            grad_sq = self.updates.grad_sq_sum() if self.topo.replica == 0 else 0.0  # each stage counted once
+            totals = torch.tensor([grad_sq, loss_sum], dtype=torch.float64)
         with timeline.phase("bubble"):
             dist.all_reduce(totals)
         grad_norm = math.sqrt(float(totals[0]))
@@ -275,6 +292,11 @@ class Engine:
         optimizer state between steps (a checkpoint); a load of a unit always waits for it."""
         self.updates.wait_all()
 
+    def _replica_share(self, inputs: torch.Tensor, labels: torch.Tensor):
+        """This replica's micro-batches of the global batch ([N, B, T] → [N/K, B, T]; see replicas.py)."""
+        share = replica_slice(inputs.shape[0], self.topo.replica, self.topo.num_replicas)
+        return inputs[share], labels[share]
+
     def _sum_tied_grads(self) -> None:
         """Tied embedding: stage 0 adds the last stage's gradient of the lm_head use to its own."""
         if not self._tied_across:
@@ -289,15 +311,16 @@ class Engine:
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
         """Forward-only pass over N micro-batches ([N, B, T] each); returns (mean loss, tokens),
-        identical on every rank. No gradients, no optimizer state is touched."""
-        n = inputs.shape[0]
-        self._check_batch(inputs, labels, n)
-        actions = build_schedule("gpipe", self.num_stages, self.stage, n)[:n]
+        identical on every rank. The replicas share the N micro-batches. No gradients, no optimizer
+        state is touched."""
+        self._check_batch(inputs, labels, inputs.shape[0])
+        tokens = int((labels != IGNORE_INDEX).sum())
+        inputs, labels = self._replica_share(inputs, labels)
+        actions = [Action("F", i) for i in range(inputs.shape[0])]
         self.window.begin(self._load_sequence(actions, 1))
         loss_sum = self._run_round(actions, 0, inputs, labels, 1.0, train=False)
         self.window.flush()
         self.p2p.wait_sends()
-        tokens = int((labels != IGNORE_INDEX).sum())
         total = torch.tensor([loss_sum], dtype=torch.float64)
         dist.all_reduce(total)
         return float(total[0]) / max(tokens, 1), tokens

@@ -1,10 +1,10 @@
 """Where a run's numbers go: ``metrics.jsonl``, wandb and a progress line, on one rank only.
 
 Owns: the record sink (one JSON object per logged step, flushed line by line), the wandb run's
-life cycle (init, log, finish) and the console progress line. Does not own: computing the numbers
-(throughput, MFU and the stall/bubble/optimizer breakdown are measured by breakdown.py and passed
-in as record fields), or deciding which rank logs (the caller passes ``enabled``, normally
-``rank == 0``).
+life cycle (init with project/entity/group/name/tags/notes and the resolved config, log, finish;
+resume by id) and the console progress line. Does not own: computing the numbers (throughput,
+MFU and the stall/bubble/optimizer breakdown are measured by breakdown.py and passed in as record
+fields), or deciding which rank logs (the caller passes ``enabled``, normally ``rank == 0``).
 
     with MetricsLogger(run_dir, cfg_dict, enabled=rank == 0, use_wandb=True, project="nodetrain",
                        run_name=run_dir.name, total_steps=300) as metrics:
@@ -98,6 +98,10 @@ class MetricsLogger:
         total_steps: steps of the whole run, for the progress line.
         print_every: print the progress line every this many steps (and whenever the record has a
             ``val_loss`` or is the last step); records are always written.
+        group: wandb group (a sweep's jobs share one), or None.
+        tags, notes, entity: wandb run tags, free-text notes and entity ("" = the account's default).
+        resume_id: continue the wandb run with this id (``resume="allow"``: created if it does not
+            exist), e.g. the :attr:`run_id` kept in a checkpoint; None = a new run.
     """
 
     def __init__(
@@ -111,6 +115,11 @@ class MetricsLogger:
         run_name: str,
         total_steps: int,
         print_every: int = 1,
+        group: str | None = None,
+        tags: list[str] | tuple[str, ...] = (),
+        notes: str = "",
+        entity: str = "",
+        resume_id: str | None = None,
     ) -> None:
         self.enabled = enabled
         self.total_steps = total_steps
@@ -118,6 +127,8 @@ class MetricsLogger:
         self.path: Path | None = None
         self._file: IO[str] | None = None
         self._run: Any = None
+        self.run_id: str | None = None
+        """The wandb run's id (keep it in a checkpoint to continue the run), or None without wandb."""
         self._console: Console | None = None
         if not enabled:
             return
@@ -127,7 +138,19 @@ class MetricsLogger:
         self._file = self.path.open("a", encoding="utf-8")
         self._console = Console(highlight=False, soft_wrap=True)
         if use_wandb:
-            self._run = _init_wandb(run_dir, config, project, run_name)
+            self._run = _init_wandb(
+                run_dir,
+                config,
+                project=project,
+                name=run_name,
+                group=group or None,
+                tags=list(tags) or None,
+                notes=notes or None,
+                entity=entity or None,
+                id=resume_id or None,
+                resume="allow" if resume_id else None,
+            )
+        self.run_id = getattr(self._run, "id", None)
 
     def log(self, record: dict[str, Any]) -> None:
         """Write one record (at least ``step``; normally also loss, lr, grad_norm, tokens,
@@ -173,12 +196,16 @@ class MetricsLogger:
         self.close(exit_code=0 if exc_type is None else 1)
 
 
-def _init_wandb(run_dir: Path, config: dict[str, Any], project: str, run_name: str) -> Any:
-    """Start a wandb run writing under ``run_dir/wandb``; imported lazily (slow import, rank 0 only)."""
+def _init_wandb(run_dir: Path, config: dict[str, Any], **kwargs: Any) -> Any:
+    """Start a wandb run writing under ``run_dir/wandb``; imported lazily (slow import, rank 0 only).
+
+    ``kwargs`` go to ``wandb.init`` (project, name, group, tags, notes, entity, id, resume).
+    """
     import wandb
 
     mode = os.environ.get("WANDB_MODE") or "offline"
     settings = wandb.Settings(console="off", quiet=True)
+    # A run started earlier in this process (the previous job of a sweep) must not be continued.
     return wandb.init(
-        dir=str(run_dir), mode=mode, config=config, name=run_name, project=project, settings=settings
+        dir=str(run_dir), mode=mode, config=config, settings=settings, reinit="finish_previous", **kwargs
     )

@@ -62,10 +62,12 @@ class StoreAdamW:
         self.store, self.units, self.cfg = store, units, cfg
         self._params: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # unit -> [(param, grad)]
         self._opts: dict[int, torch.optim.AdamW] = {}
+        self._names: dict[int, list[list[str]]] = {}  # unit -> HF names of each parameter's tensors
         for u in units:
-            self._params[u.index], groups, state = [], [], {}
+            self._params[u.index], self._names[u.index], groups, state = [], [], [], {}
             for lo, hi, decay in ((0, u.num_decay, cfg.weight_decay), (u.num_decay, u.numel, 0.0)):
                 if hi > lo:
+                    self._names[u.index].append([q.hf_name for q in u.params if lo <= q.offset < hi])
                     p = store.master(u.index)[lo:hi]
                     p.grad = store.grad(u.index)[lo:hi]
                     self._params[u.index].append((p, p.grad))
@@ -78,6 +80,31 @@ class StoreAdamW:
             opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
             opt.state.update(state)
             self._opts[u.index] = opt
+
+    def steps_by_name(self) -> dict[str, float]:
+        """AdamW's update count of every owned HF tensor (all tensors of a parameter share it)."""
+        return {
+            name: float(self._opts[u.index].state[p]["step"])
+            for u in self.units
+            for (p, _), names in zip(self._params[u.index], self._names[u.index], strict=True)
+            for name in names
+        }
+
+    def load_steps(self, steps: dict[str, float]) -> None:
+        """Restore update counts saved by :meth:`steps_by_name` (fp32 CPU scalars, as AdamW keeps them).
+
+        Raises:
+            ValueError: a tensor is missing from ``steps``, or one parameter's tensors disagree.
+        """
+        for u in self.units:
+            opt = self._opts[u.index]
+            for (p, _), names in zip(self._params[u.index], self._names[u.index], strict=True):
+                counts = {steps.get(n) for n in names}
+                if None in counts or len(counts) != 1:
+                    raise ValueError(
+                        f"AdamW step counts of {names} are missing or disagree: {sorted(map(str, counts))}"
+                    )
+                opt.state[p]["step"] = torch.tensor(counts.pop(), dtype=torch.float32)
 
     def grad_sq_sum(self) -> float:
         """Sum of squared fp32 gradients of the owned units (this stage's share of the norm²)."""

@@ -11,6 +11,9 @@ When a unit is updated:
         updates run during the rest of the backward;
     clipping  after the step's all-reduce gives the clip coefficient, unit by unit in the order
         the next step's forward loads them; the forward of unit i waits only for unit i.
+    several replicas (nodes)  as with clipping: the engine sums every owned unit's gradient across
+        the nodes after the flush, from its training thread in the same order on every replica, and
+        only then are updates submitted.
     A unit another stage also reads (the tied embedding, owned by stage 0 and bound by the last
     stage's head) is updated after the tied gradient sum and waited for before the step ends, so
     the engine's barrier publishes it.
@@ -82,11 +85,13 @@ class UnitUpdates:
         clip: global-norm clipping is on (updates wait for the step's all-reduce).
         threads: OpenMP threads of the optimizer thread (≥ 1).
         delay_s: test-only sleep before each update, to expose a missing wait.
+        replicated: several replicas (nodes): every gradient is summed across them after the
+            flush, so no update starts during the backward.
     """
 
     def __init__(self, optimizer: StoreAdamW, bindings, blocks, shared_units=(), *, overlap: bool,
-                 clip: bool, threads: int, delay_s: float = 0.0):  # fmt: skip
-        self.opt, self.overlap, self.clip = optimizer, overlap, clip
+                 clip: bool, threads: int, delay_s: float = 0.0, replicated: bool = False):  # fmt: skip
+        self.opt, self.overlap, self.clip, self.replicated = optimizer, overlap, clip, replicated
         self._owned = [u.index for u in optimizer.units]
         self._shared = set(shared_units)
         self._units_of = {b: sorted({x.unit for x in bindings[b]} & set(self._owned)) for b in blocks}
@@ -123,8 +128,9 @@ class UnitUpdates:
 
     @property
     def in_backward(self) -> bool:
-        """Whether units are updated during the backward (overlap without clipping)."""
-        return self.overlap and not self.clip
+        """Whether units are updated during the backward (overlap without clipping, one replica:
+        with several, a gradient is final only after the engine's cross-node sum)."""
+        return self.overlap and not self.clip and not self.replicated
 
     def begin_step(self, lr: float, offloads_per_block: int) -> None:
         """Arm the final-gradient count: every block gets ``offloads_per_block`` offloads a step."""

@@ -98,13 +98,18 @@ class P2P:
     handles are kept until :meth:`wait_sends`. Tags separate micro-batches and directions.
 
     Args:
-        stage, num_stages: this rank's stage and the pipeline depth (rank = stage).
+        stage, num_stages: this rank's stage and the pipeline depth.
         shape: [B, T, D] of an activation; dtype/device: compute dtype and transfer device
             (CPU for gloo; the CUDA device for NCCL).
+        ranks: global rank of each stage of this pipeline (a replica, see replicas.py); default
+            ``range(num_stages)`` (rank = stage).
     """
 
-    def __init__(self, stage: int, num_stages: int, shape, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, stage: int, num_stages: int, shape, dtype: torch.dtype, device: torch.device, ranks=None
+    ):
         self.stage, self.num_stages = stage, num_stages
+        self.ranks = list(range(num_stages)) if ranks is None else list(ranks)
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self._sends: list = []
         self.timeline = NULL_TIMELINE
@@ -121,16 +126,16 @@ class P2P:
         return buf
 
     def send_activation(self, mb: int, h: torch.Tensor) -> None:
-        self._sends.append(dist.isend(h.contiguous(), dst=self.stage + 1, tag=2 * mb))
+        self._sends.append(dist.isend(h.contiguous(), dst=self.ranks[self.stage + 1], tag=2 * mb))
 
     def recv_activation(self, mb: int) -> torch.Tensor:
-        return self._recv(self.stage - 1, 2 * mb)
+        return self._recv(self.ranks[self.stage - 1], 2 * mb)
 
     def send_grad(self, mb: int, g: torch.Tensor) -> None:
-        self._sends.append(dist.isend(g.contiguous(), dst=self.stage - 1, tag=2 * mb + 1))
+        self._sends.append(dist.isend(g.contiguous(), dst=self.ranks[self.stage - 1], tag=2 * mb + 1))
 
     def recv_grad(self, mb: int) -> torch.Tensor:
-        return self._recv(self.stage + 1, 2 * mb + 1)
+        return self._recv(self.ranks[self.stage + 1], 2 * mb + 1)
 
     def wait_sends(self) -> None:
         for work in self._sends:

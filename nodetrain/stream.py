@@ -24,6 +24,7 @@ The waits enter the ``stall``, ``d2h_wait`` and ``optim`` phases of ``timeline``
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -234,7 +235,8 @@ class Window:
         with self.timeline.phase("stall"):
             _wait(load)
         self.stall_s += time.perf_counter() - t0
-        return {name: buf[pos : pos + _numel(shape)].view(shape) for name, pos, shape in self._views[block]}
+        views = self._views[block]
+        return {name: buf[pos : pos + math.prod(shape)].view(shape) for name, pos, shape in views}
 
     def release(self) -> None:
         """Compute on the current load is issued; its slot (if streamed) takes the next load."""
@@ -293,10 +295,3 @@ class Window:
     def close(self) -> None:
         self._h2d.shutdown()
         self._d2h.shutdown()
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -9,8 +9,16 @@ On one node of 8 GPUs, a real shape (NCCL, one stage per GPU):
     torchrun --nproc_per_node 8 -m nodetrain.train model=llama3_8b train.seq_len=4096 \
         train.micro_batch_size=1 pipeline.microbatches=16
 
+A learning-rate sweep on the same ranks (one process group, one directory and wandb run per job):
+
+    torchrun --nproc_per_node 2 -m nodetrain.train --multirun optim.lr=1e-3,3e-4
+
+Two nodes, each a replica of the 2-stage pipeline (data parallel; see nodetrain/replicas.py):
+
+    torchrun --nnodes 2 --nproc_per_node 2 --node_rank <0|1> --master_addr <node 0> -m nodetrain.train
+
 Every rank shares one run directory (``runs/<launch time>_<id>``), writes ``rank<N>.log`` there,
-and rank 0 writes ``metrics.jsonl`` and the offline wandb run.
+and rank 0 writes ``metrics.jsonl``, the offline wandb run and ``plots/``.
 """
 
 from __future__ import annotations
@@ -22,15 +30,17 @@ from pathlib import Path
 import hydra
 import torch
 import torch.distributed as dist
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from nodetrain import data
-from nodetrain.checkpoint import load_hf_weights
+from nodetrain.checkpoint import Checkpointing
 from nodetrain.config import Config, grad_accum_of, register_configs, to_typed, validate
 from nodetrain.engine import Engine
+from nodetrain.jobs import Job, Release, current_job, fail_fast
 from nodetrain.metrics import MetricsLogger
 from nodetrain.model import HFModel, build_hf_config
+from nodetrain.plan import preflight
+from nodetrain.replicas import Topology
 
 __all__ = ["main", "run"]
 
@@ -50,6 +60,9 @@ def _init_distributed() -> tuple[int, int, int, torch.device]:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
         dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+        log.info("process group: %s, world size %d", backend, dist.get_world_size())
+    else:
+        log.info("process group: reused (%s, world size %d)", dist.get_backend(), dist.get_world_size())
     return dist.get_rank(), dist.get_world_size(), local_rank, device
 
 
@@ -85,14 +98,43 @@ def _evaluate(engine: Engine, val: data.TokenDataset, cfg: Config) -> float:
     return total / max(tokens, 1)
 
 
-def run(cfg: Config, run_dir: Path, resolved: dict) -> list[dict]:
+def _metrics_logger(
+    cfg: Config, job: Job, resolved: dict, enabled: bool, resume_id: str | None
+) -> MetricsLogger:
+    """metrics.jsonl and the job's wandb run (named and grouped by the job, see jobs.py); a resumed
+    run continues the wandb run its checkpoint recorded unless ``logging.wandb_id`` names another."""
+    lc = cfg.logging
+    return MetricsLogger(
+        job.run_dir,
+        resolved,
+        enabled=enabled,
+        use_wandb=lc.wandb,
+        project=lc.project,
+        run_name=job.name,
+        total_steps=cfg.train.steps,
+        print_every=lc.log_every,
+        group=job.group,
+        tags=lc.tags,
+        notes=lc.notes,
+        entity=lc.entity,
+        resume_id=lc.wandb_id or resume_id,
+    )
+
+
+def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> list[dict]:
     """Train with a validated config; returns the per-step records (on every rank).
 
+    Args:
+        job: the Hydra job (store id, wandb group and name); default: a single run in ``run_dir``.
+
     Raises:
-        ConfigError: the config cannot work with this world size (before any allocation).
+        ConfigError: the config cannot work with this world size, or its host store does not fit
+            this node (before any allocation).
     """
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    job = job or Job.plain(run_dir, cfg.logging)
+    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     rank, world_size, local_rank, device = _init_distributed()
+    topology, release = Topology.from_env(cfg.pipeline.stages), Release()
     data_dir = Path(_on_rank0(lambda: str(data.prepare(cfg.data, cfg.seed))))
     train_ds, val_ds = data.TokenDataset.open(data_dir, "train"), data.TokenDataset.open(data_dir, "val")
     model = HFModel(build_hf_config(cfg.model, vocab_size=train_ds.vocab_size))
@@ -101,38 +143,31 @@ def run(cfg: Config, run_dir: Path, resolved: dict) -> list[dict]:
             f"model.hf.vocab_size={model.config.vocab_size} is smaller than the tokenizer's "
             f"{train_ds.vocab_size} ({data_dir}); remove it so the tokenizer's size is used"
         )
-    init = (
-        (lambda store, units: load_hf_weights(cfg.model.init_from, store, units))
-        if cfg.model.init_from
-        else None
-    )
+    # refuse a store the node cannot hold (nodes are alike: node 0 answers for all)
+    _on_rank0(lambda: preflight(cfg, model, topology.num_stages))
+    ckpt = Checkpointing(cfg, run_dir, resolved, model)  # resume or import is checked before the store exists
     engine = Engine(
         cfg,
         model,
         rank=rank,
         world_size=world_size,
         local_rank=local_rank,
-        run_id=run_dir.name,
+        run_id=job.id,
         device=device,
-        init_from=init,
+        init_from=ckpt.init_fn(),
+        topology=topology,
     )
-    num_mb = grad_accum_of(cfg) * cfg.pipeline.microbatches
-    metrics = MetricsLogger(
-        run_dir,
-        resolved,
-        enabled=rank == 0,
-        use_wandb=cfg.logging.wandb,
-        project=cfg.logging.project,
-        run_name=run_dir.name,
-        total_steps=cfg.train.steps,
-        print_every=cfg.logging.log_every,
-    )
-    records = []
+    k = topology.num_replicas  # the global batch: every replica's micro-batches
+    num_mb = grad_accum_of(cfg, k) * cfg.pipeline.microbatches * k
+    metrics = _metrics_logger(cfg, job, resolved, enabled=rank == 0, resume_id=ckpt.wandb_run_id)
+    ckpt.wandb_run_id = metrics.run_id or ckpt.wandb_run_id  # kept in trainer_state.json (rank 0)
+    records, ok = [], False
     try:
         with metrics:
-            if cfg.train.eval_every:
+            start = ckpt.attach(engine)  # on resume: AdamW counts and RNG states, right before the loop
+            if cfg.train.eval_every and start == 0:
                 metrics.log({"step": 0, "val_loss": _evaluate(engine, val_ds, cfg)})
-            for step in range(cfg.train.steps):
+            for step in range(start, cfg.train.steps):
                 x, y = _step_batch(train_ds, cfg, step, num_mb)
                 r = engine.train_step(step, x, y)
                 rec = {
@@ -152,22 +187,46 @@ def run(cfg: Config, run_dir: Path, resolved: dict) -> list[dict]:
                 every = cfg.train.eval_every
                 if every and ((step + 1) % every == 0 or last):
                     rec["val_loss"] = _evaluate(engine, val_ds, cfg)
+                stop, stall_s = ckpt.after_step(step + 1)  # after evaluation: it draws dropout masks too
+                if stall_s is not None:
+                    rec["ckpt_stall_s"] = stall_s
                 metrics.log(rec)
                 records.append(rec)
+                if stop:
+                    break
+            ok = True
     finally:
-        engine.close()
+        try:
+            ckpt.close(ok)  # waits for the last save and commits it
+        finally:
+            engine.close()
+    store_path = engine.store.path
+    del engine, ckpt  # the last references: the store mapping goes before a sweep's next job
+    release.check(store_path)
     log.info(
         "done: %d steps, final loss %.4f", len(records), records[-1]["loss"] if records else float("nan")
     )
+    if rank == 0 and cfg.logging.plots:
+        _write_plots(run_dir)
     return records
+
+
+def _write_plots(run_dir: Path) -> None:
+    from nodetrain.plots import write_plots  # matplotlib: imported on rank 0 only, when used
+
+    try:
+        log.info("plots: %s", ", ".join(p.name for p in write_plots(run_dir)))
+    except Exception:  # the run itself succeeded; a plot must not turn it into a failure
+        log.exception("writing the plots of %s failed; redraw with python -m nodetrain.plots", run_dir)
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(dict_cfg: DictConfig) -> None:
     """Hydra entry: converts the composed config once and runs training in the shared run dir."""
     cfg = to_typed(dict_cfg)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    run(cfg, run_dir, OmegaConf.to_container(dict_cfg, resolve=True))
+    job = current_job(cfg.logging)
+    with fail_fast():  # in a sweep under torchrun, a failed job ends every rank instead of the next job
+        run(cfg, job.run_dir, OmegaConf.to_container(dict_cfg, resolve=True), job)
 
 
 if __name__ == "__main__":

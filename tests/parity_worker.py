@@ -20,6 +20,10 @@ Writes, under ``out_dir``:
                                  breakdown of every stage (see nodetrain/breakdown.py).
 
     python -m torch.distributed.run --nproc_per_node 2 --master_port 29511 tests/parity_worker.py spec.json
+
+Under ``--nnodes K`` each node runs one replica of the pipeline (nodetrain/replicas.py): the batch
+file then holds the global batch, and ``weights_rank<r>`` of every node are written (the same
+``out_dir`` may be shared by nodes on one machine; give each its own ``store.dir``).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from nodetrain.checkpoint import load_hf_weights
 from nodetrain.config import Config, ModelConfig, validate
 from nodetrain.engine import Engine
 from nodetrain.model import HFModel, build_hf_config
+from nodetrain.replicas import Topology
 
 
 def _config(spec: dict) -> Config:
@@ -105,7 +110,7 @@ def main(spec_path: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # nothing here should depend on it; fixed anyway
     cfg = _config(spec)
-    validate(cfg, world)
+    validate(cfg, world, int(os.environ["LOCAL_WORLD_SIZE"]))
     batch = load_file(spec["batch_file"])
     inputs, labels = batch["inputs"], batch["labels"]  # [steps, N, B, T] int64
     assert inputs.shape[0] == cfg.train.steps, "batch file and train.steps disagree"
@@ -116,7 +121,7 @@ def main(spec_path: str) -> None:
         model_dir = spec["model_dir"]
 
         def init_from(store, units):
-            load_hf_weights(model_dir, store, units)
+            load_hf_weights(model_dir, store, units, model)  # the whole directory is checked first
 
     proc = psutil.Process()
     uss_before = proc.memory_full_info().uss
@@ -129,6 +134,7 @@ def main(spec_path: str) -> None:
         run_id=spec["run_id"],
         device=device,
         init_from=init_from,
+        topology=Topology.from_env(cfg.pipeline.stages),
     )
     steps = []
     for step in range(cfg.train.steps):

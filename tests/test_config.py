@@ -29,7 +29,7 @@ from nodetrain.config import (
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-GROUPS = ("model", "data", "optim", "pipeline")
+GROUPS = ("model", "data", "optim", "pipeline", "hardware", "checkpoint")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,7 +51,7 @@ def _options(group: str) -> list[str]:
 
 def test_every_yaml_is_covered() -> None:
     shipped = {p.relative_to(CONF).as_posix() for p in CONF.rglob("*.yaml")}
-    covered = {"config.yaml"} | {f"{g}/{o}.yaml" for g in GROUPS for o in _options(g)}
+    covered = {"config.yaml", "plan.yaml"} | {f"{g}/{o}.yaml" for g in GROUPS for o in _options(g)}
     assert shipped == covered, "a YAML outside the known groups is not tested"
 
 
@@ -60,6 +60,15 @@ def test_every_yaml_composes_and_validates(group: str, option: str) -> None:
     cfg = _compose([f"{group}={option}"])
     assert isinstance(cfg, Config)
     validate(cfg, world_size=2)
+
+
+def test_plan_yaml_is_the_training_config_without_a_run_dir() -> None:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        plan = compose("plan", overrides=["model=qwen3_tiny"])
+        train = compose("config", overrides=["model=qwen3_tiny"])
+        hydra_node = compose("plan", return_hydra_config=True).hydra
+    assert to_typed(plan) == to_typed(train)
+    assert hydra_node.output_subdir is None and hydra_node.run.dir == "."
 
 
 def test_default_config() -> None:
@@ -189,6 +198,13 @@ INVALID = [
     (["data.source="], 2, ["data.source"]),
     (["logging.log_every=0"], 2, ["logging.log_every"]),
     (["seed=-1"], 2, ["seed"]),
+    (["checkpoint.every=-1"], 2, ["checkpoint.every"]),
+    (["checkpoint.keep_last=-2"], 2, ["checkpoint.keep_last"]),
+    (["checkpoint.export_dtype=int8"], 2, ["checkpoint.export_dtype"]),
+    (["checkpoint.stop_after_steps=-1"], 2, ["checkpoint.stop_after_steps"]),
+    (["checkpoint.test_write_delay_s=-1"], 2, ["checkpoint.test_write_delay_s"]),
+    (["checkpoint.resume=/nonexistent/step-3"], 2, ["checkpoint.resume", "auto"]),
+    (["model.init_from=/nonexistent/hf"], 2, ["model.init_from", "save_pretrained"]),
 ]
 
 

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+from wandb_log import read_run
 
 from nodetrain.metrics import METRICS_FILE, MetricsLogger, format_progress
 
@@ -85,3 +86,71 @@ def test_format_progress() -> None:
     line = format_progress(_record(7, val_loss=2.25), total_steps=300)
     assert line.startswith("step   7/300 | loss -2.0000 | val 2.2500 | lr 7.00e-03")
     assert line.endswith("9,000 tok/s")
+
+
+def _offline_runs(run_dir: Path) -> list[Path]:
+    """The run files under ``run_dir/wandb``, once wandb's service has written them out: ``finish``
+    hands the records to the service process, which writes them asynchronously; ``teardown`` (run
+    at exit in a real run) waits for it."""
+    import wandb
+
+    wandb.teardown()
+    return sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_wandb_run_carries_config_group_name_tags_and_the_step_breakdown(
+    tmp_path: Path, offline_wandb
+) -> None:
+    config = {"optim": {"lr": 3e-4}, "model": {"name": "tiny"}}
+    with MetricsLogger(
+        tmp_path,
+        config,
+        enabled=True,
+        use_wandb=True,
+        project="nodetrain-test",
+        run_name="optim.lr=0.0003",
+        total_steps=2,
+        group="multirun_x",
+        tags=["sweep", "lr"],
+        notes="a test run",
+    ) as logger:
+        run_id = logger.run_id
+        logger.log(_record(1, step_s=0.5, stall_s=0.1, p2p_wait_s=0.2, optim_s=0.05))
+        logger.log(_record(2, step_s=0.4, stall_s=0.0, p2p_wait_s=0.1, optim_s=0.05))
+    (path,) = _offline_runs(tmp_path)
+    run = read_run(path)
+    assert run.run_id == run_id and run_id
+    assert (run.name, run.group, run.project, run.tags, run.notes) == (
+        "optim.lr=0.0003",
+        "multirun_x",
+        "nodetrain-test",
+        ["sweep", "lr"],
+        "a test run",
+    )
+    assert run.config["optim"] == {"lr": 3e-4} and run.config["model"] == {"name": "tiny"}
+    steps = [h for h in run.history if "step" in h]
+    assert [h["_step"] for h in steps] == [1, 2] and [h["stall_s"] for h in steps] == [0.1, 0.0]
+    assert {"loss", "step_s", "p2p_wait_s", "optim_s", "tokens_per_s"} <= steps[0].keys()
+    assert run.exit_code == 0, "the run was not finished"
+
+
+def test_resume_id_continues_the_same_wandb_run(tmp_path: Path, offline_wandb) -> None:
+    kwargs = {"enabled": True, "use_wandb": True, "project": "p", "run_name": "r", "total_steps": 4}
+    with MetricsLogger(tmp_path / "a", {}, **kwargs) as first:
+        first.log(_record(1))
+    with MetricsLogger(tmp_path / "b", {}, resume_id=first.run_id, **kwargs) as second:
+        second.log(_record(2))
+    assert second.run_id == first.run_id
+    (a,), (b,) = _offline_runs(tmp_path / "a"), _offline_runs(tmp_path / "b")
+    assert read_run(a).run_id == read_run(b).run_id == first.run_id
+    assert [h["step"] for h in read_run(b).history if "step" in h] == [2]
+
+
+def test_wandb_disabled_mode_logs_records_only(tmp_path: Path, offline_wandb, monkeypatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    with MetricsLogger(
+        tmp_path, {}, enabled=True, use_wandb=True, project="p", run_name="r", total_steps=1
+    ) as m:
+        m.log(_record(1))
+    assert [json.loads(x)["step"] for x in (tmp_path / METRICS_FILE).read_text().splitlines()] == [1]
+    assert not _offline_runs(tmp_path) and not list(tmp_path.glob("wandb/*run-*"))

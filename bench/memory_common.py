@@ -1,0 +1,84 @@
+"""Shared by ``host_memory.py`` and ``plan_accuracy.py``: launch ``memory_worker.py`` under torchrun
+and plan the same config with ``nodetrain.plan``, so measured and predicted figures come from one
+config. Stores go to a private directory under /dev/shm that is removed afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from nodetrain.config import register_configs, to_typed  # noqa: E402
+from nodetrain.plan import Plan, make_plan  # noqa: E402
+
+__all__ = ["GB", "MB", "measure", "plan", "err"]
+
+GB, MB = 1e9, 1e6
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(
+    nproc: int, overrides: list[str], steps: int = 2, timeout_s: float = 900, pin_malloc: bool = True
+) -> list[dict]:
+    """Run the real engine on ``nproc`` ranks (gloo, CPU) and return every rank's figures.
+
+    With ``pin_malloc``, ``MALLOC_MMAP_THRESHOLD_`` pins glibc's mmap threshold at 64 kB so freed
+    tensors go back to the kernel and a step's resident peak (VmHWM) tracks the bytes actually live
+    in it; without, the ranks run with glibc's defaults, as a training run does.
+    """
+    store_dir = Path(tempfile.mkdtemp(prefix="nt-bench-", dir="/dev/shm"))
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        WANDB_MODE="disabled",
+        TRANSFORMERS_VERBOSITY="error",
+    )
+    if pin_malloc:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    spec = json.dumps({"overrides": [*overrides, f"store.dir={store_dir}"], "steps": steps})
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    cmd += [
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        str(ROOT / "bench/memory_worker.py"),
+        spec,
+    ]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    finally:
+        left = list(store_dir.iterdir())
+        shutil.rmtree(store_dir, ignore_errors=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+    assert not left, f"store files left behind: {left}"
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
+def plan(nproc: int, overrides: list[str]) -> Plan:
+    """The planner's view of the same run: CPU profile, ``nproc`` stages."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = to_typed(compose("config", overrides=[*overrides, "hardware=cpu", f"pipeline.stages={nproc}"]))
+    return make_plan(cfg)
+
+
+def err(predicted: float, measured: float) -> str:
+    """Signed relative error of the prediction, e.g. ``+3.1%``."""
+    return f"{(predicted - measured) / measured:+.1%}"

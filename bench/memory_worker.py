@@ -1,0 +1,98 @@
+"""One rank of a memory measurement (run under torchrun by ``host_memory.py`` / ``plan_accuracy.py``).
+
+    torchrun --nproc_per_node 2 bench/memory_worker.py '{"overrides": ["model=llama_10m"], "steps": 2}'
+
+Builds the real engine for the composed config (random tokens, no dataset), runs ``steps`` training
+steps, and reports, per rank: the host store and window bytes of the engine's objects, the peak
+resident growth during the last step (``VmHWM`` − ``VmRSS`` before it, after resetting the peak
+through ``/proc/self/clear_refs``), and the rank's proportional set size (``Pss`` of
+``/proc/self/smaps_rollup``: shared pages divided among the processes mapping them, so the ranks'
+PSS add up to the node's memory without counting the host store twice). Rank 0 prints one line
+``RESULT <json>`` with every rank's figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from nodetrain.config import grad_accum_of, register_configs, to_typed, validate  # noqa: E402
+from nodetrain.engine import Engine  # noqa: E402
+from nodetrain.plan import model_of  # noqa: E402
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _rollup_kb() -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:]:
+        key, value, *_ = line.split()
+        out[key.rstrip(":")] = int(value)
+    return out
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = to_typed(compose("config", overrides=spec["overrides"]))
+    validate(cfg, world)
+    model = model_of(cfg)
+    engine = Engine(
+        cfg, model, rank=rank, world_size=world, local_rank=int(os.environ["LOCAL_RANK"]),
+        run_id=f"bench{os.getppid()}", device=torch.device("cpu"),
+    )  # fmt: skip
+    num_mb = grad_accum_of(cfg) * cfg.pipeline.microbatches
+    shape = (num_mb, cfg.train.micro_batch_size, cfg.train.seq_len)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    tokens = torch.randint(0, model.config.vocab_size, (shape[0], shape[1], shape[2] + 1), generator=gen)
+    x, y = tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous()
+    try:
+        for step in range(spec.get("steps", 2)):
+            last = step == spec.get("steps", 2) - 1
+            if last:
+                dist.barrier()
+                Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+                rss_before = _status_kb("VmRSS")
+            engine.train_step(step, x, y)
+        peak_growth = (_status_kb("VmHWM") - rss_before) * 1024
+        dist.barrier()  # every rank still maps the store while PSS is read
+        rollup = _rollup_kb()
+        mine = {
+            "rank": rank,
+            "store_bytes": engine.store.nbytes,
+            "window_bytes": engine.window.nbytes,
+            "blocks": list(engine.blocks),
+            "peak_growth_bytes": peak_growth,
+            "pss_bytes": rollup["Pss"] * 1024,
+            "pss_shmem_bytes": rollup.get("Pss_Shmem", 0) * 1024,
+            "rss_bytes": rollup["Rss"] * 1024,
+        }
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine)
+        dist.barrier()
+    finally:
+        engine.close()
+    if rank == 0:
+        print("RESULT " + json.dumps(gathered), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""What the training loop sees of checkpoints: where a run starts, when it saves, how it ends.
+
+Owns: the decisions — resume (``checkpoint.resume``) beats import (``model.init_from``) beats
+random init; save every ``checkpoint.every`` steps, at the last step and before an early stop
+(``checkpoint.stop_after_steps``); the run-level fields of ``trainer_state.json`` (step, LR
+schedule, data cursor, config + hash, stage layout). Does not own: the files (writer.py), their
+verification (state.py) or loading (resume.py, hf_import.py).
+
+    ckpt = Checkpointing(cfg, run_dir, resolved, model)        # collective, before the store
+    engine = Engine(..., init_from=ckpt.init_fn())
+    start = ckpt.attach(engine)                                 # AdamW counts, RNG; first step
+    for step in range(start, cfg.train.steps):
+        ...
+        stop, stall_s = ckpt.after_step(step + 1)
+        if stop: break
+    ckpt.close(ok=True)                                         # waits for and commits the last save
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from nodetrain.checkpoint import state as st
+from nodetrain.checkpoint.collective import broadcast_json
+from nodetrain.checkpoint.hf_import import check_model_dir, load_units
+from nodetrain.checkpoint.resume import (
+    check_training_state,
+    choose_checkpoint,
+    load_training_state,
+    restore_rng,
+    restore_steps,
+    seed_rng,
+)
+from nodetrain.checkpoint.writer import CheckpointWriter
+from nodetrain.config import Config, grad_accum_of
+from nodetrain.model import HFModel
+from nodetrain.optim import lr_at
+
+__all__ = ["Checkpointing"]
+
+log = logging.getLogger(__name__)
+
+
+class Checkpointing:
+    """One rank's checkpointing for a run (every method is collective unless it says otherwise).
+
+    Args:
+        cfg: the validated run config.
+        run_dir: the run directory (``checkpoint.dir`` defaults to ``<run_dir>/checkpoints``).
+        resolved: the resolved config as plain data (stored, hashed and compared on resume).
+        model: the run's model.
+
+    Raises:
+        CheckpointError: ``checkpoint.resume`` names a bad checkpoint, or ``auto`` finds only bad ones.
+        ValueError: ``model.init_from`` cannot initialise this model (every problem listed).
+    """
+
+    def __init__(self, cfg: Config, run_dir: Path, resolved: dict[str, Any], model: HFModel):
+        self.cfg, self.model, self.resolved = cfg, model, resolved
+        c = cfg.checkpoint
+        self.dir = Path(c.dir).expanduser() if c.dir else Path(run_dir) / "checkpoints"
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.group = dist.new_group(backend="gloo")
+        self.path, self.state = self._choose()
+        self.start_step = int(self.state["step"]) if self.state else 0
+        self._hf_index = None
+        if self.path is None and cfg.model.init_from:
+            self._hf_index = check_model_dir(cfg.model.init_from, model)  # headers only, before allocation
+        elif self.path is not None and cfg.model.init_from:
+            log.info("resuming from %s: model.init_from=%s is not read", self.path, cfg.model.init_from)
+        self.writer: CheckpointWriter | None = None
+        self._stage_blocks: list[range] = []
+        self._engine = lambda: None  # weak reference to the engine, set by attach
+        self.wandb_run_id: str | None = self.state.get("wandb_run_id") if self.state else None
+        """The wandb run this training continues (kept in ``trainer_state.json``; set by the caller)."""
+
+    def _choose(self) -> tuple[Path | None, dict | None]:
+        answer = {"path": None, "error": None}
+        if self.rank == 0:
+            try:
+                self._remove_leftovers()
+                path = choose_checkpoint(self.cfg.checkpoint.resume, self.dir)
+                answer["path"] = None if path is None else str(path)
+            except (OSError, ValueError) as e:
+                answer["error"] = str(e)
+        answer = broadcast_json(answer, self.group)
+        if answer["error"]:
+            raise st.CheckpointError(answer["error"])
+        if answer["path"] is None:
+            return None, None
+        path = Path(answer["path"])
+        state = st.read_state(path)
+        check_training_state(path, state, self.model.units)  # headers only, before allocation
+        if self.rank == 0:
+            self._report(path, state)
+        return path, state
+
+    def _remove_leftovers(self) -> None:
+        """``*.tmp`` directories are saves a crash interrupted; none is complete (rank 0 only)."""
+        if self.dir.is_dir():
+            for p in self.dir.glob("*.tmp"):
+                log.warning("removing %s, an interrupted checkpoint save", p)
+                shutil.rmtree(p, ignore_errors=True)
+
+    def _report(self, path: Path, state: dict) -> None:
+        log.info(
+            "resuming from %s (step %d, written on %d stages)", path, state["step"], len(state["stages"])
+        )
+        for diff in st.config_differences(state["config"], self.resolved):
+            log.warning("config differs from the checkpoint's: %s", diff)
+        newer = [p.name for s, p in st.complete_checkpoints(self.dir) if s > state["step"]]
+        if newer:
+            log.warning(
+                "%s holds newer checkpoints %s than the one resumed from; this run replaces them as it "
+                "reaches their steps, and checkpoint.resume=auto picks the newest",
+                self.dir,
+                newer,
+            )
+
+    def init_fn(self):
+        """The ``init_from`` callable for ``Engine``: checkpoint state, HF weights, or None (random)."""
+        if self.path is not None:
+            return lambda store, units: load_training_state(self.path, self.state, store, units)
+        if self._hf_index is not None:
+            return lambda store, units: load_units(self._hf_index, store, units)
+        return None
+
+    def attach(self, engine) -> int:
+        """Bind to the built engine; on resume restore AdamW's update counts and the RNG states, on
+        a fresh start seed the RNGs from (seed, rank). Call right before anything draws random
+        numbers (the first evaluation or step). Returns the first step to run (0-based)."""
+        self._stage_blocks = engine.stage_blocks
+        # overlapped AdamW (overlap.py): a save reads the store only after every update is done;
+        # weak, so this object does not keep the engine (and its store mapping) alive
+        self._engine = weakref.ref(engine)
+        self.writer = CheckpointWriter(
+            self.dir,
+            self.cfg.checkpoint,
+            self.model,
+            engine.store,
+            engine.units if engine.topo.replica == 0 else [],  # replicas hold the same weights: one writes
+            engine.optimizer,
+            self.group,
+        )
+        if self.path is not None:
+            restore_steps(self.path, engine.optimizer, engine.units)
+            restore_rng(self.state, self.rank, self.world, self.cfg.seed, self.model.has_dropout)
+            self.writer.last_saved = self.start_step
+        else:
+            seed_rng(self.cfg.seed, 0, self.rank)
+        if self.start_step >= self.cfg.train.steps:
+            log.info(
+                "the checkpoint is at step %d of train.steps=%d: nothing to run",
+                self.start_step,
+                self.cfg.train.steps,
+            )
+        return self.start_step
+
+    def after_step(self, step: int) -> tuple[bool, float | None]:
+        """Save if ``step`` (completed optimizer steps) is due, else commit a finished save.
+
+        Returns:
+            (stop: this launch ends here, ``checkpoint.stop_after_steps``;
+             seconds training waited for a save started now, or None).
+        """
+        c = self.cfg.checkpoint
+        stop = bool(c.stop_after_steps) and step - self.start_step >= c.stop_after_steps
+        due = stop or step == self.cfg.train.steps or (c.every > 0 and step % c.every == 0)
+        if not due:
+            self.writer.poll()
+            return False, None
+        engine = self._engine()
+        if engine is not None and hasattr(engine, "wait_optimizer"):
+            engine.wait_optimizer()
+        return stop and step < self.cfg.train.steps, self.writer.save(step, self._run_state(step))
+
+    def close(self, ok: bool = True) -> None:
+        """Wait for the save in flight and commit it (``ok``); after an error only wait for it."""
+        if self.writer is not None:
+            self.writer.close(ok)
+
+    def _run_state(self, step: int) -> dict[str, Any]:
+        o, t = self.cfg.optim, self.cfg.train
+        sequences = t.micro_batch_size * self.cfg.pipeline.microbatches * grad_accum_of(self.cfg)
+        units = self.model.units
+        return {
+            "step": step,
+            "lr_schedule": {
+                "kind": "linear_warmup_cosine",
+                "lr": o.lr,
+                "min_lr": o.min_lr,
+                "warmup_steps": o.warmup_steps,
+                "total_steps": t.steps,
+                "last_lr": lr_at(step - 1, o, t.steps),
+                "next_lr": lr_at(step, o, t.steps),
+            },
+            "data": {
+                "seed": self.cfg.seed,
+                "next_batch_index": step,
+                "sequences_per_step": sequences,
+                "sequences_seen": step * sequences,
+                "seq_len": t.seq_len,
+            },
+            "config": self.resolved,
+            "config_hash": st.config_hash(self.resolved),
+            "stages": [
+                {
+                    "stage": s,
+                    "units": [b.start, b.stop],
+                    "names": [units[b.start].name, units[b.stop - 1].name],
+                }
+                for s, b in enumerate(self._stage_blocks)
+            ],
+            "num_units": len(units),
+            "export_dtype": self.cfg.checkpoint.export_dtype,
+            "weights": {"model": "model", "master": self.writer.master_prefix, "optimizer": "optimizer"},
+            "wandb_run_id": self.wandb_run_id,
+        }

@@ -1,0 +1,174 @@
+"""Hugging Face model directory import: check it against the model, then read it into the host store.
+
+Owns: refusing a directory that cannot be this model (``config.json`` architecture, missing or
+unexpected tensor names, shapes, non-float dtypes — every problem listed in one message, from the
+file headers alone, before the host store is allocated) and filling the fp32 master weights of
+the units a rank owns, tensor by tensor, converting the dtype on the way (tensors.py), so no
+process ever holds a second full copy. Does not own: the trainer's own checkpoints (resume.py).
+safetensors and JSON only: no pickle is ever loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from nodetrain.checkpoint.tensors import TensorEntry, read_index, read_into
+from nodetrain.model import SUPPORTED_ARCHS, HFModel, Unit
+from nodetrain.store import HostStore
+
+__all__ = ["check_model_dir", "load_hf_weights", "load_units"]
+
+log = logging.getLogger(__name__)
+
+# Fields whose difference between the directory's config.json and the run's model changes the
+# math without changing any tensor shape: reported (a user may change them on purpose, e.g. rope
+# scaling for a longer context), not refused.
+_MATH_KEYS = (
+    "hidden_act",
+    "rms_norm_eps",
+    "rope_parameters",
+    "rope_theta",
+    "rope_scaling",
+    "sliding_window",
+    "use_sliding_window",
+    "layer_types",
+    "attention_dropout",
+)
+
+
+def _read_config(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"model.init_from={str(model_dir)!r}: cannot read {path} ({e}); point it at a "
+            "save_pretrained() directory"
+        ) from e
+
+
+def _check_arch(model_dir: Path, source: dict, model: HFModel) -> list[str]:
+    archs, arch = source.get("architectures") or [], model.config.architectures[0]
+    if not archs:
+        return [f"config.json names no architectures; expected {arch}"]
+    if archs[0] not in SUPPORTED_ARCHS:
+        return [f"architecture {archs[0]} is not supported; nodetrain trains {', '.join(SUPPORTED_ARCHS)}"]
+    if arch not in archs:
+        return [f"config.json says {archs[0]} but model.arch={arch}; set model.config_path={model_dir}"]
+    return []
+
+
+def _config_differences(source: dict, model: HFModel) -> list[str]:
+    ours = model.config.to_dict()
+    return [
+        f"{k}: {source[k]!r} in config.json, {ours.get(k)!r} in the run"
+        for k in _MATH_KEYS
+        if k in source and k in ours and source[k] != ours[k]
+    ]
+
+
+def _check_tensors(index: dict[str, TensorEntry], model: HFModel, source: dict) -> list[str]:
+    problems, wanted = [], {p.hf_name: p for u in model.units for p in u.params}
+    for name, p in wanted.items():
+        entry = index.get(name)
+        if entry is None:
+            problems.append(f"missing tensor {name}")
+        elif entry.shape != p.shape:
+            problems.append(f"{name}: shape {entry.shape} in {entry.file.name}, the model needs {p.shape}")
+        elif not entry.dtype.is_floating_point:
+            problems.append(f"{name}: dtype {entry.dtype} in {entry.file.name} is not a float dtype")
+    # A tied checkpoint may still carry lm_head.weight (a copy of the embedding); transformers ignores it.
+    ignored = {"lm_head.weight"} if model.tied and source.get("tie_word_embeddings") else set()
+    unexpected = sorted(set(index) - set(wanted) - ignored)
+    problems += [f"unexpected tensor {n} (in {index[n].file.name})" for n in unexpected]
+    if "lm_head.weight" in unexpected and model.tied:
+        problems.append("the model ties lm_head to the embedding; set model.hf.tie_word_embeddings=false")
+    elif "lm_head.weight" in wanted and "lm_head.weight" not in index and source.get("tie_word_embeddings"):
+        problems.append("the checkpoint ties lm_head to the embedding; set model.hf.tie_word_embeddings=true")
+    return problems
+
+
+def check_model_dir(model_dir: str | Path, model: HFModel) -> dict[str, TensorEntry]:
+    """Check a HF model directory against ``model`` from its ``config.json`` and file headers only.
+
+    Args:
+        model_dir: a ``save_pretrained`` directory (config.json + model.safetensors, or sharded
+            ``*.safetensors`` with ``model.safetensors.index.json``), any float dtype.
+        model: the run's model (its units say which tensors, with which shapes, are needed).
+
+    Returns:
+        HF tensor name -> where its bytes are, for :func:`load_hf_weights`.
+
+    Raises:
+        ValueError: listing every problem: unreadable config.json, an architecture that is not
+            supported or not ``model.arch``, missing or unexpected tensors, shape mismatches,
+            non-float tensors, truncated or corrupt files.
+        FileNotFoundError: no safetensors weights in the directory.
+    """
+    model_dir = Path(model_dir).expanduser()
+    source = _read_config(model_dir)
+    problems = _check_arch(model_dir, source, model)
+    if not problems:
+        try:
+            index = read_index(model_dir)
+        except ValueError as e:
+            problems.append(str(e))
+        else:
+            problems += _check_tensors(index, model, source)
+    if problems:
+        raise ValueError(
+            f"model.init_from={str(model_dir)!r} cannot initialise this model "
+            f"({len(problems)} problem(s)):\n  " + "\n  ".join(problems)
+        )
+    for diff in _config_differences(source, model):
+        log.warning("model.init_from=%s: config differs from the run's model: %s", model_dir, diff)
+    return index
+
+
+def load_units(
+    index: dict[str, TensorEntry], store: HostStore, units: list[Unit], field: str = "master"
+) -> None:
+    """Read every parameter of ``units`` from ``index`` into the store's ``field`` buffers (fp32),
+    converting dtype on the way; extra memory is bounded by ``tensors.CHUNK_BYTES``.
+
+    Raises:
+        KeyError: a parameter missing from ``index`` (callers check first).
+    """
+    for u in units:
+        buf = store.buffer(u.index, field)
+        for p in u.params:
+            read_into(index[p.hf_name], buf[p.offset : p.offset + p.numel])
+
+
+def load_hf_weights(
+    model_dir: str | Path, store: HostStore, units: list[Unit], model: HFModel | None = None
+) -> None:
+    """Fill the fp32 master weights of ``units`` from a HF model directory, converting dtype.
+
+    Args:
+        model_dir: a ``save_pretrained`` directory.
+        store: the host store.
+        units: the units this rank owns.
+        model: when given, the whole directory is checked first (:func:`check_model_dir`);
+            otherwise only the tensors of ``units`` are checked for presence and shape.
+
+    Raises:
+        ValueError: as :func:`check_model_dir` (all problems listed).
+    """
+    if model is not None:
+        index = check_model_dir(model_dir, model)
+    else:
+        index = read_index(model_dir)
+        problems = []
+        for p in (p for u in units for p in u.params):
+            if p.hf_name not in index:
+                problems.append(f"missing tensor {p.hf_name}")
+            elif index[p.hf_name].shape != p.shape:
+                problems.append(f"{p.hf_name}: shape {index[p.hf_name].shape}, the model needs {p.shape}")
+        if problems:
+            raise ValueError(
+                f"model.init_from={str(model_dir)!r} does not match the model:\n  " + "\n  ".join(problems)
+            )
+    load_units(index, store, units)

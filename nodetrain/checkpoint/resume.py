@@ -1,0 +1,200 @@
+"""Resuming: pick a checkpoint, verify it, and load it into this rank's units whatever the stage count.
+
+Owns: choosing what ``checkpoint.resume`` names (``auto``: the newest complete checkpoint that
+verifies, falling back to older ones with a warning), reading fp32 master weights, ``exp_avg`` and
+``exp_avg_sq`` by HF tensor name into the units this rank owns (names, not stage layouts, are
+stored, so any stage count can load any checkpoint), restoring AdamW's update counts, and the RNG
+states. Does not own: verification itself (state.py) or reading bytes (tensors.py).
+
+Exactness: everything a step reads is restored bit for bit — master weights (the compute copy is
+rebuilt from them, as after every optimizer step), both moments, the fp32 update count, the RNG
+of every rank, and the step, from which the learning rate and the batch are pure functions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from nodetrain.checkpoint import state as st
+from nodetrain.checkpoint.tensors import TensorEntry, read_index, read_into
+from nodetrain.model import Unit
+from nodetrain.optim import StoreAdamW
+from nodetrain.store import HostStore
+
+__all__ = [
+    "choose_checkpoint",
+    "check_training_state",
+    "load_training_state",
+    "restore_steps",
+    "restore_rng",
+    "seed_rng",
+]
+
+log = logging.getLogger(__name__)
+
+
+def choose_checkpoint(resume: str, directory: Path) -> Path | None:
+    """The checkpoint to resume from, verified (sizes and sha256 of every file).
+
+    Args:
+        resume: ``checkpoint.resume``: empty (none), ``auto``, or a ``step-N`` path.
+        directory: ``checkpoint.dir`` (searched by ``auto``).
+
+    Returns:
+        The verified checkpoint directory, or None for a fresh start (``resume`` empty, or
+        ``auto`` and no complete checkpoint in ``directory``).
+
+    Raises:
+        CheckpointError: an explicit path that is incomplete or corrupted (naming the file), or
+            ``auto`` when every complete checkpoint is corrupted.
+    """
+    if not resume:
+        return None
+    if resume != "auto":
+        path = Path(resume).expanduser()
+        try:
+            st.verify(path)
+        except st.CheckpointError as e:
+            raise st.CheckpointError(
+                f"checkpoint.resume={resume}: {e}; pick another step-N or use auto"
+            ) from e
+        return path
+    candidates = st.complete_checkpoints(directory)[::-1]
+    if not candidates:
+        log.info("checkpoint.resume=auto: no complete checkpoint in %s, starting from scratch", directory)
+        return None
+    errors = []
+    for _, path in candidates:
+        try:
+            st.verify(path)
+        except st.CheckpointError as e:
+            errors.append(str(e))
+            log.warning("checkpoint.resume=auto: refusing %s: %s; falling back to the previous one", path, e)
+            continue
+        return path
+    raise st.CheckpointError(
+        f"checkpoint.resume=auto: every checkpoint in {directory} is corrupted:\n  " + "\n  ".join(errors)
+    )
+
+
+def _entries(
+    index: dict[str, TensorEntry], ckpt: Path, names: list[tuple[str, tuple[int, ...]]]
+) -> list[str]:
+    problems = []
+    for name, shape in names:
+        if name not in index:
+            problems.append(f"missing tensor {name}")
+        elif index[name].shape != shape:
+            problems.append(
+                f"{name}: shape {index[name].shape} in {index[name].file.name}, the model needs {shape}"
+            )
+    return problems
+
+
+def check_training_state(
+    ckpt: Path, state: dict[str, Any], units: list[Unit]
+) -> tuple[dict[str, TensorEntry], dict[str, TensorEntry]]:
+    """Check, from the file headers alone, that a checkpoint holds every tensor of ``units`` (the
+    whole model, before the store is allocated) with the right shape.
+
+    Returns:
+        (master index, optimizer index): tensor name -> where its bytes are.
+
+    Raises:
+        CheckpointError: a tensor is missing or of another shape (the model changed since the
+            checkpoint was written); all listed.
+    """
+    master = read_index(ckpt, state["weights"]["master"])
+    opt = read_index(ckpt, "optimizer")
+    params = [p for u in units for p in u.params]
+    problems = _entries(master, ckpt, [(p.hf_name, p.shape) for p in params])
+    moments = [(f"{p.hf_name}.{f}", p.shape) for p in params for f in ("exp_avg", "exp_avg_sq")]
+    problems += _entries(opt, ckpt, moments + [(f"{p.hf_name}.step", ()) for p in params])
+    if problems:
+        raise st.CheckpointError(
+            f"{ckpt} does not fit this model (set the model it was written with):\n  " + "\n  ".join(problems)
+        )
+    return master, opt
+
+
+def load_training_state(ckpt: Path, state: dict[str, Any], store: HostStore, units: list[Unit]) -> None:
+    """Fill fp32 master weights, ``exp_avg`` and ``exp_avg_sq`` of ``units`` from a checkpoint.
+
+    Raises:
+        CheckpointError: as :func:`check_training_state`.
+    """
+    master, opt = check_training_state(ckpt, state, units)
+    for u in units:
+        for field, index, suffix in (
+            ("master", master, ""),
+            ("exp_avg", opt, ".exp_avg"),
+            ("exp_avg_sq", opt, ".exp_avg_sq"),
+        ):
+            buf = store.buffer(u.index, field)
+            for p in u.params:
+                read_into(index[p.hf_name + suffix], buf[p.offset : p.offset + p.numel])
+
+
+def restore_steps(ckpt: Path, optimizer: StoreAdamW, units: list[Unit]) -> None:
+    """Restore AdamW's per-tensor update counts (fp32 scalars ``<name>.step``) of ``units``.
+
+    Raises:
+        CheckpointError: a count is missing or the counts of one parameter disagree.
+    """
+    opt = read_index(ckpt, "optimizer")
+    steps = {}
+    for p in (p for u in units for p in u.params):
+        entry = opt.get(p.hf_name + ".step")
+        if entry is None:
+            raise st.CheckpointError(f"{ckpt}: missing tensor {p.hf_name}.step (AdamW update count)")
+        one = torch.empty(1, dtype=torch.float32)
+        read_into(entry, one)
+        steps[p.hf_name] = float(one)
+    try:
+        optimizer.load_steps(steps)
+    except ValueError as e:
+        raise st.CheckpointError(f"{ckpt}: {e}") from e
+
+
+def seed_rng(seed: int, step: int, rank: int) -> None:
+    """Seed this rank's torch (CPU and CUDA), Python and numpy generators from (seed, step, rank).
+
+    A fresh run calls it with step 0 before anything draws (dropout, evaluation): torch seeds its
+    default generator nondeterministically per process, so without this two runs of one config
+    would draw different dropout masks.
+    """
+    digest = hashlib.sha256(f"nodetrain.rng:{seed}:{step}:{rank}".encode()).digest()
+    s = int.from_bytes(digest[:8], "little") >> 1
+    torch.manual_seed(s)  # also every CUDA device
+    random.seed(s)
+    np.random.seed(s % 2**32)
+
+
+def restore_rng(state: dict[str, Any], rank: int, world_size: int, seed: int, dropout: bool) -> None:
+    """Restore this rank's RNG states.
+
+    Same stage count: rank r gets exactly the states rank r saved, so dropout masks continue as
+    in an uninterrupted run. Different stage count: a rank's stream belonged to a different set
+    of layers, so no saved state is right; every generator is seeded from (seed, step, rank)
+    instead — never replaying a fresh run's stream — and, when the model has dropout, a warning
+    says the masks (not the data, weights or schedule) differ from an uninterrupted run.
+    """
+    saved = state["rng"]
+    if len(saved) == world_size:
+        st.set_rng_state(saved[rank])
+        return
+    seed_rng(seed, state["step"], rank)
+    if dropout:
+        log.warning(
+            "resuming on %d stages from a checkpoint written on %d: dropout masks are drawn from a "
+            "fresh per-rank seed, so they differ from an uninterrupted run (everything else is exact)",
+            world_size,
+            len(saved),
+        )

@@ -1,0 +1,291 @@
+"""Writing a checkpoint: a snapshot of this rank's units, files in a background thread, atomic commit.
+
+Owns: what each rank writes for the units it owns (per unit: ``model-*`` in the export dtype,
+``master-*`` fp32 unless the export is fp32, ``optimizer-*`` with ``exp_avg``, ``exp_avg_sq`` and
+AdamW's update count, all keyed by HF tensor name), what rank 0 adds (``config.json`` and the
+three ``*.safetensors.index.json``), and the commit protocol. Does not own: when to save
+(checkpointing.py) or the trainer state's contents beyond files and RNG (the caller passes them).
+
+Protocol for step N (DESIGN invariant 6):
+    1. every rank copies its units' fp32 master, exp_avg and exp_avg_sq into private memory (the
+       only time training waits) and hands them to a writer thread;
+    2. the thread writes its files into ``step-N.tmp/`` and fsyncs each, recording size + sha256;
+    3. after each later step the ranks agree (one tiny all-reduce) whether every thread is done;
+       then manifests and RNG states are gathered to rank 0, which writes ``trainer_state.json``
+       (fsynced), renames ``step-N.tmp`` to ``step-N``, fsyncs the parent and prunes old ones.
+A crash at any point leaves either no ``step-N`` or a complete one; ``*.tmp`` leftovers are
+removed at the next start. All collectives run on the caller's thread, on a gloo group of their
+own, so they never interleave with the training's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from nodetrain.checkpoint import state as st
+from nodetrain.checkpoint.collective import all_gather_json, broadcast_json
+from nodetrain.config import CheckpointConfig
+from nodetrain.model import HFModel, Unit
+from nodetrain.optim import StoreAdamW
+from nodetrain.store import HostStore
+
+__all__ = ["CheckpointWriter", "EXPORT_DTYPES"]
+
+log = logging.getLogger(__name__)
+
+EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_SNAPSHOT_FIELDS = ("master", "exp_avg", "exp_avg_sq")
+_META = {"format": "pt"}  # transformers refuses safetensors files without it
+
+
+@dataclass
+class _Pending:
+    step: int
+    tmp: Path
+    future: Future
+    rng: dict
+    run_state: dict
+    stall_s: float
+
+
+def _fsync(path: Path) -> None:
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+
+
+class CheckpointWriter:
+    """This rank's side of saving checkpoints into ``directory``.
+
+    Args:
+        directory: where ``step-N`` directories go (shared by all ranks).
+        cfg: the checkpoint config (export dtype, async write, test delay, keep_last).
+        model: the model (names, units, HF config for ``config.json``).
+        store: the host store.
+        units: the units this rank owns.
+        optimizer: this rank's AdamW (its update counts are saved).
+        group: a gloo process group of all ranks, used only by checkpointing.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        cfg: CheckpointConfig,
+        model: HFModel,
+        store: HostStore,
+        units: list[Unit],
+        optimizer: StoreAdamW,
+        group,
+    ):
+        self.dir, self.cfg, self.model = Path(directory), cfg, model
+        self.store, self.units, self.optimizer, self.group = store, units, optimizer, group
+        self.rank = dist.get_rank()
+        self.export_dtype = EXPORT_DTYPES[cfg.export_dtype]
+        self.master_prefix = "model" if self.export_dtype == torch.float32 else "master"
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
+        self._pending: _Pending | None = None
+        self.last_saved: int | None = None
+        """Step of the newest checkpoint committed by this writer."""
+
+    # ---- main thread ---------------------------------------------------------------------------
+
+    def save(self, step: int, run_state: dict[str, Any]) -> float:
+        """Start saving the state after ``step`` optimizer steps; returns the seconds training waited.
+
+        A previous save still in flight is finished (waited for and committed) first. Collective:
+        every rank calls it at the same step.
+
+        Args:
+            step: completed optimizer steps (the directory is ``step-<step>``).
+            run_state: the trainer state's run-level fields (used on rank 0).
+        """
+        t0 = time.perf_counter()
+        self.finish()
+        tmp = self.dir / f"{st.step_dir_name(step)}.tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        rng, steps = st.rng_state(), self.optimizer.steps_by_name()
+        snapshot = self.cfg.async_write and self._snapshot_fits()
+        bufs = {
+            u.index: {
+                f: (self.store.buffer(u.index, f).clone() if snapshot else self.store.buffer(u.index, f))
+                for f in _SNAPSHOT_FIELDS
+            }
+            for u in self.units
+        }
+        if snapshot:
+            future = self._pool.submit(self._write_files, tmp, bufs, steps)
+        else:
+            future = Future()
+            try:
+                future.set_result(self._write_files(tmp, bufs, steps))
+            except Exception as e:  # reported collectively at commit
+                future.set_exception(e)
+        stall_s = time.perf_counter() - t0
+        self._pending = _Pending(step, tmp, future, rng, run_state, stall_s)
+        return stall_s
+
+    def _snapshot_fits(self) -> bool:
+        need = sum(u.numel for u in self.units) * 4 * len(_SNAPSHOT_FIELDS)
+        avail = psutil.virtual_memory().available
+        if need * 2 > avail:
+            log.warning(
+                "checkpoint snapshot needs %.2f GB, %.2f GB free: writing from the host store while "
+                "training waits (checkpoint.async_write)",
+                need / 1e9,
+                avail / 1e9,
+            )
+            return False
+        return True
+
+    def poll(self) -> None:
+        """Commit the save in flight if every rank's writer is done (collective; cheap when idle)."""
+        if self._pending is None:
+            return
+        flag = torch.tensor([int(self._pending.future.done())], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        if int(flag):
+            self._commit()
+
+    def finish(self) -> None:
+        """Wait for the save in flight (if any) and commit it (collective)."""
+        if self._pending is not None:
+            self._pending.future.exception()  # waits
+            self._commit()
+
+    def close(self, ok: bool = True) -> None:
+        """Finish the save in flight when ``ok``; otherwise (an error is unwinding, other ranks may be
+        gone) only wait for the thread, leaving ``step-N.tmp`` for the next start to remove."""
+        try:
+            if ok:
+                self.finish()
+            elif self._pending is not None:
+                self._pending.future.exception()
+        finally:
+            self._pending = None
+            self._pool.shutdown(wait=True)
+
+    def _commit(self) -> None:
+        p, self._pending = self._pending, None
+        try:
+            manifest, write_s = p.future.result()
+            error = None
+        except Exception as e:
+            manifest, write_s, error = {}, 0.0, f"rank {self.rank}: {type(e).__name__}: {e}"
+        parts = all_gather_json(
+            {"files": manifest, "rng": p.rng, "error": error, "stall_s": p.stall_s, "write_s": write_s},
+            self.group,
+        )
+        errors = [q["error"] for q in parts if q["error"]]
+        if self.rank == 0 and not errors:
+            try:
+                self._install(p, parts)
+            except Exception as e:
+                errors.append(f"rank 0: {type(e).__name__}: {e}")
+        errors = broadcast_json(errors, self.group)
+        if errors:
+            raise RuntimeError(f"checkpoint {st.step_dir_name(p.step)} failed: " + "; ".join(errors))
+        self.last_saved = p.step
+
+    def _install(self, p: _Pending, parts: list[dict]) -> None:
+        files = {name: rec for q in parts for name, rec in q["files"].items()}
+        stall, write = [q["stall_s"] for q in parts], [q["write_s"] for q in parts]
+        trainer_state = {
+            "format_version": st.FORMAT_VERSION,
+            **p.run_state,
+            "rng": [q["rng"] for q in parts],
+            "save_timing_s": {"stall": stall, "write": write},
+            "files": files,
+        }
+        st.write_json(p.tmp / st.TRAINER_STATE, trainer_state)
+        st.fsync_dir(p.tmp)
+        final = self.dir / st.step_dir_name(p.step)
+        old = None
+        if final.exists():  # resumed from an older checkpoint into a directory that has this step
+            old = final.with_name(final.name + ".old.tmp")
+            final.rename(old)
+        p.tmp.rename(final)
+        st.fsync_dir(self.dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info(
+            "checkpoint %s: training stalled %.3f s (snapshot copy), files written in %.2f s (ranks' max)",
+            final,
+            max(stall),
+            max(write),
+        )
+        self._prune(final)
+
+    def _prune(self, keep: Path) -> None:
+        if self.cfg.keep_last <= 0:
+            return
+        others = [path for _, path in st.complete_checkpoints(self.dir) if path != keep]
+        for path in others[: max(0, len(others) - (self.cfg.keep_last - 1))]:
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("checkpoint.keep_last=%d: removed %s", self.cfg.keep_last, path)
+
+    # ---- writer thread ---------------------------------------------------------------------------
+
+    def _save(self, tensors: dict[str, torch.Tensor], path: Path, manifest: dict) -> None:
+        if self.cfg.test_write_delay_s:
+            time.sleep(self.cfg.test_write_delay_s)
+        save_file(tensors, str(path), metadata=_META)
+        _fsync(path)
+        manifest[path.name] = st.file_record(path)
+
+    def _write_files(self, tmp: Path, bufs: dict, steps: dict[str, float]) -> tuple[dict, float]:
+        t0, manifest, n = time.perf_counter(), {}, len(self.model.units)
+        for u in self.units:
+            master, named = bufs[u.index]["master"], {}
+            for p in u.params:
+                named[p.hf_name] = master[p.offset : p.offset + p.numel].view(p.shape)
+            model = {k: v.to(self.export_dtype) for k, v in named.items()}
+            self._save(model, tmp / st.shard_name("model", u.index, n), manifest)
+            del model
+            if self.master_prefix == "master":
+                self._save(named, tmp / st.shard_name("master", u.index, n), manifest)
+            opt = {}
+            for p in u.params:
+                for f in ("exp_avg", "exp_avg_sq"):
+                    opt[f"{p.hf_name}.{f}"] = bufs[u.index][f][p.offset : p.offset + p.numel].view(p.shape)
+                opt[f"{p.hf_name}.step"] = torch.tensor(steps[p.hf_name], dtype=torch.float32)
+            self._save(opt, tmp / st.shard_name("optimizer", u.index, n), manifest)
+        if self.rank == 0:
+            self._write_shared(tmp, manifest)
+        return manifest, time.perf_counter() - t0
+
+    def _write_shared(self, tmp: Path, manifest: dict) -> None:
+        """config.json and the indexes (pure functions of the model: no rank needs another's)."""
+        n = len(self.model.units)
+        hf = self.model.config.__class__.from_dict(self.model.config.to_dict())
+        hf.use_cache, hf.dtype = True, self.export_dtype
+        hf.to_json_file(tmp / "config.json")
+        _fsync(tmp / "config.json")
+        manifest["config.json"] = st.file_record(tmp / "config.json")
+        kinds = [("model", self.export_dtype.itemsize, ("",))]
+        if self.master_prefix == "master":
+            kinds.append(("master", 4, ("",)))
+        kinds.append(("optimizer", 4, (".exp_avg", ".exp_avg_sq")))
+        for kind, itemsize, suffixes in kinds:
+            weight_map, total = {}, 0
+            for u in self.model.units:
+                for p in u.params:
+                    for s in suffixes:
+                        weight_map[p.hf_name + s] = st.shard_name(kind, u.index, n)
+                        total += p.numel * itemsize
+                    if kind == "optimizer":
+                        weight_map[p.hf_name + ".step"] = st.shard_name(kind, u.index, n)
+                        total += 4
+            path = tmp / f"{kind}.safetensors.index.json"
+            st.write_json(path, {"metadata": {"total_size": total}, "weight_map": weight_map})
+            manifest[path.name] = st.file_record(path)

@@ -1,0 +1,325 @@
+"""Cost model: the bytes and seconds a model costs on the engine, as pure arithmetic.
+
+Owns: host store bytes per field, each stage's peak device bytes (window + activations), and a
+step's time split into compute, H2D, D2H, CPU optimizer and pipeline bubble, plus the model FLOPs
+used for MFU. Does not own: hardware profiles or verdicts (plan.py), measuring (``bench/``), or
+anything that needs torch.distributed. Byte counts of the store and the stage partition come from
+the engine's own code (``StoreLayout``, ``partition`` in the caller), so the model cannot drift
+from what a run allocates.
+
+Shapes: B = micro-batch size, T = sequence length, n = B·T tokens, D = hidden size, F = MLP width,
+V = vocab, H / K = query / key-value heads, Q = head dim, e = compute-dtype bytes, S = stages,
+M = micro-batches per round, G = rounds per step (grad_accum).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nodetrain.model import HFModel
+from nodetrain.store import StoreLayout
+
+__all__ = [
+    "ModelShape",
+    "shape_of",
+    "store_layout",
+    "field_bytes",
+    "StageMemory",
+    "stage_memory",
+    "model_flops",
+    "optimizer_bytes_per_param",
+    "StepTime",
+    "step_time",
+]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the arithmetic needs of a model; built from the HF adapter by ``shape_of``."""
+
+    unit_numels: tuple[int, ...]
+    """Elements of each unit in the host store (0 = embed, 1..L = layers, L+1 = head)."""
+    load_numels: tuple[int, ...]
+    """Elements each block binds, i.e. one H2D load and one D2H gradient offload (the tied head
+    binds the embedding too)."""
+    largest_tensors: tuple[int, ...]
+    """Elements of the largest tensor each block binds."""
+    costs: tuple[int, ...]
+    """Parameters each block multiplies per token (``HFModel.block_cost``; 0 for the embedding)."""
+    tied: bool
+    hidden: int
+    intermediate: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    qk_norm: bool
+    """Qwen3's per-head RMSNorm on q and k."""
+
+    @property
+    def num_params(self) -> int:
+        return sum(self.unit_numels)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.unit_numels) - 2
+
+
+def shape_of(model: HFModel) -> ModelShape:
+    """The ``ModelShape`` of an HF adapter (its templates live on the meta device: nothing allocated)."""
+    c = model.config
+    heads = c.num_attention_heads
+    return ModelShape(
+        unit_numels=tuple(u.numel for u in model.units),
+        load_numels=tuple(sum(b.numel for b in bs) for bs in model.bindings),
+        largest_tensors=tuple(max(b.numel for b in bs) for bs in model.bindings),
+        costs=tuple(model.block_cost(i) for i in range(len(model.units))),
+        tied=model.tied,
+        hidden=c.hidden_size,
+        intermediate=c.intermediate_size,
+        vocab=c.vocab_size,
+        heads=heads,
+        kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+        qk_norm=c.architectures[0] == "Qwen3ForCausalLM",
+    )
+
+
+def store_layout(shape: ModelShape, compute_dtype: torch.dtype) -> StoreLayout:
+    """The engine's host store layout for ``shape`` (the tied embedding carries ``grad_tied``)."""
+    return StoreLayout(shape.unit_numels, compute_dtype, tied_units=(0,) if shape.tied else ())
+
+
+def field_bytes(layout: StoreLayout) -> dict[str, int]:
+    """Bytes of each store field summed over units, page-aligned as stored; sums to ``layout.nbytes``."""
+    starts = sorted((off, name) for (_, name), off in layout.offsets.items())
+    out: dict[str, int] = {}
+    for (off, name), (nxt, _) in zip(starts, [*starts[1:], (layout.nbytes, "")], strict=True):
+        out[name] = out.get(name, 0) + nxt - off
+    return out
+
+
+# ----------------------------------------------------------------------------- device memory
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Device bytes one stage holds at its peak (on a CPU profile: host bytes of that rank)."""
+
+    stage: int
+    blocks: range
+    window_bytes: int
+    """``slots × largest block load × e`` (``Window.nbytes``)."""
+    saved_bytes: int
+    """Saved block inputs of the micro-batches in flight (1F1B: min(S − s, M); GPipe: M)."""
+    p2p_bytes: int
+    """Sent activations and input gradients, held by their ``isend`` until the step ends (G·M each)."""
+    transient_bytes: int
+    """Recompute + backward of one block (the largest such), plus gradients queued for D2H."""
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.saved_bytes + self.p2p_bytes + self.transient_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.window_bytes + self.activation_bytes
+
+
+def _layer_recompute_bytes(shape: ModelShape, n: int, e: int) -> int:
+    """Autograd-saved tensors of one recomputed decoder layer plus its backward working set.
+
+    Per token, as counted with ``torch.autograd.graph.saved_tensors_hooks`` on transformers 5's
+    Llama and Qwen3 layers (SDPA, no T×T matrix): each RMSNorm keeps its fp32 upcast 4·D (with
+    e = 4 that is its input, which only the post-attention norm adds) and two D·e tensors (the
+    normalized copy and the output); SDPA keeps q, k, v, its output (2H + 2K)·Q·e and an fp32
+    log-sum-exp 4·H (GQA: k and v are not repeated); the SwiGLU MLP keeps gate, act(gate), up and
+    their product, 4·F·e; Qwen3's q/k norms add (H + K)·Q·(4 + e). Backward then holds about one
+    F-wide and one D-wide gradient beyond what it frees, (F + D)·e.
+    """
+    d, f, q = shape.hidden, shape.intermediate, shape.head_dim
+    h, k = shape.heads, shape.kv_heads
+    norms = 2 * (4 * d + 2 * d * e) if e < 4 else 5 * d * e
+    per_token = norms + (2 * h + 2 * k) * q * e + 4 * h + 4 * f * e + (f + d) * e
+    per_token += (h + k) * q * (4 + e) if shape.qk_norm else 0
+    return n * per_token
+
+
+def _head_recompute_bytes(shape: ModelShape, n: int, e: int) -> int:
+    """The final norm, 4·D + 2·D·e per token, and the loss: its fp32 log-softmax (saved), the
+    gradient flowing into it and the one it produces, 3 × 4 bytes per token and vocabulary entry
+    (the bf16 logits and their fp32 copy, 2 + 4 + 4 bytes in the forward, are fewer)."""
+    return n * (shape.hidden * (4 + 2 * e) + 12 * shape.vocab)
+
+
+def _block_peak_bytes(shape: ModelShape, block: int, n: int, e: int, on_cpu: bool) -> int:
+    """Peak of recomputing ``block`` and taking its gradients.
+
+    Activation gradients and saved tensors are freed as the backward walks the block while its
+    weight gradients (``load × e``) accumulate, so the peak is the larger of the two, not their sum.
+    When the device is the CPU, ``Window.offload``'s D2H worker converts each gradient tensor to
+    fp32 in that same memory (4 bytes per element of the block's largest tensor, when e < 4).
+    """
+    last = len(shape.unit_numels) - 1
+    if block == 0:
+        acts = 0  # the embedding's backward only scatters into its weight gradient
+    elif block == last:
+        acts = _head_recompute_bytes(shape, n, e)
+    else:
+        acts = _layer_recompute_bytes(shape, n, e)
+    grads = shape.load_numels[block] * e + (4 * shape.largest_tensors[block] if on_cpu and e < 4 else 0)
+    return max(acts, grads)
+
+
+def stage_memory(
+    shape: ModelShape,
+    blocks: range,
+    stage: int,
+    num_stages: int,
+    *,
+    b: int,
+    t: int,
+    m: int,
+    g: int,
+    schedule: str,
+    slots: int,
+    itemsize: int,
+    on_cpu: bool = False,
+) -> StageMemory:
+    """Peak device bytes of ``stage`` (owning ``blocks``) for micro-batches of ``b × t`` tokens.
+
+    Gradients queued for D2H: on a GPU up to ``slots`` earlier blocks' (``Window.offload``'s bound;
+    the planner takes the bound, since a D2H-bound stage reaches it); on the CPU none (measured by
+    ``bench/plan_accuracy.py``: the copy worker drains each block's gradients before the next
+    block's recompute peaks).
+
+    Args:
+        shape: the model; blocks: this stage's block indices (from ``partition``).
+        b, t, m, g: micro-batch size, sequence length, micro-batches per round, rounds per step.
+        schedule: ``1f1b`` or ``gpipe``; slots: window slots; itemsize: compute-dtype bytes (e).
+        on_cpu: the device is the CPU (the stage's memory is host memory).
+    """
+    n, e, d = b * t, itemsize, shape.hidden
+    largest = max(shape.load_numels[i] for i in blocks)
+    in_flight = m if schedule == "gpipe" else min(num_stages - stage, m)
+    per_mb = sum(n * 8 if i == 0 else n * d * e for i in blocks)  # the embedding saves its int64 ids
+    sends = (stage < num_stages - 1) + (stage > 0)
+    queued = 0 if on_cpu else slots * largest * e
+    return StageMemory(
+        stage=stage,
+        blocks=blocks,
+        window_bytes=slots * largest * e,
+        saved_bytes=in_flight * per_mb,
+        p2p_bytes=sends * g * m * n * d * e,
+        transient_bytes=max(_block_peak_bytes(shape, i, n, e, on_cpu) for i in blocks) + queued,
+    )
+
+
+# ----------------------------------------------------------------------------- time
+
+
+def model_flops(shape: ModelShape, tokens: int, t: int) -> float:
+    """Useful training FLOPs for ``tokens`` tokens of sequences of length ``t``.
+
+    ``6·N·tokens + 12·L·H·Q·t·tokens`` (PaLM, arXiv:2204.02311, appendix B), N = the parameters
+    multiplied per token (every matmul weight incl. the head; the embedding lookup is free).
+    Recompute is not useful work and is not counted here.
+    """
+    n_matmul = sum(shape.costs)
+    attention = 12 * shape.num_layers * shape.heads * shape.head_dim * t
+    return float(6 * n_matmul + attention) * tokens
+
+
+def optimizer_bytes_per_param(itemsize: int) -> int:
+    """Host memory traffic of one CPU AdamW update per parameter: the fused AdamW reads master,
+    grad, exp_avg, exp_avg_sq (16) and writes master, exp_avg, exp_avg_sq (12); the global norm
+    reads the grad (4); refreshing the transfer copy reads master (4) and writes ``itemsize``;
+    zeroing the grad writes 4. (An active clip adds 8 more.)"""
+    return 40 + itemsize
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one optimizer step, split by what the slowest stage waits for."""
+
+    tokens: int
+    model_flops: float
+    compute_s: float
+    """Busy compute of the slowest stage: forward + recompute + backward, 8·N_s·n (+ attention)."""
+    h2d_s: float
+    """Weight prefetch of the busiest stage: every block loaded for each forward and backward."""
+    d2h_s: float
+    """Gradient offload of the busiest stage: every block's gradients once per backward (e bytes)."""
+    bubble_s: float
+    """Pipeline fill and drain, (S − 1) micro-batch slots per round."""
+    optimizer_s: float
+    """CPU AdamW over the whole store, bound by the node's host memory bandwidth."""
+    step_s: float
+    bottleneck: str
+
+    @property
+    def tokens_per_day(self) -> float:
+        return self.tokens / self.step_s * 86400
+
+    def mfu(self, peak_flops: float) -> float:
+        """Model FLOPs per second over ``peak_flops`` (all devices together)."""
+        return self.model_flops / self.step_s / peak_flops
+
+
+def step_time(
+    shape: ModelShape,
+    stage_blocks: list[range],
+    *,
+    b: int,
+    t: int,
+    m: int,
+    g: int,
+    itemsize: int,
+    flops_per_s: float,
+    link_bytes_per_s: float,
+    host_bytes_per_s: float,
+    overlap_optimizer: bool,
+) -> StepTime:
+    """Step time when the window overlaps H2D, compute and D2H on each stage.
+
+    A micro-batch on stage s takes max(compute, H2D, D2H) of that stage; a round of M micro-batches
+    over S stages takes (M + S − 1) of the slowest stage's micro-batch times (GPipe arXiv:1811.06965,
+    same for 1F1B); a step is G rounds. The CPU optimizer runs after the step, or hidden behind it
+    when ``overlap_optimizer``.
+
+    Args:
+        flops_per_s: achieved FLOP/s of one stage's device; link_bytes_per_s: its host link, per
+            direction; host_bytes_per_s: the node's host memory bandwidth.
+    """
+    n, e, s = b * t, itemsize, len(stage_blocks)
+    attn_per_layer = 16 * n * t * shape.heads * shape.head_dim  # 4 × forward: fwd + recompute + bwd
+    last = len(shape.unit_numels) - 1
+    per_mb = []  # (compute, h2d, d2h) seconds of one micro-batch, per stage
+    for blocks in stage_blocks:
+        flops = sum(8 * shape.costs[i] * n + (attn_per_layer if 0 < i < last else 0) for i in blocks)
+        load = sum(shape.load_numels[i] for i in blocks) * e
+        per_mb.append((flops / flops_per_s, 2 * load / link_bytes_per_s, load / link_bytes_per_s))
+    slot = max(max(x) for x in per_mb)
+    compute, h2d, d2h = (g * m * max(x[k] for x in per_mb) for k in range(3))
+    optimizer = shape.num_params * optimizer_bytes_per_param(e) / host_bytes_per_s
+    pipeline = g * (m + s - 1) * slot
+    step = max(pipeline, optimizer) if overlap_optimizer else pipeline + optimizer
+    bubble = g * (s - 1) * slot
+    parts = {"compute": compute, "H2D": h2d, "D2H": d2h, "pipeline bubble": bubble}
+    bottleneck = max(parts, key=parts.get)
+    if optimizer > (pipeline if overlap_optimizer else max(parts.values())):
+        bottleneck = "CPU optimizer"
+    tokens = g * m * n
+    return StepTime(
+        tokens=tokens,
+        model_flops=model_flops(shape, tokens, t),
+        compute_s=compute,
+        h2d_s=h2d,
+        d2h_s=d2h,
+        bubble_s=bubble,
+        optimizer_s=optimizer,
+        step_s=step,
+        bottleneck=bottleneck,
+    )

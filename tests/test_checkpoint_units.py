@@ -1,0 +1,240 @@
+"""Checkpoint building blocks in this process: safetensors reading, HF import checks, RNG, manifests.
+
+References are independent: files are written by ``safetensors.torch.save_file`` and
+``transformers``' ``save_pretrained`` and read back by ``safetensors.torch.load_file``; RNG
+streams are compared by drawing from them. The multi-process runs (resume, crash, export) are in
+test_checkpoint_runs.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from nodetrain.checkpoint import state as st
+from nodetrain.checkpoint import tensors
+from nodetrain.checkpoint.hf_import import check_model_dir, load_hf_weights
+from nodetrain.checkpoint.resume import choose_checkpoint
+from nodetrain.config import ModelConfig
+from nodetrain.model import HFModel, build_hf_config
+from nodetrain.store import HostStore, StoreLayout
+
+TINY = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 64,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+}
+
+# ----------------------------------------------------------------------------- tensors.py
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_read_into_converts_like_torch(tmp_path: Path, dtype: torch.dtype, monkeypatch) -> None:
+    monkeypatch.setattr(tensors, "CHUNK_BYTES", 1000)  # many chunks, one ragged: the boundaries are tested
+    gen = torch.Generator().manual_seed(0)
+    want = {"a": torch.randn(37, 29, generator=gen).to(dtype), "b.c": torch.randn(3, generator=gen).to(dtype)}
+    save_file(want, str(tmp_path / "x.safetensors"))
+    header = tensors.read_header(tmp_path / "x.safetensors")
+    assert sorted(header) == ["a", "b.c"] and header["a"].shape == (37, 29) and header["a"].dtype == dtype
+    for name, t in load_file(str(tmp_path / "x.safetensors")).items():  # the library's own reading
+        out = torch.full((t.numel(),), float("nan"))
+        tensors.read_into(header[name], out)
+        assert torch.equal(out, t.reshape(-1).to(torch.float32)), name
+
+
+def test_truncated_file_is_refused_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "model-00002-of-00003.safetensors"
+    save_file({"w": torch.ones(100, 10)}, str(path))
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size - 8)
+    with pytest.raises(ValueError, match=r"model-00002-of-00003\.safetensors.*truncated"):
+        tensors.read_header(path)
+
+
+def test_index_naming_a_missing_shard_is_refused(tmp_path: Path) -> None:
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    index = {
+        "metadata": {},
+        "weight_map": {"w": "model-00001-of-00002.safetensors", "v": "model-00002-of-00002.safetensors"},
+    }
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match=r"model-00002-of-00002\.safetensors"):
+        tensors.read_index(tmp_path)
+
+
+# ----------------------------------------------------------------------------- hf_import.py
+
+
+def _model(arch: str = "LlamaForCausalLM", **hf) -> HFModel:
+    return HFModel(build_hf_config(ModelConfig(name="t", arch=arch, hf={**TINY, **hf})))
+
+
+def _save_hf(
+    path: Path, arch: str = "LlamaForCausalLM", dtype=torch.float32, **hf
+) -> dict[str, torch.Tensor]:
+    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**{**TINY, **hf})
+    torch.manual_seed(1)
+    model = getattr(transformers, arch)(config).to(dtype)
+    model.save_pretrained(path, max_shard_size="20KB")  # several shards and an index
+    assert (path / "model.safetensors.index.json").is_file()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_import_fills_master_weights_exactly(tmp_path: Path, shm_dir: Path, dtype) -> None:
+    want = _save_hf(tmp_path / "hf", dtype=dtype)
+    model = _model()
+    layout = StoreLayout(tuple(u.numel for u in model.units), torch.bfloat16)
+    store = HostStore.create(layout, shm_dir, "import-test")
+    try:
+        load_hf_weights(tmp_path / "hf", store, model.units, model)
+        for u in model.units:
+            for p in u.params:
+                got = store.master(u.index)[p.offset : p.offset + p.numel].view(p.shape)
+                assert got.dtype == torch.float32
+                assert torch.equal(got, want[p.hf_name].float()), p.hf_name
+    finally:
+        store.unlink()
+
+
+def _problems(tmp_path: Path, model: HFModel) -> str:
+    with pytest.raises(ValueError) as info:
+        check_model_dir(tmp_path / "hf", model)
+    return str(info.value)
+
+
+def test_import_lists_missing_unexpected_and_shape_problems(tmp_path: Path) -> None:
+    _save_hf(tmp_path / "hf", intermediate_size=48)
+    extra = tmp_path / "hf" / "extra.safetensors"
+    save_file({"model.layers.0.mlp.extra.weight": torch.ones(2)}, str(extra))
+    index_path = tmp_path / "hf" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["model.layers.0.mlp.extra.weight"] = "extra.safetensors"
+    del index["weight_map"]["model.norm.weight"]
+    index_path.write_text(json.dumps(index))
+    message = _problems(tmp_path, _model())  # the model wants intermediate_size 64
+    assert "missing tensor model.norm.weight" in message
+    assert "unexpected tensor model.layers.0.mlp.extra.weight" in message
+    for i in range(2):
+        assert f"model.layers.{i}.mlp.gate_proj.weight: shape (48, 32)" in message
+        assert f"model.layers.{i}.mlp.down_proj.weight: shape (32, 48)" in message
+    assert message.count("\n  ") >= 1 + 1 + 6, "every problem is listed, not only the first"
+
+
+def test_import_refuses_another_or_unsupported_architecture(tmp_path: Path) -> None:
+    _save_hf(tmp_path / "hf", arch="Qwen3ForCausalLM", head_dim=8)
+    message = _problems(tmp_path, _model())
+    assert "Qwen3ForCausalLM" in message and "model.arch=LlamaForCausalLM" in message
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    assert "architecture GPT2LMHeadModel is not supported" in _problems(tmp_path, _model())
+
+
+def test_import_of_tied_into_untied_names_the_fix(tmp_path: Path) -> None:
+    _save_hf(tmp_path / "hf", tie_word_embeddings=True)
+    message = _problems(tmp_path, _model(tie_word_embeddings=False))
+    assert "missing tensor lm_head.weight" in message and "tie_word_embeddings=true" in message
+    check_model_dir(tmp_path / "hf", _model(tie_word_embeddings=True))  # the matching model loads
+
+
+def test_import_refuses_integer_tensors(tmp_path: Path) -> None:
+    want = _save_hf(tmp_path / "hf")
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        part = load_file(str(f))
+        if "model.norm.weight" in part:
+            part["model.norm.weight"] = torch.ones_like(want["model.norm.weight"], dtype=torch.int32)
+            save_file(part, str(f), metadata={"format": "pt"})
+    assert "model.norm.weight: dtype torch.int32" in _problems(tmp_path, _model())
+
+
+# ----------------------------------------------------------------------------- state.py
+
+
+def test_rng_states_survive_json_exactly() -> None:
+    torch.manual_seed(7)
+    random.seed(7)
+    np.random.seed(7)
+    torch.rand(3), random.random(), np.random.rand()
+    saved = json.loads(json.dumps(st.rng_state()))
+    want = (torch.rand(5), [random.random() for _ in range(5)], np.random.rand(5))
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    st.set_rng_state(saved)
+    got = (torch.rand(5), [random.random() for _ in range(5)], np.random.rand(5))
+    assert torch.equal(got[0], want[0]) and got[1] == want[1] and np.array_equal(got[2], want[2])
+
+
+def test_config_hash_ignores_only_what_leaves_the_math_alone() -> None:
+    base = {"optim": {"lr": 1e-3}, "pipeline": {"stages": 2, "schedule": "1f1b"}, "checkpoint": {"every": 5}}
+    same = {**base, "pipeline": {"stages": 4, "schedule": "1f1b"}, "checkpoint": {"every": 7}}
+    other = {**base, "optim": {"lr": 2e-3}}
+    assert st.config_hash(base) == st.config_hash(same)
+    assert st.config_hash(base) != st.config_hash(other)
+    assert st.config_differences(base, other) == ["optim.lr: 0.001 -> 0.002"]
+
+
+def _fake_checkpoint(directory: Path, step: int) -> Path:
+    """A ``step-N`` directory with two files and a manifest, as the writer commits it."""
+    ckpt = directory / st.step_dir_name(step)
+    ckpt.mkdir(parents=True)
+    save_file({"w": torch.full((64,), float(step))}, str(ckpt / "model-00001-of-00001.safetensors"))
+    (ckpt / "config.json").write_text("{}")
+    files = {
+        name: st.file_record(ckpt / name) for name in ("model-00001-of-00001.safetensors", "config.json")
+    }
+    st.write_json(
+        ckpt / st.TRAINER_STATE, {"format_version": st.FORMAT_VERSION, "step": step, "files": files}
+    )
+    return ckpt
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_damaged_checkpoint_is_refused_naming_the_file(tmp_path: Path, damage: str) -> None:
+    ckpt = _fake_checkpoint(tmp_path, 3)
+    st.verify(ckpt)
+    target = ckpt / "model-00001-of-00001.safetensors"
+    if damage == "truncate":
+        os.truncate(target, target.stat().st_size - 1)
+    elif damage == "flip":
+        data = bytearray(target.read_bytes())
+        data[-1] ^= 1
+        target.write_bytes(data)
+    else:
+        target.unlink()
+    want = {"truncate": "truncated", "flip": "sha256", "delete": "missing"}[damage]
+    with pytest.raises(st.CheckpointError, match=rf"model-00001-of-00001\.safetensors.*{want}"):
+        st.verify(ckpt)
+    with pytest.raises(st.CheckpointError, match=r"checkpoint\.resume="):
+        choose_checkpoint(str(ckpt), tmp_path)
+
+
+def test_auto_takes_the_newest_complete_and_falls_back_with_a_warning(tmp_path: Path, caplog) -> None:
+    assert choose_checkpoint("auto", tmp_path) is None  # nothing yet: a fresh start
+    assert choose_checkpoint("", tmp_path) is None
+    for step in (2, 4, 10):
+        _fake_checkpoint(tmp_path, step)
+    shutil.copytree(tmp_path / "step-10", tmp_path / "step-12.tmp")  # an interrupted save: never chosen
+    (tmp_path / "step-14").mkdir()  # no trainer_state.json: incomplete
+    assert choose_checkpoint("auto", tmp_path) == tmp_path / "step-10"  # numeric order, not text
+    os.truncate(tmp_path / "step-10" / "config.json", 0)
+    with caplog.at_level(logging.WARNING):
+        assert choose_checkpoint("auto", tmp_path) == tmp_path / "step-4"
+    assert "step-10/config.json" in caplog.text and "falling back" in caplog.text
+    for step in (2, 4):
+        os.truncate(tmp_path / f"step-{step}" / "config.json", 0)
+    with pytest.raises(st.CheckpointError, match="every checkpoint"):
+        choose_checkpoint("auto", tmp_path)

@@ -1,0 +1,351 @@
+"""The planner: its arithmetic against hand-computed values for two configurations, every hardware
+profile, the ``python -m nodetrain.plan`` CLI, and the training start-up refusal of a host store
+the node cannot hold (before anything is allocated).
+
+The hand computations below are written from the model's shapes and the documented formulas
+(``nodetrain/costs.py`` docstrings), not by calling the planner's helpers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from nodetrain.config import (
+    Config,
+    ConfigError,
+    HardwareConfig,
+    ModelConfig,
+    register_configs,
+    to_typed,
+)
+from nodetrain.plan import host_problems, make_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+PAGE = 4096
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
+
+
+def _hardware(**kw) -> HardwareConfig:
+    base = dict(
+        name="test",
+        peak_flops=1e12,
+        matmul_efficiency=0.5,
+        device_memory_gb=10.0,
+        host_link_gbps=10.0,
+        host_memory_gb=100.0,
+        host_memory_bandwidth_gbps=200.0,
+        cores=8,
+        gpus_per_node=2,
+    )
+    return HardwareConfig(**{**base, **kw})
+
+
+# ----------------------------------------------------------------------------- config A
+
+
+def _config_a() -> Config:
+    """Untied Llama, D=64, 2 layers, H=4, K=2 (Q=16), F=128, V=300; bf16; 2 stages, 1F1B,
+    B=2, T=16, M=2, G=1, 2 slots; two GPUs of 1 TFLOP/s at 50%, 10 GB/s links, 200 GB/s host memory."""
+    cfg = Config()
+    hf = dict(
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        tie_word_embeddings=False,
+    )
+    cfg.model = ModelConfig(name="hand_a", arch="LlamaForCausalLM", hf=hf)
+    cfg.data.vocab_size = 300
+    cfg.train.seq_len, cfg.train.micro_batch_size, cfg.train.dtype = 16, 2, "bfloat16"
+    cfg.pipeline.stages, cfg.pipeline.microbatches, cfg.pipeline.schedule = 2, 2, "1f1b"
+    cfg.hardware = _hardware()
+    return cfg
+
+
+# Units: embed V·D; a layer: q, o D·(H·Q) each, k, v D·(K·Q) each, gate/up/down D·F each, 2 norms D;
+# head: final norm D + lm_head V·D.
+A_EMBED = 300 * 64
+A_LAYER = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64
+A_HEAD = 64 + 300 * 64
+
+
+def test_config_a_host_store_by_hand() -> None:
+    plan = make_plan(_config_a())
+    assert (A_EMBED, A_LAYER, A_HEAD) == (19200, 36992, 19264)
+    # four fp32 fields and one bf16 field per unit, each page-aligned
+    expected = sum(4 * _align(n * 4) + _align(n * 2) for n in (A_EMBED, A_LAYER, A_LAYER, A_HEAD))
+    assert expected == 2_072_576
+    assert plan.store_bytes == expected
+    assert plan.fields["master"] == _align(A_EMBED * 4) + 2 * _align(A_LAYER * 4) + _align(A_HEAD * 4)
+    assert plan.fields["compute"] == _align(A_EMBED * 2) + 2 * _align(A_LAYER * 2) + _align(A_HEAD * 2)
+    assert "grad_tied" not in plan.fields
+    assert plan.shape.num_params == A_EMBED + 2 * A_LAYER + A_HEAD
+
+
+def test_config_a_device_memory_by_hand() -> None:
+    plan = make_plan(_config_a())
+    # costs: embed 0, layers A_LAYER, head A_HEAD -> {embed, L0} | {L1, head} (max 56,256 < 73,984)
+    assert [list(s.blocks) for s in plan.stages] == [[0, 1], [2, 3]]
+    n, d, e = 2 * 16, 64, 2
+    s0, s1 = plan.stages
+    assert s0.window_bytes == s1.window_bytes == 2 * A_LAYER * e == 147_968
+    # 1F1B: stage 0 holds min(S - 0, M) = 2 micro-batches, stage 1 holds 1; the embedding saves int64 ids
+    assert s0.saved_bytes == 2 * (n * 8 + n * d * e) == 8_704
+    assert s1.saved_bytes == 1 * (2 * n * d * e) == 8_192
+    # one direction of sends each (stage 0 activations, stage 1 input gradients), G·M of them
+    assert s0.p2p_bytes == s1.p2p_bytes == 1 * 2 * n * d * e == 8_192
+    # layer recompute per token: norms 2·(4D + 2·D·e) + SDPA (2H+2K)·Q·e + lse 4·H + MLP 4·F·e
+    # + backward (F+D)·e = 1024 + 384 + 16 + 1024 + 384 = 2832 bytes; it beats the layer's
+    # weight gradients (36,992·e) and the embedding's (19,200·e)
+    layer = n * 2832
+    # head per token: norm D·(4 + 2e) + loss 12·V = 512 + 3600, beats its gradients 19,264·e
+    head = n * (512 + 12 * 300)
+    queued = 2 * A_LAYER * e  # a GPU stage may hold `slots` earlier blocks' gradients for D2H
+    assert s0.transient_bytes == layer + queued == 238_592
+    assert s1.transient_bytes == head + queued == 279_552
+    assert s1.total_bytes == 147_968 + 8_192 + 8_192 + 279_552 == 443_904
+
+
+def test_config_a_step_time_by_hand() -> None:
+    plan = make_plan(_config_a())
+    t = plan.time
+    n, tq = 32, 16
+    attn = 16 * n * tq * 4 * 16  # one layer: 4 × forward attention 4·n·T·H·Q
+    flops = [8 * A_LAYER * n + attn, 8 * (A_LAYER + A_HEAD) * n + attn]  # per micro-batch, per stage
+    rate = 1e12 * 0.5
+    slot = flops[1] / rate  # stage 1's compute is the slowest part of any micro-batch
+    h2d = [2 * (A_EMBED + A_LAYER) * 2 / 10e9, 2 * (A_LAYER + A_HEAD) * 2 / 10e9]
+    assert max(h2d) < slot
+    assert t.compute_s == pytest.approx(2 * slot, rel=1e-12)  # G·M = 2 micro-batches
+    assert t.h2d_s == pytest.approx(2 * max(h2d), rel=1e-12)
+    assert t.d2h_s == pytest.approx(max(h2d), rel=1e-12)
+    assert t.bubble_s == pytest.approx(1 * slot, rel=1e-12)  # (S - 1) slots
+    params = A_EMBED + 2 * A_LAYER + A_HEAD
+    assert t.optimizer_s == pytest.approx(params * (40 + 2) / 200e9, rel=1e-12)
+    assert t.step_s == pytest.approx((2 + 2 - 1) * slot, rel=1e-12)
+    assert t.bottleneck == "compute"
+    assert t.tokens == 2 * n
+    # PaLM: 6·N + 12·L·H·Q·T per token, N = matmul weights (2 layers + lm_head)
+    assert t.model_flops == (6 * (2 * A_LAYER + A_HEAD) + 12 * 2 * 4 * 16 * tq) * 64
+    assert t.mfu(plan.peak_flops) == pytest.approx(t.model_flops / t.step_s / 2e12)
+    assert plan.fits and plan.verdict == "fits; compute-bound"
+    assert plan.train_tokens == 20 * params
+    assert plan.days_one_node == pytest.approx(20 * params / (64 / t.step_s * 86400))
+
+
+# ----------------------------------------------------------------------------- config B
+
+
+def _config_b() -> Config:
+    """Tied Qwen3 (q/k norms), D=64, 2 layers, H=4, K=2, Q=16, F=128, V=300; fp32; 1 stage, GPipe,
+    B=1, T=8, M=3, G=2; a CPU profile (gpus_per_node=0) with a slow memory bus."""
+    cfg = Config()
+    hf = dict(
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        tie_word_embeddings=True,
+    )
+    cfg.model = ModelConfig(name="hand_b", arch="Qwen3ForCausalLM", hf=hf)
+    cfg.data.vocab_size = 300
+    cfg.train.seq_len, cfg.train.micro_batch_size, cfg.train.dtype, cfg.train.grad_accum = 8, 1, "float32", 2
+    cfg.pipeline.stages, cfg.pipeline.microbatches, cfg.pipeline.schedule = 1, 3, "gpipe"
+    cfg.hardware = _hardware(gpus_per_node=0, device_memory_gb=0.0, host_memory_bandwidth_gbps=1e-3)
+    return cfg
+
+
+B_EMBED = 300 * 64
+B_LAYER = 2 * 64 * 64 + 2 * 64 * 32 + 2 * 16 + 3 * 64 * 128 + 2 * 64  # + q_norm, k_norm
+B_HEAD = 64  # the final norm; lm_head is the embedding
+
+
+def test_config_b_host_store_by_hand() -> None:
+    plan = make_plan(_config_b())
+    assert (B_EMBED, B_LAYER) == (19200, 37024)
+    # fp32 transfer copy: five 4-byte fields per unit, and the tied embedding's 2nd gradient
+    expected = 6 * _align(B_EMBED * 4) + 2 * 5 * _align(B_LAYER * 4) + 5 * _align(B_HEAD * 4)
+    assert expected == 2_002_944
+    assert plan.store_bytes == expected
+    assert plan.fields["grad_tied"] == _align(B_EMBED * 4)
+    assert plan.shape.num_params == B_EMBED + 2 * B_LAYER + B_HEAD
+
+
+def test_config_b_memory_and_time_by_hand() -> None:
+    plan = make_plan(_config_b())
+    (s0,) = plan.stages
+    n, d, e = 8, 64, 4
+    assert s0.window_bytes == 2 * B_LAYER * e == 296_192  # the tied head binds 64 + 19,200 < B_LAYER
+    assert s0.saved_bytes == 3 * (n * 8 + 3 * n * d * e) == 18_624  # GPipe: all M in flight
+    assert s0.p2p_bytes == 0
+    # the peak is a layer's weight gradients, 37,024·4 = 148,096: more than its recompute (n·5,648:
+    # norms 5·D·e + SDPA 768 + lse 16 + MLP 2048 + backward 768 + q/k norms 768), the head's
+    # n·(D·12 + 12·V) = 34,944 or its tied gradients 77,056; fp32 needs no conversion, and the CPU
+    # copy worker holds no queued gradients
+    assert s0.transient_bytes == B_LAYER * e == 148_096
+    # on a CPU profile the stage lives in host memory next to the store and the rank overhead
+    assert plan.host_need_bytes == plan.store_bytes + int(0.5e9) + s0.total_bytes
+    t = plan.time
+    params = B_EMBED + 2 * B_LAYER + B_HEAD
+    assert t.optimizer_s == pytest.approx(params * (40 + 4) / 1e6, rel=1e-12)  # 1e-3 GB/s
+    assert t.bottleneck == "CPU optimizer"
+    assert t.step_s == pytest.approx(t.optimizer_s)  # overlapped: max(pipeline, optimizer)
+    assert t.tokens == 2 * 3 * n
+    cfg = _config_b()
+    cfg.plan.overlap_optimizer = False
+    serial = make_plan(cfg).time
+    # the slot is H2D: forward + backward load every block, (19,200 + 2·37,024 + 19,264 tied head) fp32
+    h2d = 2 * (B_EMBED + 2 * B_LAYER + B_HEAD + B_EMBED) * e / 10e9
+    flops = 8 * (2 * B_LAYER + B_EMBED) * n + 2 * 16 * n * 8 * 4 * 16  # head multiplies the tied V·D
+    assert flops / 5e11 < h2d
+    assert serial.h2d_s == pytest.approx(2 * 3 * h2d, rel=1e-12)
+    assert serial.step_s == pytest.approx(2 * (3 + 1 - 1) * h2d + serial.optimizer_s, rel=1e-12)
+    cfg.plan.train_tokens, cfg.plan.days = 1e9, 7.0
+    p = make_plan(cfg)
+    assert p.nodes == math.ceil(1e9 / p.time.tokens_per_day / 7.0)
+
+
+def test_device_does_not_fit_names_the_largest_micro_batch() -> None:
+    cfg = _config_a()
+    cfg.hardware.device_memory_gb = 2.0 + 0.0004  # 400 kB usable beyond the 2 GB reserve
+    plan = make_plan(cfg)
+    assert plan.stages[1].total_bytes == 443_904  # B=2 (see above) does not fit
+    # stage 1 at B=1 (n=16): window + saved + P2P + head recompute + gradients queued
+    saved = 1 * 2 * (16 * 64 * 2)  # one micro-batch in flight, inputs of L1 and the head
+    p2p = 2 * (16 * 64 * 2)  # G·M input gradients sent back
+    assert 147_968 + saved + p2p + 16 * 4_112 + 147_968 == 369_920 < 400_000
+    assert not plan.fits and plan.max_micro_batch == 1
+    assert "train.micro_batch_size=1" in plan.problems[0] and "device memory" in plan.problems[0]
+
+
+def test_more_stages_than_gpus_is_refused() -> None:
+    cfg = _config_a()
+    cfg.hardware.gpus_per_node = 1
+    with pytest.raises(
+        ConfigError, match=re.escape("pipeline.stages=2: more stages than hardware.gpus_per_node=1")
+    ):
+        make_plan(cfg)
+
+
+def test_host_problems_by_hand() -> None:
+    assert host_problems(10 * 10**9, 2, 10**9, 12 * 10**9, 20 * 10**9, "/dev/shm") == []
+    (memory,) = host_problems(10 * 10**9, 4, 10**9, 12 * 10**9, 20 * 10**9, "/dev/shm")
+    assert "10.0 GB + 4 rank(s) × 1.00 GB (plan.rank_overhead_gb) = 14.0 GB" in memory
+    assert "only 12.0 GB is available" in memory
+    (disk,) = host_problems(10 * 10**9, 1, 0, 99 * 10**9, 9 * 10**9, "/x")
+    assert disk.startswith("store.dir=/x:") and "9.0 GB free" in disk
+
+
+# ----------------------------------------------------------------------------- profiles and CLI
+
+
+def _profiles() -> list[str]:
+    return sorted(p.stem for p in (CONF / "hardware").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("profile", _profiles())
+def test_every_hardware_profile_states_sources_and_plans(profile: str) -> None:
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = to_typed(compose("config", overrides=[f"hardware={profile}"]))
+    hw = cfg.hardware
+    assert hw.name == profile and len(hw.source) > 40
+    assert hw.peak_flops > 1e10 and hw.host_link_gbps > 0 and hw.host_memory_bandwidth_gbps > 0
+    assert hw.host_memory_gb > 0 and hw.cores >= 1
+    assert (hw.gpus_per_node == 0) == (hw.device_memory_gb == 0)
+    plan = make_plan(cfg)
+    assert plan.store_bytes > 0 and plan.time.step_s > 0
+
+
+def _plan_cli(*overrides: str) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", COLUMNS="200")
+    cmd = [sys.executable, "-m", "nodetrain.plan", *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_cli_llama2_70b_on_h100_fits() -> None:
+    out = _plan_cli(
+        "model=llama2_70b", "hardware=h100_sxm", "train.seq_len=4096", "train.micro_batch_size=4",
+        "pipeline.microbatches=16",
+    )  # fmt: skip
+    # 18 bytes/param (4 fp32 fields + bf16) of the published 68.98B parameters
+    assert re.search(r"host store\s+│\s+18\.00\s+│\s+1,241\.\d\d", out), out
+    for part in ("compute: forward", "H2D", "D2H", "pipeline bubble", "CPU optimizer", "tokens/day"):
+        assert part in out
+    assert "verdict: fits" in out and "largest micro-batch that fits" in out
+
+
+def test_cli_1t_model_on_8_gpus_does_not_fit() -> None:
+    out = _plan_cli("model=llama_1t", "hardware=h100_sxm", "train.seq_len=4096", "train.micro_batch_size=1")
+    assert "verdict: does not fit" in out
+    # 18 bytes/param × 1.005T parameters against the DGX H100's 2,048 GB
+    assert re.search(r"host store needs 18,0\d\d GB \(18\.0 bytes/param\)", out), out
+    assert "largest model that fits is ~113" in out
+
+
+# ----------------------------------------------------------------------------- training refusal
+
+
+def test_training_refuses_a_store_larger_than_host_memory(tmp_path, shm_dir) -> None:
+    """llama2_70b needs ~1.24 TB of host store: every rank refuses before the store exists, and no
+    rank grows beyond a small fraction of the machine (nothing was allocated)."""
+    corpus = tmp_path / "sonnet.txt"
+    corpus.write_text(
+        "Shall I compare thee to a summer's day?\nThou art more lovely and more temperate:\n" * 300
+    )
+    overrides = [
+        "model=llama2_70b",
+        f"data.source={corpus}",
+        f"data.dir={tmp_path / 'prepared'}",
+        "data.vocab_size=300",
+        "train.seq_len=16",
+        f"store.dir={shm_dir}",
+    ]
+    # A wrapper reports the peak RSS of its waited-for descendants (torchrun and both ranks).
+    wrapper = (
+        "import resource, subprocess, sys\n"
+        "rc = subprocess.run(sys.argv[1:]).returncode\n"
+        "print(f'MAXRSS_KB={resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}', flush=True)\n"
+        "sys.exit(rc)\n"
+    )
+    cmd = [sys.executable, "-c", wrapper, sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    cmd += ["--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "nodetrain.train", *overrides]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="disabled", NODETRAIN_RUNS=str(tmp_path / "runs"))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "llama2_70b (68.98B parameters × 18.0 bytes/param of host store) does not fit" in out, out[-4000:]
+    assert re.search(r"host store needs 1241\.6 GB \+ 2 rank\(s\) × 0\.50 GB .* = 1242\.6 GB, but only", out)
+    assert f"store.dir={shm_dir}: the host store needs 1241.6 GB" in out
+    assert out.count("does not fit this node") >= 2, "every rank reports the refusal"
+    assert not list(shm_dir.iterdir()), "a store file was created"
+    assert not list((tmp_path / "runs").glob("*/metrics.jsonl")), "training started"
+    max_rss_gb = int(re.search(r"MAXRSS_KB=(\d+)", out)[1]) / 1e6
+    assert max_rss_gb < 2.0, f"a rank reached {max_rss_gb:.1f} GB: something was allocated"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,258 @@
+"""Sweeps and launchers, as a user runs them: Hydra ``--multirun`` under torchrun, the sweep launcher
+that changes the world size, and the multi-node and Slurm scripts.
+
+The multirun and launcher tests run the real entry points (gloo, CPU) in subprocesses; the wandb
+runs are read back from their offline files with wandb's own protobuf schema. The Slurm template
+and the by-hand multi-node script run with stand-ins for ``srun``, ``scontrol`` and ``torchrun`` that
+record what they were asked to run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, free_port
+from wandb_log import read_run
+
+from nodetrain.config import OptimConfig
+
+TINY = [
+    "model.hf.hidden_size=64",
+    "model.hf.num_hidden_layers=2",
+    "model.hf.num_attention_heads=4",
+    "model.hf.num_key_value_heads=2",
+    "model.hf.intermediate_size=128",
+    "train.seq_len=16",
+    "train.micro_batch_size=2",
+    "pipeline.microbatches=2",
+    "train.eval_batches=1",
+]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> list[str]:
+    """A small real-text corpus (a public-domain sonnet, repeated) and its prepared-data dir."""
+    d = tmp_path_factory.mktemp("corpus")
+    text = (
+        "Shall I compare thee to a summer's day?\nThou art more lovely and more temperate:\n"
+        "Rough winds do shake the darling buds of May,\nAnd summer's lease hath all too short a date;\n"
+    )
+    (d / "sonnet.txt").write_text(text * 200)
+    return [f"data.source={d / 'sonnet.txt'}", f"data.dir={d / 'prepared'}", "data.vocab_size=300"]
+
+
+def _env(tmp_path: Path, wandb_mode: str) -> dict[str, str]:
+    wandb_home = str(tmp_path / "wandb_home")
+    return dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        NODETRAIN_RUNS=str(tmp_path / "runs"),
+        OMP_NUM_THREADS="1",
+        WANDB_MODE=wandb_mode,
+        WANDB_CONFIG_DIR=wandb_home,
+        WANDB_CACHE_DIR=wandb_home,
+        WANDB_DATA_DIR=wandb_home,
+    )
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def _records(job: Path) -> list[dict]:
+    return [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+
+
+# ----------------------------------------------------------------------------- --multirun
+
+
+def test_multirun_of_two_learning_rates_on_two_ranks(
+    tmp_path: Path, corpus: list[str], shm_dir: Path
+) -> None:
+    lrs, steps = ("0.001", "0.0003"), 2
+    overrides = [*TINY, *corpus, f"train.steps={steps}", f"train.eval_every={steps}", f"store.dir={shm_dir}"]
+    overrides += ["logging.tags=[lr-sweep]", f"optim.lr={','.join(lrs)}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+    ]
+    _run([*cmd, "-m", "nodetrain.train", "--multirun", *overrides], _env(tmp_path, "offline"), 400)
+    exited = time.time()
+
+    (sweep,) = (tmp_path / "runs").iterdir()  # one sweep directory, one job directory per value
+    assert sweep.name.startswith("multirun_")
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"], "a third directory"
+    warmup = OptimConfig().warmup_steps
+    runs = []
+    for num, lr in enumerate(lrs):
+        job = sweep / str(num)
+        records = _records(job)
+        assert [r["step"] for r in records if "loss" in r] == list(range(1, steps + 1))
+        assert records[1]["lr"] == pytest.approx(float(lr) / warmup, rel=1e-9)  # this job's lr, step 1
+        assert f"optim.lr={lr}" in (job / ".hydra" / "overrides.yaml").read_text()
+        logs = [(job / f"rank{r}.log").read_text() for r in (0, 1)]
+        assert "stage 1/2" in logs[1]
+        for log in logs:  # one process group for the sweep; each job let go of its store and threads
+            assert ("process group: reused" in log) == (num == 1), log[-2000:]
+            assert "job released: host store" in log and "no threads left" in log
+        for png in ("loss", "tokens_per_s", "time", "summary"):
+            assert (job / "plots" / f"{png}.png").read_bytes().startswith(PNG_SIGNATURE)
+
+        (wandb_file,) = (job / "wandb").glob("offline-run-*/run-*.wandb")
+        run = read_run(wandb_file)
+        assert run.exit_code == 0, f"job {num}: the wandb run was not finished"
+        assert (run.group, run.name, run.tags) == (sweep.name, f"optim.lr={lr}", ["lr-sweep"])
+        assert run.config["optim"]["lr"] == float(lr) and run.config["train"]["steps"] == steps
+        logged = [h for h in run.history if "step" in h]
+        assert [h["step"] for h in logged] == [r["step"] for r in records]
+        assert all(h["loss"] == r["loss"] for h, r in zip(logged[1:], records[1:], strict=True))
+        runs.append(run.run_id)
+    assert runs[0] != runs[1], "both jobs logged into one wandb run"
+
+    last_step = max((sweep / str(n) / "metrics.jsonl").stat().st_mtime for n in (0, 1))
+    assert exited - last_step < 30, f"exited {exited - last_step:.1f}s after the last step"
+
+
+def test_multirun_job_failing_on_one_rank_ends_the_sweep(tmp_path: Path, corpus: list[str], shm_dir) -> None:
+    """Job 0's store directory does not exist: the start-up fit check (on rank 0, shared with every
+    rank) refuses it. Hydra would start job 1 after a failed job; instead every rank exits, within
+    seconds, and job 1 never starts."""
+    overrides = [*TINY, *corpus, "train.steps=2", "train.eval_every=0", "logging.plots=false"]
+    overrides.append(f"store.dir={tmp_path / 'missing'},{shm_dir}")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+    ]
+    cmd += ["-m", "nodetrain.train", "--multirun", *overrides]
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=_env(tmp_path, "disabled"), capture_output=True, text=True, timeout=300
+    )
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode != 0
+    (sweep,) = (tmp_path / "runs").iterdir()
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0"], "job 1 started after a failure"
+    log = (sweep / "0" / "rank0.log").read_text()
+    assert "job failed; ending this rank" in log and "store.dir=" in log and "not a directory" in log
+    assert elapsed < 120, f"the ranks took {elapsed:.0f}s to exit"
+
+
+# ----------------------------------------------------------------------------- launch/sweep.py
+
+
+def test_sweep_launcher_starts_one_torchrun_per_world_size(
+    tmp_path: Path, corpus: list[str], shm_dir
+) -> None:
+    overrides = [*TINY, *corpus, "train.steps=1", "train.eval_every=0", f"store.dir={shm_dir}"]
+    overrides += ["logging.plots=false", "pipeline.stages=1,2"]
+    cmd = [sys.executable, str(ROOT / "launch" / "sweep.py"), "--multirun", *overrides]
+    _run(cmd, _env(tmp_path, "disabled"), 400)
+
+    (sweep,) = (tmp_path / "runs").iterdir()
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
+    for num, stages in enumerate((1, 2)):
+        job = sweep / str(num)
+        assert [r["step"] for r in _records(job) if "loss" in r] == [1]
+        assert sorted(p.name for p in job.glob("rank*.log")) == [f"rank{r}.log" for r in range(stages)]
+        assert f"stage {stages - 1}/{stages}" in (job / f"rank{stages - 1}.log").read_text()
+        assert "torch.distributed.run --standalone" in (job / "launcher.log").read_text()
+        child = (job / ".hydra" / "overrides.yaml").read_text()  # written by the child's rank 0
+        assert (
+            f"logging.name='pipeline.stages={stages}'" in child and f"logging.group='{sweep.name}'" in child
+        )
+
+
+# ----------------------------------------------------------------------------- shell launchers
+
+_RECORDER = """#!/usr/bin/env python3
+import json, os, sys
+with open(os.environ["CALLS"], "a") as f:
+    f.write(json.dumps({"prog": os.path.basename(sys.argv[0]), "argv": sys.argv[1:],
+                        "node": os.environ.get("SLURM_NODEID"),
+                        "run_id": os.environ.get("NODETRAIN_RUN_ID")}) + "\\n")
+"""
+_SRUN = """#!/usr/bin/env bash
+# stand-in for srun on a 2-node allocation: record the options, then run the command once per node
+opts=(); while [[ "$1" == --* ]]; do opts+=("$1"); shift; done
+printf '%s\\n' "${opts[@]}" > "$CALLS.srun"
+for node in 0 1; do SLURM_NODEID=$node "$@"; done
+"""
+_SCONTROL = """#!/usr/bin/env bash
+[[ "$1 $2 $3" == "show hostnames gpu-a[01-02]" ]] && printf 'gpu-a01\\ngpu-a02\\n'
+"""
+
+
+def _stubs(tmp_path: Path, **scripts: str) -> dict[str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in scripts.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(tmp_path / "calls.jsonl")}
+
+
+def _calls(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+
+
+def test_slurm_template_runs_torchrun_on_two_nodes_of_eight_gpus(tmp_path: Path) -> None:
+    script = ROOT / "launch" / "slurm.sbatch"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    header = [line for line in script.read_text().splitlines() if line.startswith("#SBATCH")]
+    assert "#SBATCH --nodes=2" in header and "#SBATCH --gpus-per-node=8" in header
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NODETRAIN_"))}
+    env.update(_stubs(tmp_path, torchrun=_RECORDER, srun=_SRUN, scontrol=_SCONTROL))
+    env.update(
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_NNODES="2",
+        SLURM_GPUS_ON_NODE="8",
+        SLURM_JOB_NODELIST="gpu-a[01-02]",
+        SLURM_SUBMIT_DIR=str(tmp_path),
+    )
+    subprocess.run(["bash", str(script), "model=llama3_8b", "train.seq_len=4096"], env=env, check=True)
+
+    calls = _calls(tmp_path)
+    expected = "--nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint gpu-a01:29500 "
+    expected += "--rdzv_id 4242 -m nodetrain.train model=llama3_8b train.seq_len=4096"
+    assert [c["node"] for c in calls] == ["0", "1"] and {c["prog"] for c in calls} == {"torchrun"}
+    assert all(" ".join(c["argv"]) == expected for c in calls), calls
+    run_ids = {c["run_id"] for c in calls}  # one run directory for every node
+    assert len(run_ids) == 1 and run_ids.pop().endswith("_slurm4242")
+    assert (tmp_path / "calls.jsonl.srun").read_text().split() == [
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+    ]
+
+
+def test_multi_node_script_passes_node_rank_and_master(tmp_path: Path) -> None:
+    script = ROOT / "launch" / "multi_node.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    env = dict(os.environ, **_stubs(tmp_path, torchrun=_RECORDER), NNODES="2", NODE_RANK="1")
+    env.update(MASTER_ADDR="10.1.2.3", RUN_ID="llama-a")
+    subprocess.run(["bash", str(script), "8", "model=llama3_8b"], env=env, check=True)
+    (call,) = _calls(tmp_path)
+    assert " ".join(call["argv"]) == (
+        "--nnodes 2 --node_rank 1 --nproc_per_node 8 --master_addr 10.1.2.3 --master_port 29500 "
+        "-m nodetrain.train model=llama3_8b"
+    )
+    assert call["run_id"] == "llama-a"
+    del env["RUN_ID"]
+    proc = subprocess.run(["bash", str(script), "8"], env=env, capture_output=True, text=True)
+    assert proc.returncode != 0 and "RUN_ID" in proc.stderr
