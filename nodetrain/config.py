@@ -153,6 +153,10 @@ class TrainConfig:
     """Stop the run with an error after this many consecutive steps whose loss or gradient norm is
     NaN/inf (>= 1). Such a step's update is skipped on every stage (weights, AdamW state and step
     count untouched, gradients dropped) and counted as ``bad_steps`` in the metrics."""
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one compute device in ``dtype``, the denominator of MFU (metrics key ``mfu``).
+    0 = measure a dense matmul on the device once at start-up (on CPU the only option that means
+    anything; on a GPU set the datasheet figure, e.g. 989e12 for an H100 SXM in bf16)."""
 
 
 @dataclass
@@ -177,6 +181,10 @@ class StreamConfig:
     """Device buffers the stage's units stream through (1 = no overlap, 2 = double buffering)."""
     test_copy_delay_s: float = 0.0
     """Test-only: seconds the CPU copy worker sleeps before each copy, to expose a missing wait."""
+    device_budget: int = -1
+    """Device bytes for resident units (loaded once per step instead of once per micro-batch pass);
+    units that do not fit stream through the slots. -1 = auto: on CUDA what the device has free
+    after the slots, the estimated activations and a 2 GiB margin; on CPU 0. 0 = stream every unit."""
 
 
 @dataclass
@@ -199,6 +207,14 @@ class OptimConfig:
     """Added to sqrt(exp_avg_sq) in the denominator (> 0)."""
     max_grad_norm: float = 1.0
     """Clip the global (all stages) gradient L2 norm to this; 0 = no clipping."""
+    overlap: bool = True
+    """Run each unit's AdamW update on a background CPU thread while compute continues: during
+    backward when ``max_grad_norm`` is 0, else unit by unit ahead of the next step's forward. False =
+    update every unit at the end of the step, on the training thread."""
+    threads: int = 0
+    """CPU threads (an OpenMP team) for the AdamW update; 0 = the node's cores / ranks on the node."""
+    test_delay_s: float = 0.0
+    """Test-only: seconds the optimizer worker sleeps before each unit update, to expose staleness."""
 
 
 @dataclass
@@ -517,6 +533,10 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("pipeline.microbatches", lambda v: v >= 1, "must be >= 1", "use at least the number of stages"),
     ("stream.slots", lambda v: v >= 1, "must be >= 1", "use 2 for double buffering"),
     ("stream.test_copy_delay_s", lambda v: v >= 0, "must be >= 0", "use 0 outside tests"),
+    ("stream.device_budget", lambda v: v >= -1, "must be >= -1", "use -1 for auto, 0 to stream all"),
+    ("train.peak_flops", lambda v: v >= 0, "must be >= 0", "use 0 to measure it at start-up"),
+    ("optim.threads", lambda v: v >= 0, "must be >= 0", "use 0 for a fair share of the cores"),
+    ("optim.test_delay_s", lambda v: v >= 0, "must be >= 0", "use 0 outside tests"),
     ("optim.lr", lambda v: v > 0, "must be > 0", "set a positive peak learning rate"),
     ("optim.min_lr", lambda v: v >= 0, "must be >= 0", "use 0 to decay to zero"),
     ("optim.warmup_steps", lambda v: v >= 0, "must be >= 0", "use 0 for no warmup"),

@@ -3,10 +3,12 @@
 Owns: wiring store, window, stage runner, P2P and optimizer for this rank, and the order of a
 step: pipeline rounds → flush gradients → sum the tied embedding's two uses → sum gradients over
 the replicas (several nodes, see replicas.py) → one all-reduce (global grad norm² and loss) → clip
-→ AdamW → refresh the transfer copy. A step whose all-reduced loss or gradient norm is NaN/inf is
-skipped on every stage (they all see the same totals): gradients dropped, no AdamW update, so no
-non-finite value reaches the master weights. The same all-reduce carries the stop request of a
-signal (faults.StopRequest), so every rank stops after the same step. Does not own: the config,
+→ AdamW → refresh the transfer copy, with the AdamW of each unit on a background thread
+(overlap.py decides when) and the step's phases timed (breakdown.py). A step whose all-reduced
+loss or gradient norm is NaN/inf is skipped on every stage (they all see the same totals):
+gradients dropped, no AdamW update, so no non-finite value reaches the master weights. The same
+all-reduce carries the stop request of a signal (faults.StopRequest), so every rank stops after
+the same step. Does not own: the config,
 data or logging (train.py).
 
 Exactness (DESIGN invariant 2): the loss is the sum of token cross-entropies over every
@@ -19,18 +21,21 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from nodetrain.breakdown import StepBreakdown, flops_per_token, measured_peak_flops
 from nodetrain.config import Config, grad_accum_of
 from nodetrain.faults import poison_grads
 from nodetrain.model import HFModel
 from nodetrain.optim import StoreAdamW, clip_coef, lr_at
+from nodetrain.overlap import UnitUpdates, fair_share_threads
 from nodetrain.pipeline import P2P, Action, build_schedule, partition
 from nodetrain.replicas import ReplicaGradSum, Topology, node_group, replica_slice
+from nodetrain.residency import resident_blocks
 from nodetrain.stage import IGNORE_INDEX, StageRunner
 from nodetrain.store import HostStore, StoreLayout
 from nodetrain.stream import Window
@@ -60,10 +65,13 @@ class StepResult:
     p2p_wait_s: float
     """This rank's seconds blocked receiving activations/gradients (bubble + transfer)."""
     optim_s: float
+    """This rank's seconds of optimizer work the step waited for (not hidden behind compute)."""
     skipped: bool = False
     """The loss or gradient norm was NaN/inf: no update was applied (on any stage)."""
     stop: bool = False
     """Some rank asked to stop (a signal) before this step's all-reduce: every rank stops after it."""
+    breakdown: dict = field(default_factory=dict)
+    """On rank 0: every stage's step breakdown, flat (see ``breakdown.combine_stages``); else {}."""
 
 
 class Engine:
@@ -106,7 +114,21 @@ class Engine:
         self.units = [model.units[i] for i in self.blocks]
         self.store = self._open_store(topo.local_rank, run_id)
         self._init_weights(init_from)
+        self._tied_across = model.tied and topo.num_stages > 1
         self.optimizer = StoreAdamW(self.store, self.units, cfg.optim)
+        self.updates = UnitUpdates(
+            self.optimizer,
+            model.bindings,
+            self.blocks,
+            shared_units=(0,) if self._tied_across and topo.stage == 0 else (),
+            overlap=cfg.optim.overlap,
+            clip=cfg.optim.max_grad_norm > 0,
+            threads=cfg.optim.threads or fair_share_threads(),
+            delay_s=cfg.optim.test_delay_s,
+            # a NaN/inf step is skipped on every stage, known only after the step's all-reduce: no
+            # unit may be updated during the backward (with several replicas, also the cross-node sum)
+            defer=True,
+        )
         self.window = Window(
             self.store,
             model.bindings,
@@ -115,15 +137,18 @@ class Engine:
             cfg.stream.slots,
             device,
             cfg.stream.test_copy_delay_s,
+            resident=resident_blocks(cfg, model, self.blocks, topo.stage, topo.num_stages, device),
         )
+        self.window.gate, self.window.on_offloaded = self.updates.gate, self.updates.offloaded
         self.runner = StageRunner(model, self.blocks, self.window, self.dtype)
         shape = (cfg.train.micro_batch_size, cfg.train.seq_len, model.config.hidden_size)
         p2p_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
         self.p2p = P2P(topo.stage, topo.num_stages, shape, self.dtype, p2p_device, topo.pipeline_ranks)
-        self._tied_across = model.tied and topo.num_stages > 1
         self.grad_sum = ReplicaGradSum(topo, staging=device if dist.get_backend() == "nccl" else None)
+        self.breakdown = self._make_breakdown()
+        self.window.timeline = self.p2p.timeline = self.breakdown.timeline
         log.info(
-            "stage %d/%d (replica %d/%d): units %s (%s), window %.1f MB, host store %.1f MB",
+            "stage %d/%d (replica %d/%d): units %s (%s), window %.1f MB (resident: %s), host store %.1f MB",
             topo.stage,
             topo.num_stages,
             topo.replica,
@@ -131,8 +156,25 @@ class Engine:
             [model.units[i].name for i in (self.blocks[0], self.blocks[-1])],
             len(self.blocks),
             self.window.nbytes / 1e6,
+            [model.units[i].name for i in self.window.resident] or "none",
             self.store.nbytes / 1e6,
         )
+
+    def _make_breakdown(self) -> StepBreakdown:
+        n = sum(self.model.block_cost(i) for i in self.blocks)
+        layers = sum(1 for i in self.blocks if 0 < i <= self.model.num_layers)
+        per_token = flops_per_token(self.model.config, n, layers, self.cfg.train.seq_len)
+        peak = self.cfg.train.peak_flops or measured_peak_flops(
+            str(self.device), self.dtype, torch.get_num_threads()
+        )
+        static = {
+            "window_bytes": self.window.nbytes,
+            "resident_bytes": self.window.resident_nbytes,
+            "num_resident": len(self.window.resident),
+            "resident_units": ",".join(self.model.units[i].name for i in self.window.resident),
+            "store_bytes": self.store.nbytes,
+        }
+        return StepBreakdown(self.device, per_token, peak, static)
 
     # ---- set-up ------------------------------------------------------------------------------
 
@@ -214,50 +256,65 @@ class Engine:
         Raises:
             ValueError: a batch of the wrong shape.
         """
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        timeline = self.breakdown.timeline
+        timeline.start()
         m = self.cfg.pipeline.microbatches
         self._check_batch(inputs, labels, self.grad_accum * m * self.topo.num_replicas)
         tokens = int((labels != IGNORE_INDEX).sum())  # of the global batch: every replica scales by it
         inputs, labels = self._replica_share(inputs, labels)
+        lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
         actions = build_schedule(self.cfg.pipeline.schedule, self.num_stages, self.stage, m)
+        self.updates.begin_step(lr, self.grad_accum * m)
         self.window.begin(self._load_sequence(actions, self.grad_accum))
         self.p2p.reset_timer()
         loss_sum = 0.0
         for r in range(self.grad_accum):
             loss_sum += self._run_round(actions, r, inputs, labels, 1.0 / max(tokens, 1), train=True)
         self.window.flush()
-        self.p2p.wait_sends()
-        t_opt = time.perf_counter()
-        poison_grads(self.cfg.test, dist.get_rank(), step + 1, [self.store.grad(u.index) for u in self.units])
-        self._sum_tied_grads()
-        self.grad_sum([self.store.grad(u.index) for u in self.units])
-        grad_sq = self.optimizer.grad_sq_sum() if self.topo.replica == 0 else 0.0  # each stage counted once
-        totals = torch.tensor([grad_sq, loss_sum, float(stop)], dtype=torch.float64)
-        dist.all_reduce(totals)  # NaN/inf on any stage makes the sums non-finite on every stage
+        with timeline.phase("bubble"):
+            self.p2p.wait_sends()
+        with timeline.phase("optim"):
+            grads = [self.store.grad(u.index) for u in self.units]
+            poison_grads(self.cfg.test, dist.get_rank(), step + 1, grads)  # test-only NaN injection
+            self._sum_tied_grads()
+        with timeline.phase("bubble"):  # the cross-node sum, before any update (none ran yet)
+            self.grad_sum(grads)
+        with timeline.phase("optim"):
+            grad_sq = self.updates.grad_sq_sum() if self.topo.replica == 0 else 0.0  # each stage counted once
+            totals = torch.tensor([grad_sq, loss_sum, float(stop)], dtype=torch.float64)
+        with timeline.phase("bubble"):
+            dist.all_reduce(totals)  # NaN/inf on any stage makes the sums non-finite on every stage
         grad_norm = math.sqrt(float(totals[0]))
-        lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
         skipped = not math.isfinite(float(totals[0]) + float(totals[1]))
-        if skipped:
-            self.optimizer.drop_grads()
-            log.warning("step %d: loss or gradient norm is NaN/inf; update skipped on every stage", step + 1)
-        else:
-            self.optimizer.step(lr, clip_coef(grad_norm, self.cfg.optim.max_grad_norm))
+        with timeline.phase("optim"):  # the run's last step leaves the store final
+            if skipped:
+                self.optimizer.drop_grads()
+                log.warning(
+                    "step %d: loss or gradient norm is NaN/inf; update skipped on every stage", step + 1
+                )
+            else:
+                last = step + 1 == self.cfg.train.steps
+                self.updates.finish_step(lr, clip_coef(grad_norm, self.cfg.optim.max_grad_norm), last)
         if self._tied_across:
-            dist.barrier()  # the last stage must not prefetch the embedding before stage 0 updated it
+            with timeline.phase("bubble"):
+                dist.barrier()  # the last stage must not prefetch the embedding before stage 0 updated it
+        phases = timeline.stop()
         now = time.perf_counter()
-        return StepResult(
-            step,
-            float(totals[1]) / max(tokens, 1),
-            grad_norm,
-            lr,
-            tokens,
-            now - t0,
-            self.window.stall_s,
-            self.p2p.wait_s,
-            now - t_opt,
-            skipped,
-            float(totals[2]) > 0,
-        )
+        busy = {**self.window.take_stats(), "optim_busy_s": self.updates.take_busy_s()}
+        busy["cpu_s"] = time.process_time() - cpu0
+        record = self.breakdown.stage_record(now - t0, inputs.numel(), phases, busy)
+        loss = float(totals[1]) / max(tokens, 1)
+        stall_s, p2p_wait_s = self.window.stall_s, self.p2p.wait_s
+        res = StepResult(step, loss, grad_norm, lr, tokens, now - t0, stall_s, p2p_wait_s, phases["optim_s"])
+        res.skipped, res.stop = skipped, float(totals[2]) > 0
+        res.breakdown = self.breakdown.gather(record)
+        return res
+
+    def wait_optimizer(self) -> None:
+        """Block until every submitted AdamW update is done: call before reading master weights or
+        optimizer state between steps (a checkpoint); a load of a unit always waits for it."""
+        self.updates.wait_all()
 
     def _replica_share(self, inputs: torch.Tensor, labels: torch.Tensor):
         """This replica's micro-batches of the global batch ([N, B, T] → [N/K, B, T]; see replicas.py)."""
@@ -268,7 +325,8 @@ class Engine:
         """Tied embedding: stage 0 adds the last stage's gradient of the lm_head use to its own."""
         if not self._tied_across:
             return
-        dist.barrier()  # the last stage's offloads into grad_tied are flushed
+        with self.breakdown.timeline.phase("bubble"):
+            dist.barrier()  # the last stage's offloads into grad_tied are flushed
         if self.stage == 0:
             tied = self.store.buffer(0, "grad_tied")
             self.store.grad(0).add_(tied)
@@ -292,4 +350,5 @@ class Engine:
         return float(total[0]) / max(tokens, 1), tokens
 
     def close(self) -> None:
+        self.updates.close()
         self.window.close()

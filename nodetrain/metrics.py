@@ -2,8 +2,8 @@
 
 Owns: the record sink (one JSON object per logged step, flushed line by line), the wandb run's
 life cycle (init with project/entity/group/name/tags/notes and the resolved config, log, finish;
-resume by id) and the console progress line. Does not own: computing the numbers
-(throughput, MFU, stall and bubble breakdowns are measured by the engine and passed in as record
+resume by id) and the console progress line. Does not own: computing the numbers (throughput,
+MFU and the stall/bubble/optimizer breakdown are measured by breakdown.py and passed in as record
 fields), or deciding which rank logs (the caller passes ``enabled``, normally ``rank == 0``).
 
     with MetricsLogger(run_dir, cfg_dict, enabled=rank == 0, use_wandb=True, project="nodetrain",
@@ -45,7 +45,8 @@ def _jsonable(value: Any) -> Any:
 
 
 def format_progress(record: dict[str, Any], total_steps: int) -> str:
-    """One progress line, e.g. ``step 10/300 | loss 4.1234 | val 4.2001 | lr 3.00e-03 | 9,100 tok/s``.
+    """One progress line, e.g. ``step 10/300 | loss 4.1234 | lr 3.00e-03 | 9,100 tok/s | mfu 31.0% |
+    cmp 80% stall 5% d2h 1% opt 2% bub 12%`` (the shares of ``step_s`` of the breakdown's phases).
 
     Args:
         record: a logged record; ``step`` is required, the other fields are shown when present.
@@ -59,12 +60,25 @@ def format_progress(record: dict[str, Any], total_steps: int) -> str:
         ("lr", "lr {:.2e}"),
         ("grad_norm", "gnorm {:.3f}"),
         ("tokens_per_s", "{:,.0f} tok/s"),
+        ("mfu", "mfu {:.1%}"),
     )
     for key, fmt in fields:
         value = record.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if _is_number(value):
             parts.append(fmt.format(value))
+    step_s = record.get("step_s")
+    shares = [(name, record.get(f"{key}_s")) for name, key in _SHARES]
+    if _is_number(step_s) and step_s > 0 and all(_is_number(v) for _, v in shares):
+        parts.append(" ".join(f"{name} {v / step_s:.0%}" for name, v in shares))
     return " | ".join(parts)
+
+
+_SHARES = (("cmp", "compute"), ("stall", "stall"), ("d2h", "d2h_wait"), ("opt", "optim"), ("bub", "bubble"))
+"""Progress-line label and breakdown phase (``<phase>_s`` keys) of each share of the step time."""
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class MetricsLogger:

@@ -1,9 +1,10 @@
 """CPU optimizer on the host store's flat per-unit buffers.
 
-Owns: AdamW (``torch.optim.AdamW(fused=True)``, arXiv:1711.05101) over views of the store, with
-its ``exp_avg`` / ``exp_avg_sq`` living in the store (one copy per node); the learning-rate
-schedule; the global-norm gradient clip; and refreshing the compute-dtype transfer copy. Does
-not own: computing gradients or reducing them across ranks (engine.py does the one all-reduce).
+Owns: AdamW (``torch.optim.AdamW(fused=True)``, arXiv:1711.05101) over views of the store, unit by
+unit, with its ``exp_avg`` / ``exp_avg_sq`` living in the store (one copy per node); the
+learning-rate schedule; the global-norm gradient clip; and refreshing the compute-dtype transfer
+copy. Does not own: computing gradients or reducing them across ranks (engine.py does the one
+all-reduce), or running updates in the background (overlap.py).
 
 Each unit's flat buffer is laid out decay-first, so a unit is two parameter tensors: its
 matrices (weight decay applies) and its norms/biases (no decay).
@@ -47,47 +48,45 @@ def clip_coef(total_norm: float, max_norm: float) -> float:
 class StoreAdamW:
     """AdamW over the units this stage owns, state kept in the host store.
 
+    One ``torch.optim.AdamW(fused=True)`` per unit (its decay and no-decay groups), so a unit can be
+    updated on its own as soon as its gradient is final (overlap.py); AdamW is elementwise, so the
+    per-unit split gives bit-for-bit the result of one optimizer over every unit.
+
     Args:
         store: the host store.
         units: the owned units.
         cfg: optimizer settings.
-        threads: CPU threads for the update (``torch.set_num_threads`` is the caller's).
     """
 
     def __init__(self, store: HostStore, units: list[Unit], cfg: OptimConfig):
         self.store, self.units, self.cfg = store, units, cfg
-        decay, no_decay = [], []
-        self._params: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._names: list[list[str]] = []  # HF names of the tensors in each optimizer parameter
+        self._params: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # unit -> [(param, grad)]
+        self._opts: dict[int, torch.optim.AdamW] = {}
+        self._names: dict[int, list[list[str]]] = {}  # unit -> HF names of each parameter's tensors
         for u in units:
-            for lo, hi, group in ((0, u.num_decay, decay), (u.num_decay, u.numel, no_decay)):
+            self._params[u.index], self._names[u.index], groups, state = [], [], [], {}
+            for lo, hi, decay in ((0, u.num_decay, cfg.weight_decay), (u.num_decay, u.numel, 0.0)):
                 if hi > lo:
-                    self._names.append([q.hf_name for q in u.params if lo <= q.offset < hi])
+                    self._names[u.index].append([q.hf_name for q in u.params if lo <= q.offset < hi])
                     p = store.master(u.index)[lo:hi]
-                    group.append(p)
                     p.grad = store.grad(u.index)[lo:hi]
-                    self._params.append(
-                        (
-                            p,
-                            store.buffer(u.index, "exp_avg")[lo:hi],
-                            store.buffer(u.index, "exp_avg_sq")[lo:hi],
-                            p.grad,
-                        )
-                    )
-        groups = [
-            {"params": decay, "weight_decay": cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        groups = [g for g in groups if g["params"]]
-        self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
-        for p, exp_avg, exp_avg_sq, _ in self._params:  # state lives in the store, not in private tensors
-            self.opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+                    self._params[u.index].append((p, p.grad))
+                    groups.append({"params": [p], "weight_decay": decay})
+                    state[p] = {  # the state lives in the store, not in private tensors
+                        "step": torch.tensor(0.0),
+                        "exp_avg": store.buffer(u.index, "exp_avg")[lo:hi],
+                        "exp_avg_sq": store.buffer(u.index, "exp_avg_sq")[lo:hi],
+                    }
+            opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+            opt.state.update(state)
+            self._opts[u.index] = opt
 
     def steps_by_name(self) -> dict[str, float]:
         """AdamW's update count of every owned HF tensor (all tensors of a parameter share it)."""
         return {
-            name: float(self.opt.state[p]["step"])
-            for (p, *_), names in zip(self._params, self._names, strict=True)
+            name: float(self._opts[u.index].state[p]["step"])
+            for u in self.units
+            for (p, _), names in zip(self._params[u.index], self._names[u.index], strict=True)
             for name in names
         }
 
@@ -97,17 +96,20 @@ class StoreAdamW:
         Raises:
             ValueError: a tensor is missing from ``steps``, or one parameter's tensors disagree.
         """
-        for (p, *_), names in zip(self._params, self._names, strict=True):
-            counts = {steps.get(n) for n in names}
-            if None in counts or len(counts) != 1:
-                raise ValueError(
-                    f"AdamW step counts of {names} are missing or disagree: {sorted(map(str, counts))}"
-                )
-            self.opt.state[p]["step"] = torch.tensor(counts.pop(), dtype=torch.float32)
+        for u in self.units:
+            opt = self._opts[u.index]
+            for (p, _), names in zip(self._params[u.index], self._names[u.index], strict=True):
+                counts = {steps.get(n) for n in names}
+                if None in counts or len(counts) != 1:
+                    raise ValueError(
+                        f"AdamW step counts of {names} are missing or disagree: {sorted(map(str, counts))}"
+                    )
+                opt.state[p]["step"] = torch.tensor(counts.pop(), dtype=torch.float32)
 
     def grad_sq_sum(self) -> float:
         """Sum of squared fp32 gradients of the owned units (this stage's share of the norm²)."""
-        return float(sum(torch.dot(g, g) for *_, g in self._params)) if self._params else 0.0
+        dots = [torch.dot(g, g) for u in self.units for _, g in self._params[u.index]]
+        return float(sum(dots)) if dots else 0.0
 
     def drop_grads(self) -> None:
         """Zero the gradient accumulators without an update: a skipped (non-finite) step leaves master
@@ -117,15 +119,24 @@ class StoreAdamW:
                 if name.startswith("grad"):
                     self.store.buffer(u.index, name).zero_()
 
-    def step(self, lr: float, grad_scale: float) -> None:
-        """Scale gradients by ``grad_scale`` (the clip coefficient), update master weights, refresh
-        the transfer copy, and zero the gradient accumulators."""
-        for group in self.opt.param_groups:
+    def unit_grad_sq(self, unit: int) -> float:
+        """Sum of squared fp32 gradients of one owned unit (float64 sum of its groups' fp32 dots)."""
+        return sum(float(torch.dot(g, g)) for _, g in self._params[unit])
+
+    def step_unit(self, unit: int, lr: float, grad_scale: float) -> None:
+        """Update one owned unit: scale its gradient by ``grad_scale`` (the clip coefficient), AdamW,
+        refresh its transfer copy. The gradient accumulator is left as is: the next step's first
+        offload into it overwrites it (stream.py)."""
+        opt = self._opts[unit]
+        for group in opt.param_groups:
             group["lr"] = lr
         if grad_scale != 1.0:
-            for *_, g in self._params:
+            for _, g in self._params[unit]:
                 g.mul_(grad_scale)
-        self.opt.step()
+        opt.step()
+        self.store.compute(unit).copy_(self.store.master(unit))
+
+    def step(self, lr: float, grad_scale: float) -> None:
+        """Update every owned unit, in order (see :meth:`step_unit`)."""
         for u in self.units:
-            self.store.compute(u.index).copy_(self.store.master(u.index))
-            self.store.grad(u.index).zero_()
+            self.step_unit(u.index, lr, grad_scale)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from nodetrain.breakdown import NULL_TIMELINE
+
 __all__ = ["Action", "partition", "build_schedule", "P2P", "SCHEDULES"]
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -112,13 +114,16 @@ class P2P:
         self.ranks = list(range(num_stages)) if ranks is None else list(ranks)
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self._sends: list = []
+        self.timeline = NULL_TIMELINE
+        """Receives enter its ``bubble`` phase (set by the engine, see breakdown.py)."""
         self.wait_s = 0.0
         """Seconds spent blocked in receives (bubble + P2P) since :meth:`reset_timer`."""
 
     def _recv(self, src: int, tag: int) -> torch.Tensor:
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         t0 = time.perf_counter()
-        dist.recv(buf, src=src, tag=tag)
+        with self.timeline.phase("bubble"):
+            dist.recv(buf, src=src, tag=tag)
         self.wait_s += time.perf_counter() - t0
         return buf
 

@@ -1,27 +1,36 @@
 """Streaming window: the device buffers a stage's blocks pass through, and the copies in and out.
 
-Owns: ``slots`` device buffers (one block's weights each), the H2D prefetch of the next blocks
-of a known load sequence, and the D2H offload of gradients into the host store's fp32
-accumulators. Each direction runs on its own copy worker thread; on CUDA each worker issues
-its copies on its own CUDA stream, ordered against the compute stream with events. On CPU the
-"device" buffers are separate tensors and the workers copy asynchronously, so the protocol
-below is exercised for real (``delay_s`` slows the workers to expose a missing wait).
+Owns: ``slots`` device buffers (one block's weights each), one buffer per resident block (loaded
+once per sequence instead of at every use), the H2D prefetch of the next blocks of a known load
+sequence, the D2H offload of gradients into the host store's fp32 accumulators, and the bytes
+and busy seconds of both directions. Each direction runs on its own copy worker thread; on CUDA
+each worker issues its copies on its own CUDA stream, ordered against the compute stream with
+events. On CPU the "device" buffers are separate tensors and the workers copy asynchronously, so
+the protocol below is exercised for real (``delay_s`` slows the workers to expose a missing wait).
 
-Protocol (load ``k`` of the sequence uses slot ``k % slots``):
-    acquire()  waits until load k is in its slot, returns the bound parameter views;
-    release()  marks compute on slot k finished and issues load k + slots into it;
-    offload()  queues the block's gradients for D2H + accumulate; at most ``slots`` in flight;
+Protocol (the j-th streamed load of the sequence uses slot ``j % slots``):
+    acquire()  waits until the next load is in its slot (or resident buffer), returns the views;
+    release()  marks compute on it issued and issues the next streamed load into the freed slot;
+    offload()  queues the block's gradients for D2H + accumulate; at most ``slots`` in flight; the
+               first offload into an accumulator since begin() overwrites it, so the optimizer
+               never spends a pass zeroing it;
     flush()    waits for every queued offload (before the optimizer reads the accumulators).
+A resident block's one load per sequence is issued when the prefetch reaches its first use, so
+the in-order H2D worker never blocks a needed load behind it. ``gate(block)`` (optional) returns
+futures a load must wait for before copying (the optimizer's updates of the block's units).
+The waits enter the ``stall``, ``d2h_wait`` and ``optim`` phases of ``timeline`` (breakdown.py).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from nodetrain.breakdown import NULL_TIMELINE
 from nodetrain.model import Binding
 from nodetrain.store import HostStore
 
@@ -29,29 +38,46 @@ __all__ = ["Window"]
 
 
 class _CopyWorker:
-    """One copy direction: a single thread (in-order), plus a CUDA stream when on GPU."""
+    """One copy direction: a single thread (in-order), plus a CUDA stream when on GPU.
+
+    A job first waits for its gate (host futures), then, on CUDA, for the compute queued before it
+    was submitted, and runs to completion before the next (``busy_s`` counts only the copy)."""
 
     def __init__(self, name: str, device: torch.device, delay_s: float):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._delay_s = delay_s
+        self.busy_s = 0.0
+        """Seconds spent copying since the last :meth:`take_busy_s`."""
 
-    def submit(self, fn) -> Future:
+    def submit(self, fn, gate: list[Future] = ()) -> Future:
         ready = None
         if self._stream is not None:  # the copy may start only after compute queued so far
             ready = torch.cuda.current_stream().record_event()
-        return self._pool.submit(self._run, fn, ready)
+        return self._pool.submit(self._run, fn, ready, gate)
 
-    def _run(self, fn, ready):
+    def _run(self, fn, ready, gate):
+        for fut in gate:
+            fut.result()
         if self._delay_s:
             time.sleep(self._delay_s)
         if self._stream is None:
+            t0 = time.perf_counter()
             fn()
+            self.busy_s += time.perf_counter() - t0
             return None
+        ready.synchronize()
+        t0 = time.perf_counter()
         with torch.cuda.stream(self._stream):
-            self._stream.wait_event(ready)
             fn()
-            return self._stream.record_event()
+            done = self._stream.record_event()
+        done.synchronize()  # measured to completion; the consumer's wait is then free
+        self.busy_s += time.perf_counter() - t0
+        return done
+
+    def take_busy_s(self) -> float:
+        busy, self.busy_s = self.busy_s, 0.0
+        return busy
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
@@ -64,7 +90,7 @@ def _wait(fut: Future) -> None:
 
 
 class Window:
-    """``slots`` device buffers through which a stage's blocks stream.
+    """``slots`` device buffers through which a stage's blocks stream, plus resident blocks.
 
     Args:
         store: the host store (source of ``compute`` copies, target of gradients).
@@ -75,30 +101,57 @@ class Window:
         slots: number of device buffers (≥ 1).
         device: compute device.
         delay_s: test-only sleep before each copy.
+        resident: blocks held in buffers of their own for the whole sequence.
 
-    Memory: ``slots × max block numel × compute itemsize`` bytes on the device (``nbytes``).
+    Memory: ``slots × max streamed block numel × compute itemsize`` bytes plus each resident block's
+    bytes on the device (``nbytes``; ``resident_nbytes`` the latter).
+
+    Hooks (set by the engine): ``gate(block) -> list[Future]``; ``on_offloaded(block)``, called on
+    the D2H worker after a block's gradients are accumulated; ``timeline``.
     """
 
-    def __init__(self, store: HostStore, bindings, blocks, owned_units, slots: int, device, delay_s=0.0):
+    def __init__(self, store: HostStore, bindings, blocks, owned_units, slots: int, device, delay_s=0.0,
+                 resident=()):  # fmt: skip
         self.store, self.bindings, self.device = store, bindings, torch.device(device)
         dtype = store.layout.compute_dtype
-        numel = max(sum(b.numel for b in bindings[i]) for i in blocks)
+        self.resident = sorted(set(resident))
+        assert set(self.resident) <= set(blocks), f"resident blocks {self.resident} not in {list(blocks)}"
+        streamed = [i for i in blocks if i not in self.resident]
+        numel = max((self._numel(i) for i in streamed), default=0)
         self._slots = [torch.empty(numel, dtype=dtype, device=self.device) for _ in range(slots)]
+        self._resident = {i: torch.empty(self._numel(i), dtype=dtype, device=self.device) for i in resident}
         self._views = {i: self._slot_views(bindings[i]) for i in blocks}
         self._grad_targets = {i: self._grad_views(bindings[i], set(owned_units)) for i in blocks}
+        self._check_targets()
+        self._written: set[int] = set()  # data_ptr of accumulators offloaded into since begin()
         self._h2d = _CopyWorker("h2d", self.device, delay_s)
         self._d2h = _CopyWorker("d2h", self.device, delay_s)
+        self.gate = None
+        self.on_offloaded = None
+        self.timeline = NULL_TIMELINE
         self._seq: list[int] = []
-        self._loads: dict[int, Future] = {}
-        self._next = 0
+        self._loads: dict[int, tuple[Future, list[Future]]] = {}  # position -> (load, its gate)
+        self._slot_at: dict[int, torch.Tensor] = {}  # position -> buffer of a streamed load
+        self._resident_loads: dict[int, tuple[Future, list[Future]]] = {}  # block -> this sequence's
+        self._next = self._cursor = self._streamed = self._in_flight = 0
         self._offloads: list[Future] = []
         self.stall_s = 0.0
         """Seconds compute waited for H2D since the last :meth:`begin`."""
+        self.h2d_bytes = self.d2h_bytes = 0
+        """Bytes copied each way since the last :meth:`take_stats`."""
+
+    def _numel(self, block: int) -> int:
+        return sum(b.numel for b in self.bindings[block])
 
     @property
     def nbytes(self) -> int:
-        """Device bytes held by the slots."""
-        return sum(s.numel() * s.element_size() for s in self._slots)
+        """Device bytes held by the slots and the resident blocks."""
+        return sum(s.numel() * s.element_size() for s in self._slots) + self.resident_nbytes
+
+    @property
+    def resident_nbytes(self) -> int:
+        """Device bytes held by the resident blocks."""
+        return sum(s.numel() * s.element_size() for s in self._resident.values())
 
     def _slot_views(self, bindings: tuple[Binding, ...]) -> list[tuple[str, int, tuple[int, ...]]]:
         out, pos = [], 0
@@ -114,26 +167,53 @@ class Window:
             out[b.local_name] = self.store.buffer(b.unit, field)[b.offset : b.offset + b.numel]
         return out
 
+    def _check_targets(self) -> None:
+        """Gradient targets are disjoint or identical ranges (first-write tracking relies on it)."""
+        targets = [t for views in self._grad_targets.values() for t in views.values()]
+        spans = sorted({(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in targets})
+        for (_, end), (start, _) in itertools.pairwise(spans):
+            assert end <= start, "two bindings' gradient ranges overlap partially"
+
     def begin(self, sequence: list[int]) -> None:
         """Start a new load sequence (block indices in compute order) and prefetch its head."""
         assert not self._loads, "previous sequence not drained"
-        self._seq, self._next, self.stall_s = list(sequence), 0, 0.0
-        for k in range(min(len(self._slots), len(self._seq))):
-            self._prefetch(k)
+        self._seq, self.stall_s = list(sequence), 0.0
+        self._written.clear()
+        self._next = self._cursor = self._streamed = self._in_flight = 0
+        self._slot_at.clear()
+        self._resident_loads.clear()
+        self._fill()
 
-    def _prefetch(self, k: int) -> None:
-        block, slot = self._seq[k], self._slots[k % len(self._slots)]
+    def _fill(self) -> None:
+        """Issue loads in sequence order while a slot is free (resident first uses need none)."""
+        while self._cursor < len(self._seq):
+            k, block = self._cursor, self._seq[self._cursor]
+            if block in self._resident:
+                if block not in self._resident_loads:
+                    self._resident_loads[block] = self._load(block, self._resident[block])
+            elif self._in_flight < len(self._slots):
+                self._slot_at[k] = self._slots[self._streamed % len(self._slots)]
+                self._loads[k] = self._load(block, self._slot_at[k])
+                self._streamed += 1
+                self._in_flight += 1
+            else:
+                return
+            self._cursor += 1
+
+    def _load(self, block: int, buf: torch.Tensor) -> tuple[Future, list[Future]]:
         pieces, pos = [], 0
         for b in self.bindings[block]:
             src = self.store.compute(b.unit)[b.offset : b.offset + b.numel]
-            pieces.append((slot[pos : pos + b.numel], src))
+            pieces.append((buf[pos : pos + b.numel], src))
             pos += b.numel
+        self.h2d_bytes += pos * buf.element_size()
 
         def copy():
             for dst, src in pieces:
                 dst.copy_(src, non_blocking=True)
 
-        self._loads[k] = self._h2d.submit(copy)
+        gate = self.gate(block) if self.gate is not None else []
+        return self._h2d.submit(copy, gate), gate
 
     def acquire(self, block: int) -> dict[str, torch.Tensor]:
         """Wait for the next load (which must be ``block``) and return its parameter views.
@@ -143,38 +223,74 @@ class Window:
         """
         k = self._next
         assert self._seq[k] == block, f"load order broken: expected block {self._seq[k]}, got {block}"
+        if block in self._resident:
+            (load, gate), buf = self._resident_loads[block], self._resident[block]
+        else:
+            (load, gate), buf = self._loads.pop(k), self._slot_at.pop(k)
+        if not all(f.done() for f in gate):
+            with self.timeline.phase("optim"):  # the load waits for the unit's AdamW update
+                for f in gate:
+                    f.result()
         t0 = time.perf_counter()
-        _wait(self._loads.pop(k))
+        with self.timeline.phase("stall"):
+            _wait(load)
         self.stall_s += time.perf_counter() - t0
-        slot = self._slots[k % len(self._slots)]
         views = self._views[block]
-        return {name: slot[pos : pos + math.prod(shape)].view(shape) for name, pos, shape in views}
+        return {name: buf[pos : pos + math.prod(shape)].view(shape) for name, pos, shape in views}
 
     def release(self) -> None:
-        """Compute on the current slot is issued; reuse the slot for the load ``slots`` ahead."""
+        """Compute on the current load is issued; its slot (if streamed) takes the next load."""
         k = self._next
         self._next += 1
-        if k + len(self._slots) < len(self._seq):
-            self._prefetch(k + len(self._slots))
+        if self._seq[k] not in self._resident:
+            self._in_flight -= 1
+        self._fill()
 
     def offload(self, block: int, grads: dict[str, torch.Tensor]) -> None:
         """Queue D2H of ``grads`` (local name -> gradient, device) added into the host accumulators."""
         targets = self._grad_targets[block]
-        pairs = [(targets[name], g) for name, g in grads.items()]
+        jobs = []
+        for name, g in grads.items():
+            dst = targets[name]
+            jobs.append((dst, g, dst.data_ptr() not in self._written))
+            self._written.add(dst.data_ptr())
+        self.d2h_bytes += sum(g.numel() * g.element_size() for g in grads.values())
 
         def accumulate():
-            for dst, g in pairs:
-                dst.add_(g.reshape(-1).to(device="cpu", dtype=torch.float32))
+            for dst, g, first in jobs:
+                src = g.reshape(-1)
+                if first:  # overwrite: no zeroing pass, no read of the stale accumulator
+                    dst.copy_(src)
+                elif src.device.type == "cpu":  # fp32 += bf16 widens elementwise, no temporary
+                    dst.add_(src)
+                else:
+                    dst.add_(src.to(device="cpu", dtype=torch.float32))
+            if self.on_offloaded is not None:
+                self.on_offloaded(block)
 
         self._offloads.append(self._d2h.submit(accumulate))
-        while len(self._offloads) > len(self._slots):  # bound gradient memory in flight
-            self._offloads.pop(0).result()
+        if len(self._offloads) > len(self._slots):  # bound gradient memory in flight
+            with self.timeline.phase("d2h_wait"):
+                while len(self._offloads) > len(self._slots):
+                    self._offloads.pop(0).result()
 
     def flush(self) -> None:
         """Wait for every queued offload; the host accumulators are then complete."""
-        while self._offloads:
-            self._offloads.pop(0).result()
+        with self.timeline.phase("d2h_wait"):
+            while self._offloads:
+                self._offloads.pop(0).result()
         assert self._next == len(self._seq) and not self._loads, "load sequence not fully consumed"
+
+    def take_stats(self) -> dict[str, float]:
+        """Bytes and busy seconds of both directions since the last call (after :meth:`flush`)."""
+        out = {
+            "h2d_bytes": self.h2d_bytes,
+            "d2h_bytes": self.d2h_bytes,
+            "h2d_busy_s": self._h2d.take_busy_s(),
+            "d2h_busy_s": self._d2h.take_busy_s(),
+        }
+        self.h2d_bytes = self.d2h_bytes = 0
+        return out
 
     def close(self) -> None:
         self._h2d.shutdown()

@@ -188,6 +188,7 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
                     "optim_s": r.optim_s,
                     "skipped": int(r.skipped),
                     "bad_steps": bad.total,
+                    **r.breakdown,  # every stage's breakdown (rank 0): see nodetrain/breakdown.py
                 }
                 last = step + 1 == cfg.train.steps
                 interrupted = r.stop and not last

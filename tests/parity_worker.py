@@ -7,14 +7,17 @@ an independent reference. One spec (JSON) describes the run:
      "overrides": {"train.seq_len": 16, "pipeline.schedule": "1f1b", ...},
      "model_dir": "<save_pretrained dir>" | null (random init),
      "batch_file": "<safetensors with inputs, labels: int64 [steps, N, B, T]>",
-     "out_dir": "<dir>", "run_id": "<names the store file>", "memory_report": false}
+     "out_dir": "<dir>", "run_id": "<names the store file>", "memory_report": false,
+     "device": "cpu" | "cuda"}
 
 Writes, under ``out_dir``:
     weights_rank<r>.safetensors  the fp32 master weights of the units rank r owns, by HF name
                                  (a tied head also writes ``lm_head.weight``, read through its
                                  binding to the embedding);
-    rank<r>.json                 {"units": [...], "store_nbytes": ..., "memory": {...} | null};
-    steps.json                   (rank 0) per step: loss, grad_norm, lr, tokens.
+    rank<r>.json                 {"units": [...], "resident": [...], "store_nbytes": ...,
+                                 "memory": {...} | null};
+    steps.json                   (rank 0) per step: loss, grad_norm, lr, tokens, and the step's
+                                 breakdown of every stage (see nodetrain/breakdown.py).
 
     python -m torch.distributed.run --nproc_per_node 2 --master_port 29511 tests/parity_worker.py spec.json
 
@@ -99,7 +102,11 @@ def _store_mapping(store_dir: str) -> dict | None:
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out_dir"])
-    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    if spec.get("device") == "cuda":  # gpu-marked tests: NCCL, one GPU per rank
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # nothing here should depend on it; fixed anyway
     cfg = _config(spec)
@@ -125,14 +132,22 @@ def main(spec_path: str) -> None:
         world_size=world,
         local_rank=int(os.environ["LOCAL_RANK"]),
         run_id=spec["run_id"],
-        device=torch.device("cpu"),
+        device=device,
         init_from=init_from,
         topology=Topology.from_env(cfg.pipeline.stages),
     )
     steps = []
     for step in range(cfg.train.steps):
         r = engine.train_step(step, inputs[step], labels[step])
-        steps.append({"loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr, "tokens": r.tokens})
+        steps.append(
+            {
+                "loss": r.loss,
+                "grad_norm": r.grad_norm,
+                "lr": r.lr,
+                "tokens": r.tokens,
+                "breakdown": r.breakdown,
+            }
+        )
 
     memory = None
     if spec.get("memory_report"):
@@ -153,7 +168,12 @@ def main(spec_path: str) -> None:
                 bound = engine.store.master(b.unit)[b.offset : b.offset + b.numel]
                 weights["lm_head.weight"] = bound.view(b.shape).clone()
     save_file(weights, str(out / f"weights_rank{rank}.safetensors"))
-    report = {"units": [u.name for u in engine.units], "store_nbytes": engine.store.nbytes, "memory": memory}
+    report = {
+        "units": [u.name for u in engine.units],
+        "resident": [model.units[i].name for i in engine.window.resident],
+        "store_nbytes": engine.store.nbytes,
+        "memory": memory,
+    }
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     if rank == 0:
         (out / "steps.json").write_text(json.dumps(steps))

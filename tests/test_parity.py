@@ -14,6 +14,11 @@ The eight launches cover every value of the acceptance matrix without the cross 
 fewer micro-batches than stages), clipping that bites (and none), tied embeddings across stages,
 a slow copy worker (a missing wait would read stale weights), and the Llama, Qwen3 (q/k norms),
 Qwen2 (q/k/v biases) and Mistral (sliding window shorter than the sequence) architectures.
+All but one (``-sync``) run with the optimizer overlapped (the default, ``optim.overlap``). Two
+more cover the overlap and residency: a slowed optimizer thread (20 ms per unit; a load that did
+not wait for its unit's update would read stale weights) with units resident on the device, once
+updating during the backward (no clipping, the tied embedding bound by two blocks of one stage)
+and once after the all-reduce (clipping, the tied embedding shared across stages).
 """
 
 from __future__ import annotations
@@ -84,6 +89,13 @@ class Case:
     """Small enough that every step clips (asserted on the reference), or 0 = no clipping."""
     tied: bool = False
     delay_s: float = 0.0
+    overlap: bool = True
+    optim_delay_s: float = 0.0
+    """Test-only sleep of the optimizer thread before each unit's update."""
+    device_budget: int = 0
+    """Bytes of resident units (fp32 here: an embedding or head 65,536/65,792, a layer 147,968)."""
+    resident: tuple[str, ...] = ()
+    """Units expected resident under ``device_budget`` (all stages)."""
     hf: dict = field(default_factory=dict)
     mutants: tuple[str, ...] = ()
     """Reference variants the engine must NOT match (shows the comparison can fail)."""
@@ -94,7 +106,8 @@ CASES = [
     #    id                                                 arch                  S  schedule  slots accum M
     Case("llama-1stage-gpipe-slots1-accum2x4",              "LlamaForCausalLM",   1, "gpipe", 1,    2,    4,
          mutants=("no_clip",)),
-    Case("llama-2stage-1f1b-slots2-accum2x4",               "LlamaForCausalLM",   2, "1f1b",  2,    2,    4),
+    Case("llama-2stage-1f1b-slots2-accum2x4-sync",          "LlamaForCausalLM",   2, "1f1b",  2,    2,    4,
+         overlap=False),
     Case("llama-4stage-1f1b-slots1-accum2x4",               "LlamaForCausalLM",   4, "1f1b",  1,    2,    4),
     Case("llama-4stage-gpipe-slots2-accum3x2-delay3ms",     "LlamaForCausalLM",   4, "gpipe", 2,    3,    2,
          delay_s=0.003),
@@ -106,6 +119,16 @@ CASES = [
          max_grad_norm=0.0, mutants=("decay_biases",)),
     Case("mistral-4stage-1f1b-slots2-accum3x2-window8",     "MistralForCausalLM", 4, "1f1b",  2,    3,    2,
          hf={"sliding_window": 8}),
+    # resident: embed, layers.0 and the tied head; layers 1-3 stream
+    Case("llama-1stage-tied-gpipe-slots2-accum2x4-noclip-resident-optdelay",
+                                                            "LlamaForCausalLM",   1, "gpipe", 2,    2,    4,
+         max_grad_norm=0.0, tied=True, optim_delay_s=0.02, device_budget=279_296,
+         resident=("embed", "layers.0", "head")),
+    # resident: embed on stage 0, layers.2 on stage 1, whose 2 slots prefetch layers.3 and the
+    # tied head (binding stage 0's embedding) as soon as a step starts
+    Case("llama-2stage-tied-1f1b-slots2-accum2x4-resident-optdelay",
+                                                            "LlamaForCausalLM",   2, "1f1b",  2,    2,    4,
+         tied=True, optim_delay_s=0.02, device_budget=147_968, resident=("embed", "layers.2")),
 ]
 # fmt: on
 
@@ -217,9 +240,13 @@ class Run:
     weights: dict[str, torch.Tensor]
     units: list[list[str]]
     """Unit names owned by each rank, in rank order."""
+    resident: list[str]
+    """Resident units of all ranks, in rank order."""
 
 
-def run_nodetrain(case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs, labels, torchrun) -> Run:
+def run_nodetrain(
+    case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs, labels, torchrun, device: str = "cpu"
+) -> Run:
     batch_file, out_dir = tmp / "batch.safetensors", tmp / "out"
     out_dir.mkdir()
     save_file({"inputs": inputs, "labels": labels}, str(batch_file))
@@ -235,6 +262,9 @@ def run_nodetrain(case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs,
         "pipeline.microbatches": case.microbatches,
         "stream.slots": case.slots,
         "stream.test_copy_delay_s": case.delay_s,
+        "stream.device_budget": case.device_budget,
+        "optim.overlap": case.overlap,
+        "optim.test_delay_s": case.optim_delay_s,
         "optim.max_grad_norm": case.max_grad_norm,
         "store.dir": str(shm_dir),
         **{f"optim.{k}": v for k, v in OPTIM.items()},
@@ -247,17 +277,20 @@ def run_nodetrain(case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs,
         "batch_file": str(batch_file),
         "out_dir": str(out_dir),
         "run_id": f"parity-{case.id}",
+        "device": device,
     }
     spec_file = tmp / "spec.json"
     spec_file.write_text(json.dumps(spec))
     torchrun(case.stages, WORKER, str(spec_file), timeout_s=150)
-    weights, units = {}, []
+    weights, units, resident = {}, [], []
     for rank in range(case.stages):
         part = load_file(str(out_dir / f"weights_rank{rank}.safetensors"))
         assert not set(part) & set(weights), f"rank {rank} exports weights another rank owns"
         weights.update(part)
-        units.append(json.loads((out_dir / f"rank{rank}.json").read_text())["units"])
-    return Run(json.loads((out_dir / "steps.json").read_text()), weights, units)
+        report = json.loads((out_dir / f"rank{rank}.json").read_text())
+        units.append(report["units"])
+        resident += report["resident"]
+    return Run(json.loads((out_dir / "steps.json").read_text()), weights, units, resident)
 
 
 def _sliding_window_matters(case: Case, model_dir: Path, ids: torch.Tensor) -> bool:
@@ -277,10 +310,15 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_parity_with_transformers_adamw(case: Case, tmp_path: Path, shm_dir: Path, torchrun) -> None:
+    check_parity(case, tmp_path, shm_dir, torchrun)
+
+
+def check_parity(case: Case, tmp_path: Path, shm_dir: Path, torchrun, device: str = "cpu") -> None:
+    """Run ``case`` on ``device`` (one rank per stage) and compare it with the reference (on CPU)."""
     model_dir = tmp_path / "hf"
     save_seeded_model(case, model_dir)
     inputs, labels, lengths = make_batches(case)
-    run = run_nodetrain(case, tmp_path, shm_dir, model_dir, inputs, labels, torchrun)
+    run = run_nodetrain(case, tmp_path, shm_dir, model_dir, inputs, labels, torchrun, device)
     ref = run_reference(case, model_dir, inputs, labels, lengths)
 
     # one stage per rank, each a non-empty contiguous slice, together every unit in order
@@ -289,6 +327,7 @@ def test_parity_with_transformers_adamw(case: Case, tmp_path: Path, shm_dir: Pat
         ["embed"] + [f"layers.{i}" for i in range(layers)] + ["head"]
     )
     assert all(run.units), f"a stage owns no unit: {run.units}"
+    assert run.resident == list(case.resident), "the case does not exercise the residency it names"
 
     assert [s["tokens"] for s in run.steps] == ref.tokens
     torch.testing.assert_close([s["lr"] for s in run.steps], ref.lrs, rtol=1e-12, atol=0)

@@ -166,3 +166,36 @@ def test_offload_bounds_in_flight_and_flush_waits_for_all(make_store) -> None:
         assert torch.equal(store.grad(1)[:calls], torch.ones(calls))
     finally:
         window.close()
+
+
+def test_first_offload_of_a_sequence_overwrites_the_accumulator(make_store) -> None:
+    """The optimizer does not zero gradients: the first offload into an accumulator after ``begin``
+    overwrites whatever the previous step left, later ones add (exactly: fp32 += widened grad)."""
+    store = make_store(torch.bfloat16)
+    window = Window(store, BINDINGS, BLOCKS, OWNED, 2, "cpu", delay_s=0.002)
+    gen = torch.Generator().manual_seed(7)
+
+    def grads() -> dict[str, torch.Tensor]:
+        return {
+            "a": torch.randn(4, 4, generator=gen).bfloat16(),
+            "b": torch.randn(4, generator=gen).bfloat16(),
+        }
+
+    def flat(g: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([g["a"].float().reshape(-1), g["b"].float()])
+
+    try:
+        store.grad(1).fill_(123.0)  # what the previous step left
+        window.begin([])
+        g1, g2 = grads(), grads()
+        window.offload(1, g1)
+        window.offload(1, g2)
+        window.flush()
+        assert torch.equal(store.grad(1), flat(g1) + flat(g2))
+        window.begin([])  # the next step
+        g3 = grads()
+        window.offload(1, g3)
+        window.flush()
+        assert torch.equal(store.grad(1), flat(g3))
+    finally:
+        window.close()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import weakref
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,7 @@ class Checkpointing:
             log.info("resuming from %s: model.init_from=%s is not read", self.path, cfg.model.init_from)
         self.writer: CheckpointWriter | None = None
         self._stage_blocks: list[range] = []
+        self._engine = lambda: None  # weak reference to the engine, set by attach
         self.wandb_run_id: str | None = self.state.get("wandb_run_id") if self.state else None
         """The wandb run this training continues (kept in ``trainer_state.json``; set by the caller)."""
 
@@ -135,6 +137,9 @@ class Checkpointing:
         a fresh start seed the RNGs from (seed, rank). Call right before anything draws random
         numbers (the first evaluation or step). Returns the first step to run (0-based)."""
         self._stage_blocks = engine.stage_blocks
+        # overlapped AdamW (overlap.py): a save reads the store only after every update is done;
+        # weak, so this object does not keep the engine (and its store mapping) alive
+        self._engine = weakref.ref(engine)
         self.writer = CheckpointWriter(
             self.dir,
             self.cfg.checkpoint,
@@ -172,6 +177,9 @@ class Checkpointing:
         if not due:
             self.writer.poll()
             return False, None
+        engine = self._engine()
+        if engine is not None and hasattr(engine, "wait_optimizer"):
+            engine.wait_optimizer()
         return stop and step < self.cfg.train.steps, self.writer.save(step, self._run_state(step))
 
     def close(self, ok: bool = True) -> None:

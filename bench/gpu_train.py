@@ -1,0 +1,206 @@
+"""Streamed training benchmark on one GPU; ``bench/gpu_check.sh`` runs it, writing JSON to ``--out``.
+
+    python bench/gpu_train.py --out results/            # on a GPU node (one H200: Llama-3.2-3B)
+    python bench/gpu_train.py --out /tmp/r --dry-run    # CPU: a tiny shape, 2 steps, streamed only
+
+Trains ``conf/model/llama3_2_3b.yaml`` (3.2B parameters; its host store, ~18 bytes per
+parameter, fits the default /dev/shm of a 128 GiB node; the store goes to the roomier of /dev/shm
+and $TMPDIR, and the model is shortened layer by layer if neither, or the free memory, holds it)
+with ``torchrun --nproc_per_node 1 -m nodetrain.train`` on the Shakespeare text, bf16, seq 4096,
+for a few steps: first with every unit streaming (``stream.device_budget=0``), then, if time is
+left, with the automatic residency. From each run's ``metrics.jsonl`` it writes
+``<out>/<run>.json``: median step time, TFLOP/s, MFU (over ``--peak-flops``, default the H200's
+989 TFLOP/s dense bf16, NVIDIA H200 datasheet), H2D/D2H GB/s, stall % and the last step's whole
+breakdown, and ``<out>/summary.json`` with all runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from nodetrain.breakdown import PHASES  # noqa: E402
+
+H200_BF16_FLOPS = 989e12  # dense; the datasheet's 1,979 TFLOPS is with 2:4 sparsity
+DRY_RUN_HF = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 4096,
+    "max_position_embeddings": 128,
+}
+"""The dry run's shape (the layer count comes from ``fit_layers``)."""
+
+
+def store_bytes(layers: int, dry_run: bool) -> int:
+    """Host store bytes of the benchmark model with ``layers`` decoder layers (meta device, no memory)."""
+    import torch
+
+    from nodetrain.model import HFModel, build_hf_config
+    from nodetrain.store import StoreLayout
+
+    model = HFModel(build_hf_config(_model_cfg(layers, dry_run)))
+    units = tuple(u.numel for u in model.units)
+    return StoreLayout(units, torch.bfloat16, tied_units=(0,) if model.tied else ()).nbytes
+
+
+def _model_cfg(layers: int, dry_run: bool):
+    from omegaconf import OmegaConf
+
+    from nodetrain.config import ModelConfig
+
+    yaml = OmegaConf.load(ROOT / "conf" / "model" / "llama3_2_3b.yaml")
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), yaml))
+    cfg.hf["num_hidden_layers"] = layers
+    if dry_run:
+        cfg.hf.update(DRY_RUN_HF)
+    return cfg
+
+
+def fit_layers(store_dirs: list[str], dry_run: bool) -> tuple[int, int, int, str]:
+    """(layers, store bytes, room, directory): the most layers (≤ 28) whose store fits 90% of the
+    available memory and the free space of the roomiest of ``store_dirs`` (a container's /dev/shm
+    may be small; a disk-backed directory then holds the store in the page cache)."""
+    import psutil
+
+    free = {d: shutil.disk_usage(d).free for d in store_dirs if os.path.isdir(d)}
+    store_dir = max(free, key=free.get)
+    room = min(free[store_dir], int(0.9 * psutil.virtual_memory().available))
+    layers = 4 if dry_run else 28
+    while layers > 1 and store_bytes(layers, dry_run) > room:
+        layers -= 1
+    return layers, store_bytes(layers, dry_run), room, store_dir
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(name: str, overrides: list[str], out: Path, timeout_s: float) -> list[dict]:
+    """One ``torchrun --nproc_per_node 1 -m nodetrain.train`` launch; its step records."""
+    run_dir = out / f"run_{name}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=1",
+        f"--master_port={_free_port()}",
+    ]
+    cmd += ["-m", "nodetrain.train", f"hydra.run.dir={run_dir}", *overrides]
+    env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=str(ROOT))
+    print("+", " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout_s, text=True, capture_output=True)
+    (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{name}: exit {proc.returncode}; see {out / f'{name}.log'}:\n{proc.stderr[-2000:]}"
+        )
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def summarise(records: list[dict], skip: int) -> dict:
+    """Medians over the steps after the first ``skip`` (warm-up), and the last step's breakdown."""
+    steady = records[skip:] or records[-1:]
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in steady)
+
+    return {
+        "steps_measured": len(steady),
+        "step_s": med("step_s"),
+        "tokens_per_s": med("tokens_per_s"),
+        "tflops": med("tflops"),
+        "mfu": med("mfu"),
+        "h2d_gbps": med("h2d_gbps"),
+        "d2h_gbps": med("d2h_gbps"),
+        "stall_pct": 100 * med("stall_s") / med("step_s"),
+        "shares_pct": {k: 100 * med(f"{k}_s") / med("step_s") for k in PHASES},
+        "loss_first_last": [records[0]["loss"], records[-1]["loss"]],
+        "last_step": records[-1],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, a tiny shape, 2 steps, one run")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--budget-s", type=float, default=330, help="wall seconds for all runs")
+    ap.add_argument("--peak-flops", type=float, default=H200_BF16_FLOPS)
+    ap.add_argument(
+        "--store-dir", action="append", help="candidate store directories (default /dev/shm, $TMPDIR)"
+    )
+    args = ap.parse_args()
+    t_start = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    dirs = args.store_dir or ["/dev/shm", tempfile.gettempdir()]
+    layers, nbytes, room, store_dir = fit_layers(dirs, args.dry_run)
+    where = f"{store_dir} ({room / 1e9:.1f} GB room)"
+    print(f"model: llama3_2_3b, {layers} layers, host store {nbytes / 1e9:.1f} GB in {where}")
+    steps = 2 if args.dry_run else args.steps
+    seq, mb, m = (64, 2, 2) if args.dry_run else (4096, 2, 4)
+    data_dir = args.out / "data"
+    common = [
+        "model=llama3_2_3b",
+        f"model.hf.num_hidden_layers={layers}",
+        f"train.steps={steps}",
+        f"train.seq_len={seq}",
+        f"train.micro_batch_size={mb}",
+        f"pipeline.microbatches={m}",
+        "train.eval_every=0",
+        "train.dtype=bfloat16",
+        "logging.wandb=false",
+        f"data.dir={data_dir}",
+        f"store.dir={store_dir}",
+        "optim.warmup_steps=2",
+    ]
+    if args.dry_run:  # a small real text (this repo's README) tokenizes in a second
+        corpus = args.out / "corpus.txt"
+        shutil.copyfile(ROOT / "README.md", corpus)
+        common += [f"model.hf.{k}={v}" for k, v in DRY_RUN_HF.items()]
+        common += [f"data.source={corpus}", "data.vocab_size=300"]
+    else:
+        common += [f"train.peak_flops={args.peak_flops}"]
+    summary = {
+        "model": "llama3_2_3b",
+        "dry_run": args.dry_run,
+        "layers": layers,
+        "store_bytes": nbytes,
+        "store_dir": store_dir,
+        "tokens_per_step": seq * mb * m,
+        "peak_flops": None if args.dry_run else args.peak_flops,
+        "runs": {},
+    }
+    runs = [("streamed", ["stream.device_budget=0"], 0), ("auto_residency", [], 150)]
+    for name, extra, need_s in runs[:1] if args.dry_run else runs:
+        left = args.budget_s - (time.monotonic() - t_start)
+        if left < need_s:
+            print(f"{name}: skipped, {left:.0f} s left")
+            continue
+        records = train(name, common + extra, args.out, timeout_s=left)
+        result = summarise(records, skip=1 if args.dry_run else 2)
+        (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
+        summary["runs"][name] = {k: v for k, v in result.items() if k != "last_step"}
+        print(f"{name}: " + json.dumps(summary["runs"][name]), flush=True)
+    summary["wall_s"] = time.monotonic() - t_start
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

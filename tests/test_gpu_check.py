@@ -1,0 +1,42 @@
+"""``bench/gpu_check.sh``: its syntax, its usage errors, and its dry run on CPU end to end.
+
+The dry run goes through the same steps as on a GPU machine (``pytest -m gpu``, which skips here,
+then a streamed ``torchrun -m nodetrain.train`` of a tiny Llama-3.2-3B-like shape) and must leave
+the JSON files the GPU run leaves, with the fields the closing note reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "gpu_check.sh"
+
+
+def test_syntax_and_usage(tmp_path: Path) -> None:
+    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+    no_args = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True)
+    assert no_args.returncode == 2 and "usage" in no_args.stderr
+    bad = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "--fast"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--dry-run" in bad.stderr
+
+
+def test_dry_run_writes_the_results(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), str(out), "--dry-run"], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    check = json.loads((out / "check.json").read_text())
+    assert check["dry_run"] and check["gpu_tests_rc"] == 0 and check["train_rc"] == 0
+    summary = json.loads((out / "summary.json").read_text())
+    run = summary["runs"]["streamed"]
+    for key in ("tflops", "mfu", "h2d_gbps", "d2h_gbps", "stall_pct", "step_s", "shares_pct"):
+        assert key in run, key
+    assert run["h2d_gbps"] > 0 and 0 < run["mfu"]
+    last = json.loads((out / "streamed.json").read_text())["last_step"]
+    assert "stage0/compute_s" in last and last["num_resident"] == 0

@@ -1,0 +1,233 @@
+"""The overlapped CPU optimizer (overlap.py) on a real small host store, single process.
+
+- Per-unit AdamW (optim.py) gives bit for bit what one ``torch.optim.AdamW(fused=True)`` over the
+  same two parameter groups gives (so splitting by unit cannot move the parity tests).
+- No staleness (DESIGN invariant 3): with the optimizer thread slowed down, a load of a unit
+  still returns the weights after that unit's update; without the gate the same check fails.
+- In-backward updates start only when a unit's gradient is final (all its offloads of the step,
+  from every block that binds it), and then see the whole accumulated gradient.
+- The optimizer thread gets its own OpenMP team size without touching the training thread's.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from nodetrain.config import OptimConfig
+from nodetrain.model import Binding
+from nodetrain.model.hf import Unit
+from nodetrain.optim import StoreAdamW
+from nodetrain.overlap import UnitUpdates, _limit_thread
+from nodetrain.store import HostStore, StoreLayout
+from nodetrain.stream import Window
+
+# Unit 0: an "embedding" [8, 4]; units 1, 2: a [4, 4] matrix + a [4] norm; block 2 also binds
+# unit 0's weight, as a tied head does on a single stage.
+UNITS = [Unit(0, "embed", (), 32, 32), Unit(1, "layers.0", (), 20, 16), Unit(2, "head", (), 20, 16)]
+BINDINGS = [
+    (Binding("weight", 0, 0, (8, 4)),),
+    (Binding("a", 1, 0, (4, 4)), Binding("b", 1, 16, (4,))),
+    (Binding("w", 2, 0, (4, 4)), Binding("n", 2, 16, (4,)), Binding("lm_head.weight", 0, 0, (8, 4))),
+]
+BLOCKS = [0, 1, 2]
+CFG = OptimConfig(lr=1e-2, weight_decay=0.1, eps=1e-8)
+
+
+@pytest.fixture
+def store(shm_dir):
+    s = HostStore.create(StoreLayout(tuple(u.numel for u in UNITS), torch.float32), shm_dir, "overlap-test")
+    s.unlink()
+    gen = torch.Generator().manual_seed(0)
+    for u in UNITS:
+        s.master(u.index).copy_(torch.randn(u.numel, generator=gen))
+        s.compute(u.index).copy_(s.master(u.index))
+    return s
+
+
+def _grads(gen: torch.Generator) -> dict[int, torch.Tensor]:
+    return {u.index: torch.randn(u.numel, generator=gen) * 1e-2 for u in UNITS}
+
+
+def test_per_unit_adamw_is_bitwise_one_torch_adamw(store) -> None:
+    ours = StoreAdamW(store, UNITS, CFG)
+    ref = []  # (unit, offset, a leaf copy of that group's slice of the master weights)
+    for u in UNITS:
+        for lo, hi in ((0, u.num_decay), (u.num_decay, u.numel)):
+            if hi > lo:
+                ref.append((u.index, lo, store.master(u.index)[lo:hi].clone()))
+    groups = [
+        {"params": [t for _, lo, t in ref if lo == 0], "weight_decay": CFG.weight_decay},
+        {"params": [t for _, lo, t in ref if lo > 0], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=CFG.lr, betas=(CFG.beta1, CFG.beta2), eps=CFG.eps, fused=True)
+    gen = torch.Generator().manual_seed(1)
+    for step, (lr, scale) in enumerate([(1e-2, 1.0), (5e-3, 0.25), (2e-3, 1.0)]):
+        grads = _grads(gen)
+        for u in UNITS:
+            store.grad(u.index).copy_(grads[u.index])
+        for u, lo, t in ref:
+            t.grad = grads[u][lo : lo + t.numel()] * scale
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.step()
+        ours.step(lr, scale)
+        for u in UNITS:
+            want = torch.cat([t for i, _, t in ref if i == u.index])
+            assert torch.equal(store.master(u.index), want), (step, u.name)
+            assert torch.equal(store.compute(u.index), store.master(u.index))
+
+
+def _updates(store, *, clip: bool, delay_s: float) -> UnitUpdates:
+    return UnitUpdates(StoreAdamW(store, UNITS, CFG), BINDINGS, BLOCKS, overlap=True, clip=clip, threads=1,
+                       delay_s=delay_s)  # fmt: skip
+
+
+def _acquired(window: Window, sequence: list[int]) -> list[dict[str, torch.Tensor]]:
+    out = []
+    window.begin(sequence)
+    for block in sequence:
+        out.append({k: v.clone() for k, v in window.acquire(block).items()})
+        window.release()
+    window.flush()
+    return out
+
+
+def _final(store, block: int) -> dict[str, torch.Tensor]:
+    return {
+        b.local_name: store.compute(b.unit)[b.offset : b.offset + b.numel].view(b.shape)
+        for b in BINDINGS[block]
+    }
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "mutant-no-gate"])
+def test_next_forward_never_reads_a_unit_before_its_update(store, gated: bool) -> None:
+    """Clipping: updates run after the step, unit by unit (slowed to 50 ms each); the next
+    forward's loads must still see every unit's updated weights. Without the gate they do not."""
+    updates = _updates(store, clip=True, delay_s=0.05)
+    window = Window(store, BINDINGS, BLOCKS, BLOCKS, 2, "cpu")
+    window.gate = updates.gate if gated else (lambda block: [])
+    try:
+        gen = torch.Generator().manual_seed(2)
+        for u, g in _grads(gen).items():
+            store.grad(u).copy_(g)
+        before = {u.index: store.compute(u.index).clone() for u in UNITS}
+        updates.finish_step(lr=1e-2, grad_scale=0.5)
+        got = _acquired(window, BLOCKS)
+        updates.wait_all()
+        stale = [
+            (b, n)
+            for b, views in zip(BLOCKS, got, strict=True)
+            for n, t in views.items()
+            if not torch.equal(t, _final(store, b)[n])
+        ]
+        assert all(not torch.equal(before[u.index], store.compute(u.index)) for u in UNITS), (
+            "an update did nothing"
+        )
+        if gated:
+            assert stale == []
+        else:
+            assert stale, "the check cannot fail: the ungated loads were not stale"
+    finally:
+        updates.close()
+        window.close()
+
+
+def test_finish_step_waits_for_shared_units_only(store) -> None:
+    """The tied embedding (unit 0) is read by another stage after the engine's barrier, so the step
+    must not end before its update; the other units' updates (300 ms each here) keep running."""
+    updates = UnitUpdates(StoreAdamW(store, UNITS, CFG), BINDINGS, BLOCKS, shared_units=(0,), overlap=True,
+                          clip=True, threads=1, delay_s=0.3)  # fmt: skip
+    try:
+        for u, g in _grads(torch.Generator().manual_seed(5)).items():
+            store.grad(u).copy_(g)
+        before = store.compute(0).clone()
+        updates.finish_step(lr=1e-2, grad_scale=1.0)
+        assert not torch.equal(store.compute(0), before), "returned before the shared unit's update"
+        assert not all(f.done() for f in updates.gate(2)), "waited for every update: no overlap"
+    finally:
+        updates.close()
+
+
+@pytest.mark.parametrize("offloads_per_block", [2, 1], ids=["counted", "mutant-counts-one"])
+def test_in_backward_update_sees_the_whole_gradient(store, offloads_per_block: int) -> None:
+    """No clipping: each unit is updated as soon as its gradient is final. Unit 0 is bound by blocks
+    0 and 2 (the tied head); every block is offloaded twice (two micro-batches). The result must
+    equal AdamW on the sum of all four offloads of unit 0 (and two of the others); a count that
+    fires after the first offload updates on a partial gradient and must differ."""
+    ref_store_master = {u.index: store.master(u.index).clone() for u in UNITS}
+    updates = _updates(store, clip=False, delay_s=0.0)
+    window = Window(store, BINDINGS, BLOCKS, BLOCKS, 2, "cpu", delay_s=0.002)
+    window.on_offloaded = updates.offloaded
+    gen = torch.Generator().manual_seed(3)
+    total = {u.index: torch.zeros(u.numel) for u in UNITS}
+    try:
+        updates.begin_step(lr=1e-2, offloads_per_block=offloads_per_block)
+        for _ in range(2):  # micro-batches, backward order
+            for block in reversed(BLOCKS):
+                grads = {b.local_name: torch.randn(b.shape, generator=gen) for b in BINDINGS[block]}
+                for b in BINDINGS[block]:
+                    total[b.unit][b.offset : b.offset + b.numel] += grads[b.local_name].reshape(-1)
+                window.offload(block, grads)
+        window.flush()
+        updates.wait_all()
+    finally:
+        updates.close()
+        window.close()
+    # the reference: one fused AdamW step per unit on the full gradient, from the same start
+    ref = {}
+    for u in UNITS:
+        p = ref_store_master[u.index]
+        groups = [{"params": [p[: u.num_decay]], "weight_decay": CFG.weight_decay}]
+        if u.numel > u.num_decay:
+            groups.append({"params": [p[u.num_decay :]], "weight_decay": 0.0})
+        for g in groups:
+            (t,) = g["params"]
+            lo = 0 if g is groups[0] else u.num_decay
+            t.grad = total[u.index][lo : lo + t.numel()].clone()
+        torch.optim.AdamW(groups, lr=1e-2, betas=(CFG.beta1, CFG.beta2), eps=CFG.eps, fused=True).step()
+        ref[u.index] = torch.cat([g["params"][0] for g in groups])
+    same = all(torch.equal(store.master(u.index), ref[u.index]) for u in UNITS)
+    assert same == (offloads_per_block == 2)
+
+
+def test_in_backward_grad_norm_matches_the_flushed_gradient(store) -> None:
+    updates = _updates(store, clip=False, delay_s=0.0)
+    window = Window(store, BINDINGS, BLOCKS, BLOCKS, 2, "cpu")
+    window.on_offloaded = updates.offloaded
+    gen = torch.Generator().manual_seed(4)
+    try:
+        updates.begin_step(lr=1e-2, offloads_per_block=1)
+        grads = {
+            blk: {b.local_name: torch.randn(b.shape, generator=gen) for b in BINDINGS[blk]} for blk in BLOCKS
+        }
+        want = 0.0
+        sums = {u.index: torch.zeros(u.numel, dtype=torch.float64) for u in UNITS}
+        for blk in reversed(BLOCKS):
+            for b in BINDINGS[blk]:
+                sums[b.unit][b.offset : b.offset + b.numel] += grads[blk][b.local_name].reshape(-1).double()
+            window.offload(blk, grads[blk])
+        window.flush()
+        want = float(sum((s * s).sum() for s in sums.values()))
+        torch.testing.assert_close(updates.grad_sq_sum(), want, rtol=1e-6, atol=0)
+    finally:
+        updates.close()
+        window.close()
+
+
+def test_optimizer_thread_has_its_own_team_size() -> None:
+    main_threads = torch.get_num_threads()
+    want = main_threads + 2
+    seen = []
+
+    def worker() -> None:
+        _limit_thread(want)
+        seen.append(torch.get_num_threads())
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen == [want]
+    assert torch.get_num_threads() == main_threads

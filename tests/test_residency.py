@@ -1,0 +1,98 @@
+"""Residency: which blocks stay on the device (residency.py) and the window serving them (stream.py).
+
+Resident blocks are loaded once per sequence (step), streamed ones at every use; both must hand
+out the current transfer copy. Byte counts are checked against closed forms.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+import nodetrain.stream as stream
+from nodetrain.model import Binding
+from nodetrain.residency import activation_bytes, auto_device_budget, choose_resident
+from nodetrain.store import HostStore, StoreLayout
+from nodetrain.stream import Window
+
+UNIT_NUMELS = (32, 20, 20, 20)
+BINDINGS = [
+    (Binding("weight", 0, 0, (8, 4)),),
+    (Binding("a", 1, 0, (4, 4)), Binding("b", 1, 16, (4,))),
+    (Binding("a", 2, 0, (4, 4)), Binding("b", 2, 16, (4,))),
+    (Binding("w", 3, 0, (4, 4)), Binding("n", 3, 16, (4,)), Binding("lm_head.weight", 0, 0, (8, 4))),
+]
+BLOCKS = [0, 1, 2, 3]
+NUMEL = {0: 32, 1: 20, 2: 20, 3: 52}  # elements each block binds
+
+
+def test_choose_resident_is_first_fit_in_block_order() -> None:
+    sizes = {0: 100, 1: 40, 2: 40, 3: 30}
+    assert choose_resident(sizes, 0) == []
+    assert choose_resident(sizes, -5) == []
+    assert choose_resident(sizes, 99) == [1, 2]  # 0 does not fit; 1 and 2 do; 3 no longer does
+    assert choose_resident(sizes, 110) == [0]  # first fit: 0, not the 110 bytes of 1, 2 and 3
+    assert choose_resident(sizes, 140) == [0, 1]  # 100 + 40 leave nothing for 2 or 3
+    assert choose_resident(sizes, 210) == [0, 1, 2, 3]
+
+
+def test_activation_estimate_and_cpu_budget() -> None:
+    hf = LlamaConfig(hidden_size=64, intermediate_size=128, vocab_size=256)
+    # B=2, T=16, bf16, 3 blocks, 2 micro-batches in flight, last stage:
+    # 2 × (2·3·32·64·2 + 32·(16·64 + 4·128)·2 + 3·32·256·4) = 2 × (24576 + 98304 + 98304)
+    assert activation_bytes(hf, 2, 16, 2, 3, 2, True) == 442368
+    assert activation_bytes(hf, 2, 16, 2, 3, 2, False) == 2 * (24576 + 98304)
+    assert auto_device_budget(torch.device("cpu"), 0, 0) == 0
+
+
+@pytest.fixture
+def store(shm_dir):
+    s = HostStore.create(StoreLayout(UNIT_NUMELS, torch.float32, tied_units=(0,)), shm_dir, "residency-test")
+    s.unlink()
+    return s
+
+
+def _run(window: Window, store: HostStore, sequence: list[int]) -> list[tuple[int, str]]:
+    stale = []
+    window.begin(sequence)
+    for k, block in enumerate(sequence):
+        got = window.acquire(block)
+        for b in BINDINGS[block]:
+            want = store.compute(b.unit)[b.offset : b.offset + b.numel].view(b.shape)
+            if not torch.equal(got[b.local_name], want):
+                stale.append((k, b.local_name))
+        window.release()
+    window.flush()
+    return stale
+
+
+@pytest.mark.parametrize("resident", [[], [1], [0, 3], [0, 1, 2, 3]], ids=str)
+def test_resident_blocks_load_once_per_sequence_and_stay_current(store, resident) -> None:
+    sequence = [0, 1, 2, 3, 3, 2, 1, 0] * 2  # two micro-batches, forward then backward
+    window = Window(store, BINDINGS, BLOCKS, BLOCKS, 2, "cpu", delay_s=0.003, resident=resident)
+    gen = torch.Generator().manual_seed(len(resident))
+    try:
+        streamed = [b for b in BLOCKS if b not in resident]
+        assert window.resident == resident
+        assert window.resident_nbytes == 4 * sum(NUMEL[b] for b in resident)
+        assert window.nbytes == window.resident_nbytes + 2 * 4 * max((NUMEL[b] for b in streamed), default=0)
+        for _ in range(2):  # steps: the transfer copies change in between
+            for u, n in enumerate(UNIT_NUMELS):
+                store.compute(u).copy_(torch.randn(n, generator=gen))
+            assert _run(window, store, sequence) == []
+            loads = sum(NUMEL[b] for b in sequence if b not in resident) + sum(NUMEL[b] for b in resident)
+            assert window.take_stats()["h2d_bytes"] == 4 * loads
+    finally:
+        window.close()
+
+
+def test_a_resident_load_is_waited_for(store, monkeypatch) -> None:
+    """The check above can fail for a resident block: without the wait its slow load is not there."""
+    store.compute(1).fill_(7.0)
+    window = Window(store, BINDINGS, BLOCKS, BLOCKS, 1, "cpu", delay_s=0.05, resident=[1])
+    monkeypatch.setattr(stream, "_wait", lambda fut: None)
+    try:
+        assert _run(window, store, [1, 0]) != []
+    finally:
+        window.close()
