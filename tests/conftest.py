@@ -14,6 +14,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+TINY_RUN = [
+    "model.hf.hidden_size=64",
+    "model.hf.num_hidden_layers=2",
+    "model.hf.num_attention_heads=4",
+    "model.hf.num_key_value_heads=2",
+    "model.hf.intermediate_size=128",
+    "train.seq_len=16",
+    "train.micro_batch_size=2",
+    "pipeline.microbatches=2",
+]
+"""Hydra overrides of a 2-layer, hidden-64 Llama on 16-token sequences: the cheapest real CLI run."""
 TESTS = Path(__file__).resolve().parent
 
 

@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import ROOT, free_port
+from conftest import ROOT, TINY_RUN, free_port
 from safetensors.torch import load_file
 from test_parity import ATOL_WEIGHT, OPTIM, RTOL, lr_schedule
 
@@ -41,14 +41,7 @@ from nodetrain.model import build_hf_config
 from nodetrain.pipeline import P2P
 
 TINY = [
-    "model.hf.hidden_size=64",
-    "model.hf.num_hidden_layers=2",
-    "model.hf.num_attention_heads=4",
-    "model.hf.num_key_value_heads=2",
-    "model.hf.intermediate_size=128",
-    "train.seq_len=16",
-    "train.micro_batch_size=2",
-    "pipeline.microbatches=2",
+    *TINY_RUN,
     "train.eval_every=0",
     "logging.plots=false",
 ]

@@ -20,22 +20,12 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, free_port
+from conftest import ROOT, TINY_RUN, free_port
 from wandb_log import read_run
 
 from nodetrain.config import OptimConfig
 
-TINY = [
-    "model.hf.hidden_size=64",
-    "model.hf.num_hidden_layers=2",
-    "model.hf.num_attention_heads=4",
-    "model.hf.num_key_value_heads=2",
-    "model.hf.intermediate_size=128",
-    "train.seq_len=16",
-    "train.micro_batch_size=2",
-    "pipeline.microbatches=2",
-    "train.eval_batches=1",
-]
+TINY = [*TINY_RUN, "train.eval_batches=1"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

@@ -16,19 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import TINY_RUN
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "model.hf.hidden_size=64",
-    "model.hf.num_hidden_layers=2",
-    "model.hf.num_attention_heads=4",
-    "model.hf.num_key_value_heads=2",
-    "model.hf.intermediate_size=128",
-    "train.seq_len=16",
-    "train.micro_batch_size=2",
-    "pipeline.microbatches=2",
-    "train.eval_batches=1",
-]
+TINY = [*TINY_RUN, "train.eval_batches=1"]
 
 
 def _free_port() -> int:
