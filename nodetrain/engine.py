@@ -144,7 +144,8 @@ class Engine:
         shape = (cfg.train.micro_batch_size, cfg.train.seq_len, model.config.hidden_size)
         p2p_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
         self.p2p = P2P(topo.stage, topo.num_stages, shape, self.dtype, p2p_device, topo.pipeline_ranks)
-        self.grad_sum = ReplicaGradSum(topo, staging=device if dist.get_backend() == "nccl" else None)
+        staging = device if dist.get_backend() == "nccl" else None
+        self.grad_sum = ReplicaGradSum(topo, cfg.dist.timeout_s, staging=staging)
         self.breakdown = self._make_breakdown()
         self.window.timeline = self.p2p.timeline = self.breakdown.timeline
         log.info(
@@ -186,7 +187,8 @@ class Engine:
         if local_rank == 0:
             store = HostStore.create(layout, Path(self.cfg.store.dir), run_id, self.cfg.store.cleanup_stale)
             path = [str(store.path)]
-        dist.broadcast_object_list(path, src=self.topo.node_root, group=node_group(self.topo))  # one per node
+        node = node_group(self.topo, self.cfg.dist.timeout_s)
+        dist.broadcast_object_list(path, src=self.topo.node_root, group=node)  # one per node
         if local_rank != 0:
             store = HostStore.attach(layout, path[0])
         dist.barrier()  # every rank has mapped it: the name can go, the memory stays while mapped
