@@ -338,13 +338,14 @@ class Engine:
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
         """Forward-only pass over N micro-batches ([N, B, T] each); returns (mean loss, tokens),
         identical on every rank. The replicas share the N micro-batches. No gradients, no optimizer
-        state is touched."""
+        state is touched; dropout is off (eval mode) and no random numbers are drawn."""
         self._check_batch(inputs, labels, inputs.shape[0])
         tokens = int((labels != IGNORE_INDEX).sum())
         inputs, labels = self._replica_share(inputs, labels)
         actions = [Action("F", i) for i in range(inputs.shape[0])]
         self.window.begin(self._load_sequence(actions, 1))
-        loss_sum = self._run_round(actions, 0, inputs, labels, 1.0, train=False)
+        with self.model.eval_mode():
+            loss_sum = self._run_round(actions, 0, inputs, labels, 1.0, train=False)
         self.window.flush()
         self.p2p.wait_sends()
         total = torch.tensor([loss_sum], dtype=torch.float64)
