@@ -113,7 +113,8 @@ class TrainConfig:
     """Compute dtype of the streamed transfer copy and the device math: bfloat16 | float16 | float32.
     Master weights and optimizer state are always fp32."""
     eval_every: int = 50
-    """Evaluate validation loss every this many steps (and at the last step); 0 = never."""
+    """Evaluate validation loss every this many steps (and at the last step); 0 = never. Evaluation
+    runs in eval mode (dropout off) and draws no random numbers, so it leaves training unchanged."""
     eval_batches: int = 4
     """Validation batches (each pipeline.microbatches × micro_batch_size sequences) per evaluation."""
     max_bad_steps: int = 5
