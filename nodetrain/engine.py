@@ -144,7 +144,8 @@ class Engine:
         shape = (cfg.train.micro_batch_size, cfg.train.seq_len, model.config.hidden_size)
         p2p_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
         self.p2p = P2P(topo.stage, topo.num_stages, shape, self.dtype, p2p_device, topo.pipeline_ranks)
-        self.grad_sum = ReplicaGradSum(topo, staging=device if dist.get_backend() == "nccl" else None)
+        staging = device if dist.get_backend() == "nccl" else None
+        self.grad_sum = ReplicaGradSum(topo, cfg.dist.timeout_s, staging=staging)
         self.breakdown = self._make_breakdown()
         self.window.timeline = self.p2p.timeline = self.breakdown.timeline
         log.info(
@@ -186,7 +187,8 @@ class Engine:
         if local_rank == 0:
             store = HostStore.create(layout, Path(self.cfg.store.dir), run_id, self.cfg.store.cleanup_stale)
             path = [str(store.path)]
-        dist.broadcast_object_list(path, src=self.topo.node_root, group=node_group(self.topo))  # one per node
+        node = node_group(self.topo, self.cfg.dist.timeout_s)
+        dist.broadcast_object_list(path, src=self.topo.node_root, group=node)  # one per node
         if local_rank != 0:
             store = HostStore.attach(layout, path[0])
         dist.barrier()  # every rank has mapped it: the name can go, the memory stays while mapped
@@ -336,13 +338,14 @@ class Engine:
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
         """Forward-only pass over N micro-batches ([N, B, T] each); returns (mean loss, tokens),
         identical on every rank. The replicas share the N micro-batches. No gradients, no optimizer
-        state is touched."""
+        state is touched; dropout is off (eval mode) and no random numbers are drawn."""
         self._check_batch(inputs, labels, inputs.shape[0])
         tokens = int((labels != IGNORE_INDEX).sum())
         inputs, labels = self._replica_share(inputs, labels)
         actions = [Action("F", i) for i in range(inputs.shape[0])]
         self.window.begin(self._load_sequence(actions, 1))
-        loss_sum = self._run_round(actions, 0, inputs, labels, 1.0, train=False)
+        with self.model.eval_mode():
+            loss_sum = self._run_round(actions, 0, inputs, labels, 1.0, train=False)
         self.window.flush()
         self.p2p.wait_sends()
         total = torch.tensor([loss_sum], dtype=torch.float64)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -141,37 +142,51 @@ def replica_slice(num_items: int, replica: int, num_replicas: int) -> slice:
     return slice(replica * num_items // num_replicas, (replica + 1) * num_items // num_replicas)
 
 
-# One set of subgroups per process and layout: a Hydra multirun reuses them job after job, and
-# ``new_group`` must be entered by every rank in the same order, which a cache keyed by the
-# layout (identical on every rank) guarantees.
-_GROUPS: dict[tuple[str, int, int], dist.ProcessGroup] = {}
+# One set of subgroups per process, layout and timeout: a Hydra multirun reuses them job after
+# job, and ``new_group`` must be entered by every rank in the same order, which a cache keyed by
+# the layout and the timeout (identical on every rank) guarantees.
+_GROUPS: dict[tuple[str, int, int, float], dist.ProcessGroup] = {}
 
 
-def _subgroup(kind: str, topo: Topology, members: Sequence[Sequence[int]]) -> dist.ProcessGroup | None:
+def _subgroup(
+    kind: str, topo: Topology, members: Sequence[Sequence[int]], timeout_s: float
+) -> dist.ProcessGroup | None:
     if topo.num_replicas == 1:
         return None  # one pipeline: the default group is the node group, and there is nothing to sum
-    key = (kind, topo.num_stages, topo.num_replicas)
+    key = (kind, topo.num_stages, topo.num_replicas, timeout_s)
     if key not in _GROUPS:
-        _GROUPS[key], _ = dist.new_subgroups_by_enumeration([list(m) for m in members])
+        # A subgroup does not inherit the default group's timeout (torch gives it its own default,
+        # 30 min on gloo, 10 on NCCL): pass ``dist.timeout_s`` so a hang here ends as elsewhere.
+        timeout = timedelta(seconds=timeout_s)
+        _GROUPS[key], _ = dist.new_subgroups_by_enumeration([list(m) for m in members], timeout=timeout)
     return _GROUPS[key]
 
 
-def node_group(topo: Topology) -> dist.ProcessGroup | None:
+def node_group(topo: Topology, timeout_s: float) -> dist.ProcessGroup | None:
     """The ranks of this node (its replica); ``None`` (the default group) for one replica.
 
     Collective: every rank of the world must call it, in the same order as :func:`stage_group`.
+
+    Args:
+        topo: this rank's topology.
+        timeout_s: seconds a collective in the group may wait before it fails (``dist.timeout_s``,
+            as given to ``init_process_group``).
     """
     members = [[topo.rank_of(r, s) for s in range(topo.num_stages)] for r in range(topo.num_replicas)]
-    return _subgroup("node", topo, members)
+    return _subgroup("node", topo, members, timeout_s)
 
 
-def stage_group(topo: Topology) -> dist.ProcessGroup | None:
+def stage_group(topo: Topology, timeout_s: float) -> dist.ProcessGroup | None:
     """The ranks owning the same stage, one per node; ``None`` for one replica (nothing to sum).
 
     Collective: every rank of the world must call it, in the same order as :func:`node_group`.
+
+    Args:
+        topo: this rank's topology.
+        timeout_s: seconds a collective in the group may wait before it fails (``dist.timeout_s``).
     """
     members = [[topo.rank_of(r, s) for r in range(topo.num_replicas)] for s in range(topo.num_stages)]
-    return _subgroup("stage", topo, members)
+    return _subgroup("stage", topo, members, timeout_s)
 
 
 class ReplicaGradSum:
@@ -184,13 +199,20 @@ class ReplicaGradSum:
 
     Args:
         topo: this rank's topology.
+        timeout_s: seconds the all-reduce may wait for the other replicas (``dist.timeout_s``).
         staging: device of the staging buffer; ``None`` reduces the host buffers in place (gloo).
         chunk_numel: elements per staged chunk (default 16 Mi = 64 MiB of fp32).
     """
 
-    def __init__(self, topo: Topology, staging: torch.device | None = None, chunk_numel: int = 1 << 24):
+    def __init__(
+        self,
+        topo: Topology,
+        timeout_s: float,
+        staging: torch.device | None = None,
+        chunk_numel: int = 1 << 24,
+    ):
         self.num_replicas = topo.num_replicas
-        self.group = stage_group(topo)
+        self.group = stage_group(topo, timeout_s)
         self._staging = staging
         self._chunk_numel = chunk_numel
         self._buffer: torch.Tensor | None = None

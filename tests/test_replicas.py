@@ -105,7 +105,7 @@ def test_config_accepts_world_of_stages_times_nodes() -> None:
 # ----------------------------------------------------------------------------- groups and the sum
 
 
-def test_groups_and_gradient_sum_on_four_ranks(tmp_path: Path, torchrun) -> None:
+def test_groups_timeouts_and_gradient_sum_on_four_ranks(tmp_path: Path, torchrun) -> None:
     torchrun(4, ROOT / "tests" / "replicas_worker.py", str(tmp_path), timeout_s=120)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     for r, res in enumerate(results):
@@ -116,6 +116,10 @@ def test_groups_and_gradient_sum_on_four_ranks(tmp_path: Path, torchrun) -> None
             want = [sum(i * (q + 1) + 0.25 * q for q in (stage, stage + 2)) for i in range(n)]
             assert got == want
         assert res["staged"] == res["in_place"]
+        # the subgroups get the configured timeout, not torch's default (30 min on gloo) or the world's
+        assert res["timeouts_s"] == {"world": 120.0, "node": 77.0, "stage": 77.0}
+    # a collective whose peer never joins fails after the group's 2 s, not the world's 120 s
+    assert 1.9 <= results[0]["hang_wait_s"] < 60.0, results[0]["hang_wait_s"]
 
 
 # ----------------------------------------------------------------------------- acceptance

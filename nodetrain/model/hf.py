@@ -10,7 +10,9 @@ Shapes: B = sequences in a micro-batch, T = tokens per sequence, D = hidden size
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,6 +156,16 @@ class HFModel:
     @property
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
+
+    @contextlib.contextmanager
+    def eval_mode(self) -> Iterator[None]:
+        """Inside the block the templates are in eval mode (no dropout, so no random numbers are
+        drawn: evaluation leaves the training RNG stream as it found it); train mode again after."""
+        self._meta.eval()
+        try:
+            yield
+        finally:
+            self._meta.train()
 
     def _build_units(self) -> list[Unit]:
         units = [_layout(0, "embed", [("model.embed_tokens.weight", "weight", self.templates[0].weight)])]
