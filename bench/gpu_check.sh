@@ -6,12 +6,14 @@
 #
 # 1. `pytest -m gpu` (tests/test_gpu.py: CUDA parity in fp32, side-stream copies, CUDA timeline),
 #    ≤ 150 s, log and JUnit XML into RESULTS_DIR;
-# 2. bench/gpu_train.py: Llama-3.2-3B (the largest shipped shape whose ~59 GB host store fits the
+# 2. bench/copy_bandwidth.py: H2D (host store, cudaHostRegister-ed) and D2H (pinned staging) GB/s
+#    next to pageable copies, and Window.offload's GB/s, ≤ 60 s, into RESULTS_DIR/copy_bandwidth.json;
+# 3. bench/gpu_train.py: Llama-3.2-3B (the largest shipped shape whose ~59 GB host store fits the
 #    default /dev/shm of a 128 GiB node) trained with torchrun --nproc_per_node 1, every unit
 #    streamed, then with automatic residency if time is left; TFLOP/s, MFU, H2D/D2H GB/s, stall %
 #    and the breakdown as JSON into RESULTS_DIR (summary.json, streamed.json, auto_residency.json);
-# 3. RESULTS_DIR/check.json: exit codes, durations, GPU name, torch version.
-# Exit status: non-zero if either step failed (both always run). PYTHON overrides the interpreter.
+# 4. RESULTS_DIR/check.json: exit codes, durations, GPU name, torch version.
+# Exit status: non-zero if any step failed (all always run). PYTHON overrides the interpreter.
 set -uo pipefail
 
 if [[ $# -lt 1 || "$1" == -* ]]; then
@@ -48,7 +50,11 @@ if [[ "$dry_run" == "--dry-run" ]]; then
     store_dir=$(mktemp -d /dev/shm/nt-gpucheck-XXXXXX)
     extra=(--dry-run --store-dir "$store_dir")
 fi
-left=$((450 - (t1 - t0)))
+timeout 60 "$py" bench/copy_bandwidth.py --out "$out" ${extra[@]+"${extra[@]}"} 2>&1 | tee "$out/copy_bandwidth.log"
+copy_rc=${PIPESTATUS[0]}
+t1b=$(date +%s)
+
+left=$((450 - (t1b - t0)))
 timeout $((left + 20)) "$py" bench/gpu_train.py --out "$out" --budget-s "$left" ${extra[@]+"${extra[@]}"} 2>&1 \
     | tee "$out/gpu_train.log"
 train_rc=${PIPESTATUS[0]}
@@ -58,7 +64,8 @@ t2=$(date +%s)
 cat >"$out/check.json" <<EOF
 {"dry_run": $([[ "$dry_run" == "--dry-run" ]] && echo true || echo false),
  "gpu_tests_rc": $tests_rc, "gpu_tests_s": $((t1 - t0)),
- "train_rc": $train_rc, "train_s": $((t2 - t1)), "total_s": $((t2 - t0))}
+ "train_rc": $train_rc, "train_s": $((t2 - t1b)),
+ "copy_rc": $copy_rc, "copy_s": $((t1b - t1)), "total_s": $((t2 - t0))}
 EOF
 cat "$out/check.json"
-[[ $tests_rc -eq 0 && $train_rc -eq 0 ]]
+[[ $tests_rc -eq 0 && $copy_rc -eq 0 && $train_rc -eq 0 ]]

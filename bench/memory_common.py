@@ -5,9 +5,7 @@ config. Stores go to a private directory under /dev/shm that is removed afterwar
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,7 +13,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' job launcher (conftest.py)
 
+from conftest import job_env, torchrun_cmd  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from nodetrain.config import register_configs, to_typed  # noqa: E402
@@ -24,12 +24,6 @@ from nodetrain.plan import Plan, make_plan  # noqa: E402
 __all__ = ["GB", "MB", "measure", "plan", "err"]
 
 GB, MB = 1e9, 1e6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure(
@@ -42,23 +36,9 @@ def measure(
     in it; without, the ranks run with glibc's defaults, as a training run does.
     """
     store_dir = Path(tempfile.mkdtemp(prefix="nt-bench-", dir="/dev/shm"))
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(ROOT),
-        OMP_NUM_THREADS="1",
-        WANDB_MODE="disabled",
-        TRANSFORMERS_VERBOSITY="error",
-    )
-    if pin_malloc:
-        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    env = job_env(MALLOC_MMAP_THRESHOLD_="65536") if pin_malloc else job_env()
     spec = json.dumps({"overrides": [*overrides, f"store.dir={store_dir}"], "steps": steps})
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-    cmd += [
-        "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
-        str(ROOT / "bench/memory_worker.py"),
-        spec,
-    ]
+    cmd = torchrun_cmd(nproc, str(ROOT / "bench/memory_worker.py"), spec)
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     finally:

@@ -7,13 +7,16 @@ and busy seconds of both directions. Each direction runs on its own copy worker 
 each worker issues its copies on its own CUDA stream, ordered against the compute stream with
 events. On CPU the "device" buffers are separate tensors and the workers copy asynchronously, so
 the protocol below is exercised for real (``delay_s`` slows the workers to expose a missing wait).
+Gradients leave the device through host staging buffers, one per slot (staging.py: page-locked
+on CUDA, copied on a D2H stream of their own; the D2H worker waits for the copy, then accumulates).
 
 Protocol (the j-th streamed load of the sequence uses slot ``j % slots``):
     acquire()  waits until the next load is in its slot (or resident buffer), returns the views;
     release()  marks compute on it issued and issues the next streamed load into the freed slot;
-    offload()  queues the block's gradients for D2H + accumulate; at most ``slots`` in flight; the
-               first offload into an accumulator since begin() overwrites it, so the optimizer
-               never spends a pass zeroing it;
+    offload()  copies the block's gradients into staging buffer ``n % slots`` (async on CUDA) and
+               queues their accumulation; at most ``slots`` in flight, so a buffer is rewritten
+               only after its last accumulation; the first offload into an accumulator since
+               begin() overwrites it, so the optimizer never spends a pass zeroing it;
     flush()    waits for every queued offload (before the optimizer reads the accumulators).
 A resident block's one load per sequence is issued when the prefetch reaches its first use, so
 the in-order H2D worker never blocks a needed load behind it. ``gate(block)`` (optional) returns
@@ -32,20 +35,22 @@ import torch
 
 from nodetrain.breakdown import NULL_TIMELINE
 from nodetrain.model import Binding
+from nodetrain.staging import GradStaging
 from nodetrain.store import HostStore
 
 __all__ = ["Window"]
 
 
 class _CopyWorker:
-    """One copy direction: a single thread (in-order), plus a CUDA stream when on GPU.
+    """One copy direction: a single thread (in-order), plus a CUDA stream when ``stream`` is given.
 
-    A job first waits for its gate (host futures), then, on CUDA, for the compute queued before it
-    was submitted, and runs to completion before the next (``busy_s`` counts only the copy)."""
+    A job first waits for its gate (host futures), then, with a stream, for the compute queued
+    before it was submitted, and runs to completion before the next (``busy_s`` counts only the
+    copy). Without a stream a job runs as it is (the D2H jobs wait for their own copy's event)."""
 
-    def __init__(self, name: str, device: torch.device, delay_s: float):
+    def __init__(self, name: str, stream: torch.cuda.Stream | None, delay_s: float):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._stream = stream
         self._delay_s = delay_s
         self.busy_s = 0.0
         """Seconds spent copying since the last :meth:`take_busy_s`."""
@@ -104,7 +109,8 @@ class Window:
         resident: blocks held in buffers of their own for the whole sequence.
 
     Memory: ``slots × max streamed block numel × compute itemsize`` bytes plus each resident block's
-    bytes on the device (``nbytes``; ``resident_nbytes`` the latter).
+    bytes on the device (``nbytes``; ``resident_nbytes`` the latter); ``slots × max block numel ×
+    compute itemsize`` bytes of host staging (``staging_nbytes``; page-locked on CUDA).
 
     Hooks (set by the engine): ``gate(block) -> list[Future]``; ``on_offloaded(block)``, called on
     the D2H worker after a block's gradients are accumulated; ``timeline``.
@@ -124,8 +130,11 @@ class Window:
         self._grad_targets = {i: self._grad_views(bindings[i], set(owned_units)) for i in blocks}
         self._check_targets()
         self._written: set[int] = set()  # data_ptr of accumulators offloaded into since begin()
-        self._h2d = _CopyWorker("h2d", self.device, delay_s)
-        self._d2h = _CopyWorker("d2h", self.device, delay_s)
+        h2d_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._h2d = _CopyWorker("h2d", h2d_stream, delay_s)
+        self._d2h = _CopyWorker("d2h", None, delay_s)  # its copies run on the staging's stream
+        self._staging = GradStaging(slots, max(self._numel(i) for i in blocks), dtype, self.device)
+        self._num_offloads = 0
         self.gate = None
         self.on_offloaded = None
         self.timeline = NULL_TIMELINE
@@ -147,6 +156,11 @@ class Window:
     def nbytes(self) -> int:
         """Device bytes held by the slots and the resident blocks."""
         return sum(s.numel() * s.element_size() for s in self._slots) + self.resident_nbytes
+
+    @property
+    def staging_nbytes(self) -> int:
+        """Host bytes of the gradient staging buffers (page-locked on CUDA)."""
+        return self._staging.nbytes
 
     @property
     def resident_nbytes(self) -> int:
@@ -247,32 +261,37 @@ class Window:
         self._fill()
 
     def offload(self, block: int, grads: dict[str, torch.Tensor]) -> None:
-        """Queue D2H of ``grads`` (local name -> gradient, device) added into the host accumulators."""
+        """Queue D2H of ``grads`` (local name -> gradient, device) added into the host accumulators.
+
+        The gradients are copied into staging buffer ``n % slots`` (``n`` counts offloads; on CUDA
+        asynchronously on the D2H stream, after the compute queued so far); the D2H worker waits
+        for that copy and accumulates the buffer into the store. At most ``slots`` offloads are in
+        flight, so the buffer's previous offload has been accumulated before it is written again.
+        """
+        if len(self._offloads) >= len(self._staging):  # bound gradient memory in flight, free a buffer
+            with self.timeline.phase("d2h_wait"):
+                while len(self._offloads) >= len(self._staging):
+                    self._offloads.pop(0).result()
         targets = self._grad_targets[block]
         jobs = []
-        for name, g in grads.items():
+        for name in grads:
             dst = targets[name]
-            jobs.append((dst, g, dst.data_ptr() not in self._written))
+            jobs.append((dst, dst.data_ptr() not in self._written))
             self._written.add(dst.data_ptr())
         self.d2h_bytes += sum(g.numel() * g.element_size() for g in grads.values())
+        staged = self._staging.issue(self._num_offloads % len(self._staging), list(grads.values()))
+        self._num_offloads += 1
 
         def accumulate():
-            for dst, g, first in jobs:
-                src = g.reshape(-1)
+            for (dst, first), src in zip(jobs, staged.wait(), strict=True):
                 if first:  # overwrite: no zeroing pass, no read of the stale accumulator
                     dst.copy_(src)
-                elif src.device.type == "cpu":  # fp32 += bf16 widens elementwise, no temporary
+                else:  # fp32 += compute dtype, widened elementwise
                     dst.add_(src)
-                else:
-                    dst.add_(src.to(device="cpu", dtype=torch.float32))
             if self.on_offloaded is not None:
                 self.on_offloaded(block)
 
         self._offloads.append(self._d2h.submit(accumulate))
-        if len(self._offloads) > len(self._slots):  # bound gradient memory in flight
-            with self.timeline.phase("d2h_wait"):
-                while len(self._offloads) > len(self._slots):
-                    self._offloads.pop(0).result()
 
     def flush(self) -> None:
         """Wait for every queued offload; the host accumulators are then complete."""

@@ -35,11 +35,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torchrun(nproc: int, script: Path, *args: str, timeout_s: float = 180) -> str:
-    """Run ``script`` under ``torch.distributed.run`` with ``nproc`` ranks; returns its output.
-
-    Fails the test (with the output's tail) on a non-zero exit or after ``timeout_s``.
-    """
+def job_env(**extra: str) -> dict[str, str]:
+    """The environment of a launched job: this checkout on ``PYTHONPATH``, one OpenMP thread per
+    rank (the machine is shared), no network (HF hub offline, wandb disabled), quiet transformers;
+    ``extra`` is set last (e.g. ``WANDB_MODE="offline"``)."""
     env = dict(
         os.environ,
         PYTHONPATH=str(ROOT),
@@ -48,21 +47,30 @@ def run_torchrun(nproc: int, script: Path, *args: str, timeout_s: float = 180) -
         TRANSFORMERS_VERBOSITY="error",
         WANDB_MODE="disabled",
     )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        str(script),
-        *args,
-    ]
-    # A session of its own, so a hung job is killed as a whole (torchrun and every rank).
-    proc = subprocess.Popen(
+    env.update(extra)
+    return env
+
+
+def torchrun_cmd(nproc: int, *target: str, nnodes: int = 1, node_rank: int = 0, port: int = 0) -> list[str]:
+    """``python -m torch.distributed.run`` of ``nproc`` ranks on 127.0.0.1 running ``target``.
+
+    Args:
+        target: what torchrun runs and its arguments: ``str(script), *args`` or ``"-m", module, *args``.
+        nnodes, node_rank: for a job of several (simulated) nodes; every node's launch must then be
+            given the same ``port``.
+        port: the rendezvous port; 0 = a free one.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    if nnodes > 1:
+        cmd += ["--nnodes", str(nnodes), "--node_rank", str(node_rank)]
+    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(port or free_port())]
+    return [*cmd, *target]
+
+
+def start_job(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start ``cmd`` in the checkout, output (stdout and stderr, text) piped, in a session of its own
+    so that a hung job is killed as a whole (torchrun and every rank)."""
+    return subprocess.Popen(
         cmd,
         env=env,
         cwd=ROOT,
@@ -71,6 +79,15 @@ def run_torchrun(nproc: int, script: Path, *args: str, timeout_s: float = 180) -
         text=True,
         start_new_session=True,
     )
+
+
+def run_torchrun(nproc: int, script: Path, *args: str, timeout_s: float = 180) -> str:
+    """Run ``script`` under ``torch.distributed.run`` with ``nproc`` ranks; returns its output.
+
+    Fails the test (with the output's tail) on a non-zero exit or after ``timeout_s``.
+    """
+    cmd = torchrun_cmd(nproc, str(script), *args)
+    proc = start_job(cmd, job_env())
     try:
         output, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

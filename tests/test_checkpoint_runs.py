@@ -25,7 +25,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from conftest import job_env, torchrun_cmd
 from safetensors.torch import load_file
 
 from nodetrain import data
@@ -99,31 +99,13 @@ def work() -> Path:
 
 
 def _cmd(work: Path, nproc: int, run_dir: Path, overrides: list[str]) -> tuple[list[str], dict]:
-    env = dict(
-        os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1"
-    )
     data = [
         f"data.source={work / 'corpus.txt'}",
         f"data.dir={work / 'prepared'}",
         f"store.dir={work / 'shm'}",
     ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1",
-    ]
-    cmd += [f"--master_port={_free_port()}", "-m", "nodetrain.train", f"hydra.run.dir={run_dir}"]
-    return cmd + COMMON + data + overrides, env
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    cmd = torchrun_cmd(nproc, "-m", "nodetrain.train", f"hydra.run.dir={run_dir}")
+    return cmd + COMMON + data + overrides, job_env()
 
 
 def train(work: Path, nproc: int, run_dir: Path, overrides: list[str]) -> str:

@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import ROOT, TINY_RUN, free_port
+from conftest import ROOT, TINY_RUN, job_env, start_job, torchrun_cmd
 from safetensors.torch import load_file
 from test_parity import ATOL_WEIGHT, OPTIM, RTOL, lr_schedule
 
@@ -59,32 +59,9 @@ def corpus(tmp_path_factory) -> list[str]:
     return [f"data.source={d / 'sonnet.txt'}", f"data.dir={d / 'prepared'}", "data.vocab_size=300"]
 
 
-def _launch(nproc: int, overrides: list[str], tmp: Path, timeout_s: float = 240) -> subprocess.Popen:
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(ROOT),
-        NODETRAIN_RUNS=str(tmp / "runs"),
-        OMP_NUM_THREADS="1",
-        WANDB_MODE="disabled",
-        HF_HUB_OFFLINE="1",
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1",
-    ]
-    cmd += [f"--master_port={free_port()}", "-m", "nodetrain.train", *overrides]
-    return subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+def _launch(nproc: int, overrides: list[str], tmp: Path) -> subprocess.Popen:
+    cmd = torchrun_cmd(nproc, "-m", "nodetrain.train", *overrides)
+    return start_job(cmd, job_env(NODETRAIN_RUNS=str(tmp / "runs")))
 
 
 def _finish(proc: subprocess.Popen, timeout_s: float = 240) -> tuple[int, str, float]:

@@ -5,6 +5,9 @@ Skipped without CUDA. ``bench/gpu_check.sh`` runs them on a lent GPU machine:
   with units streaming and, in the second case, resident and the optimizer slowed down;
 - the window's copies run on their own CUDA streams and hand out the current transfer copy
   (slowed copy workers: a missing event wait would hand out stale slots);
+- gradients leave through page-locked staging buffers and are accumulated only after their copy
+  landed (the D2H stream and the compute stream slowed with GPU sleeps: a missing event wait would
+  accumulate stale staging contents, and the companion test shows that it does);
 - the CUDA timeline attributes a host-side wait to its phase and the phases sum to the step;
 - the measured matmul peak is a plausible GPU figure.
 """
@@ -16,6 +19,7 @@ import time
 import pytest
 import torch
 
+import nodetrain.staging as staging
 from nodetrain.breakdown import Timeline, measured_peak_flops
 from nodetrain.model import Binding
 from nodetrain.store import HostStore, StoreLayout
@@ -49,7 +53,8 @@ def test_window_copies_on_side_streams_and_stay_current(shm_dir) -> None:
     try:
         compute = torch.cuda.current_stream()
         assert window._h2d._stream is not None and window._h2d._stream != compute
-        assert window._d2h._stream is not None and window._d2h._stream != compute
+        assert window._staging.stream is not None and window._staging.stream != compute
+        assert window._staging.pinned and store.compute(0).is_pinned()  # both directions page-locked
         sequence = [0, 1, 2, 2, 1, 0]
         for step in range(2):
             for u in range(3):
@@ -68,6 +73,57 @@ def test_window_copies_on_side_streams_and_stay_current(shm_dir) -> None:
         assert stats["h2d_busy_s"] > 0 and stats["h2d_bytes"] == 2 * 6 * 4096 * 2
     finally:
         window.close()
+
+
+SLEEP_CYCLES = 20_000_000
+"""A GPU sleep of ~10 ms (at ~2 GHz): far longer than the host needs to accumulate a staging buffer."""
+OFFLOADS = 6
+
+
+def _offload_slowly(shm_dir, monkeypatch) -> torch.Tensor:
+    """Offload gradients ``1, 2, …, OFFLOADS`` of one 1M-element block through a 2-slot window.
+
+    Each gradient is written on the compute stream after a GPU sleep, and each D2H copy waits for
+    another sleep on the D2H stream, while the D2H worker is slowed on the host: the staging buffers
+    rotate with copies still in flight. Returns the host accumulator ``[2**20]`` fp32 (expected:
+    ``OFFLOADS · (OFFLOADS + 1) / 2`` everywhere, exact in fp32 and bf16).
+    """
+    copy_in = staging._copy_in
+
+    def slow_copy_in(dst, src):
+        torch.cuda._sleep(SLEEP_CYCLES)  # on the D2H stream: the copy lands late
+        copy_in(dst, src)
+
+    monkeypatch.setattr(staging, "_copy_in", slow_copy_in)
+    store = HostStore.create(StoreLayout((1 << 20,), torch.bfloat16), shm_dir, "gpu-d2h")
+    store.unlink()
+    window = Window(store, [(Binding("w", 0, 0, (1024, 1024)),)], [0], [0], 2, torch.device("cuda"), 0.002)
+    try:
+        store.grad(0).fill_(-1.0)  # the previous step's leftovers: the first offload overwrites them
+        window.begin([])
+        for i in range(OFFLOADS):
+            torch.cuda._sleep(SLEEP_CYCLES)  # the gradient below is written late on the compute stream
+            grad = torch.full((1024, 1024), float(i + 1), device="cuda", dtype=torch.bfloat16)
+            window.offload(0, {"w": grad})
+            del grad  # its memory may be reused only after its copy: the window keeps it alive
+        window.flush()
+        assert window.take_stats()["d2h_bytes"] == OFFLOADS * 2 * (1 << 20)
+        return store.grad(0).clone()
+    finally:
+        window.close()
+
+
+def test_offload_accumulates_only_landed_copies(shm_dir, monkeypatch) -> None:
+    got = _offload_slowly(shm_dir, monkeypatch)
+    assert torch.equal(got, torch.full_like(got, OFFLOADS * (OFFLOADS + 1) / 2))
+
+
+def test_a_missing_d2h_wait_would_be_caught(shm_dir, monkeypatch) -> None:
+    """The check above can fail: accumulating without waiting for the copy's event reads the
+    staging buffer before the slowed copy has landed."""
+    monkeypatch.setattr(staging.Staged, "wait", lambda self: self._views)
+    got = _offload_slowly(shm_dir, monkeypatch)
+    assert not torch.equal(got, torch.full_like(got, OFFLOADS * (OFFLOADS + 1) / 2))
 
 
 def test_cuda_timeline_attributes_a_host_wait() -> None:

@@ -1,8 +1,9 @@
 """``bench/gpu_check.sh``: its syntax, its usage errors, and its dry run on CPU end to end.
 
 The dry run goes through the same steps as on a GPU machine (``pytest -m gpu``, which skips here,
-then a streamed ``torchrun -m nodetrain.train`` of a tiny Llama-3.2-3B-like shape) and must leave
-the JSON files the GPU run leaves, with the fields the closing note reports.
+the copy bandwidths of ``bench/copy_bandwidth.py`` on the CPU, then a streamed
+``torchrun -m nodetrain.train`` of a tiny Llama-3.2-3B-like shape) and must leave the JSON files
+the GPU run leaves, with the fields the closing note reports.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ def test_dry_run_writes_the_results(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     check = json.loads((out / "check.json").read_text())
     assert check["dry_run"] and check["gpu_tests_rc"] == 0 and check["train_rc"] == 0
+    assert check["copy_rc"] == 0
+    copies = json.loads((out / "copy_bandwidth.json").read_text())
+    keys = ("h2d_store_gbps", "h2d_pageable_gbps", "d2h_staging_gbps", "d2h_pageable_gbps", "offload_gbps")
+    for key in keys:
+        assert copies[key] > 0, key
+    assert copies["device"] == "cpu" and not copies["staging_pinned"]
     summary = json.loads((out / "summary.json").read_text())
     run = summary["runs"]["streamed"]
     for key in ("tflops", "mfu", "h2d_gbps", "d2h_gbps", "stall_pct", "step_s", "shares_pct"):

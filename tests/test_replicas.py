@@ -14,12 +14,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, job_env, start_job, torchrun_cmd
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from test_parity import (
@@ -131,23 +130,11 @@ the same global batch as 2 replicas × 1 round × 4 micro-batches (``train.batch
 
 def _launch_two_nodes(specs: list[Path], timeout_s: float = 240) -> None:
     """Start ``torchrun --nnodes 2 --nproc_per_node 2 --node_rank i`` for i = 0, 1 and wait for both."""
-    port = str(free_port())
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    port, env = free_port(), job_env()
     procs = []
     for node, spec in enumerate(specs):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2"]
-        cmd += ["--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", port, str(WORKER)]
-        procs.append(
-            subprocess.Popen(
-                [*cmd, str(spec)],
-                env=env,
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-        )
+        cmd = torchrun_cmd(2, str(WORKER), str(spec), nnodes=2, node_rank=node, port=port)
+        procs.append(start_job(cmd, env))
     outputs = []
     try:
         for proc in procs:

@@ -77,6 +77,7 @@ def test_resident_blocks_load_once_per_sequence_and_stay_current(store, resident
         assert window.resident == resident
         assert window.resident_nbytes == 4 * sum(NUMEL[b] for b in resident)
         assert window.nbytes == window.resident_nbytes + 2 * 4 * max((NUMEL[b] for b in streamed), default=0)
+        assert window.staging_nbytes == 2 * 4 * max(NUMEL[b] for b in BLOCKS)  # resident blocks offload too
         for _ in range(2):  # steps: the transfer copies change in between
             for u, n in enumerate(UNIT_NUMELS):
                 store.compute(u).copy_(torch.randn(n, generator=gen))

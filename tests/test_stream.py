@@ -80,6 +80,8 @@ def test_acquire_returns_the_current_transfer_copy(make_store, slots: int, dtype
     try:
         largest = max(sum(b.numel for b in BINDINGS[i]) for i in BLOCKS)
         assert window.nbytes == slots * largest * dtype.itemsize
+        assert window.staging_nbytes == slots * largest * dtype.itemsize  # one host buffer per slot
+        assert not window._staging.pinned  # page-locked only for a CUDA device
         for _ in range(3):  # steps: the transfer copies change between them
             _fill_compute(store, gen)
             assert _stale_acquires(window, store, SEQUENCE) == []
@@ -151,8 +153,11 @@ def test_offload_into_an_owned_tied_unit_uses_grad(make_store) -> None:
         window.close()
 
 
-def test_offload_bounds_in_flight_and_flush_waits_for_all(make_store) -> None:
-    store, slots, calls = make_store(torch.float32), 2, 5
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_offload_bounds_in_flight_and_flush_waits_for_all(make_store, slots: int) -> None:
+    """Also the staging rotation: offload ``i`` is staged in buffer ``i % slots`` while the slow D2H
+    worker still holds earlier ones; a buffer rewritten before its accumulation loses a mark."""
+    store, calls = make_store(torch.float32), 5
     window = Window(store, BINDINGS, BLOCKS, OWNED, slots, "cpu", delay_s=0.1)
     try:
         for i in range(calls):
