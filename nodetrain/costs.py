@@ -162,22 +162,29 @@ def _layer_backward_peak(shape: ModelShape, n: int, e: int, grads: int) -> int:
     - ``up_proj``: p, a, u, grad_p freed, grad_a kept: S − n·F·e + n·D·e + 2·F·D·e;
     - ``gate_proj``: the MLP's saved tensors and grad_a, grad_u freed, grad_g kept:
       S − 3·n·F·e + 2·n·D·e + 3·F·D·e;
+    - SDPA's backward (the MLP and the post-attention norm done, ``o_proj``'s input copy freed):
+      the input norm's and the attention's saved tensors, output, incoming and residual gradients
+      3·D·e, the gradient of SDPA's output H·Q·e and the q, k, v gradients it makes (H + 2K)·Q·e,
+      per token; weight gradients 3·F·D·e + ``o_proj``'s D·H·Q·e;
     - the end of the layer: every weight gradient (``grads``: the block's load × e, plus the D2H
       worker's fp32 copy on the CPU), the input norm's saved tensors, the output, the incoming
       gradient and the input gradient.
 
-    The attention's backward in between holds less than either neighbour in the configurations of
-    ``bench/plan_accuracy.py`` (its saved tensors are freed as its weight gradients appear).
+    Checked against the resident peak of one layer's recompute + backward (``VmHWM`` with a pinned
+    mmap threshold) on the three configurations of ``bench/plan_accuracy.py``: 3–4% above it.
     """
-    d, f = shape.hidden, shape.intermediate
+    d, f, q, h, k = shape.hidden, shape.intermediate, shape.head_dim, shape.heads, shape.kv_heads
     saved = n * _layer_saved_per_token(shape, e)
     w = d * f * e
     norm_in = (4 * d if e < 4 else 0) + 2 * d * e
+    attention = (h + 2 * k) * q * e + h * q * e + 4 * h + ((h + k) * q * (4 + e) if shape.qk_norm else 0)
+    sdpa = n * (norm_in + attention + 3 * d * e + h * q * e + (h + 2 * k) * q * e) + 3 * w + d * h * q * e
     return max(
         saved + n * f * e + w,
         saved + 2 * n * f * e + w,
         saved - n * f * e + n * d * e + 2 * w,
         saved - 3 * n * f * e + 2 * n * d * e + 3 * w,
+        sdpa,
         grads + n * (norm_in + 3 * d * e),
     )
 
