@@ -233,7 +233,11 @@ def stage_memory(
     Gradients queued for D2H: on a GPU up to ``slots`` earlier blocks' (``Window.offload``'s bound;
     the planner takes the bound, since a D2H-bound stage reaches it); on the CPU none (measured by
     ``bench/plan_accuracy.py``: the copy worker drains each block's gradients before the next
-    block's recompute peaks).
+    block's recompute peaks). A CPU copy worker starved of cores (a machine running more threads
+    than it has) can still hold up to ``slots`` blocks' gradients at that peak, which the planner
+    does not count (the likely cause of one run of the bench's 4-stage configuration, under a load
+    of ~8 on 2 cores, measuring 54.8 MB in a middle stage against 45.4 MB predicted; other runs:
+    within 8%).
 
     Args:
         shape: the model; blocks: this stage's block indices (from ``partition``).
