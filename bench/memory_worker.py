@@ -5,10 +5,13 @@
 Builds the real engine for the composed config (random tokens, no dataset), runs ``steps`` training
 steps, and reports, per rank: the host store and window bytes of the engine's objects, the peak
 resident growth during the last step (``VmHWM`` − ``VmRSS`` before it, after resetting the peak
-through ``/proc/self/clear_refs``), and the rank's proportional set size (``Pss`` of
-``/proc/self/smaps_rollup``: shared pages divided among the processes mapping them, so the ranks'
-PSS add up to the node's memory without counting the host store twice). Rank 0 prints one line
-``RESULT <json>`` with every rank's figures.
+through ``/proc/self/clear_refs``; every page of the store is mapped into the rank first, so the
+growth is the step's own memory, not store pages the rank happens to touch for the first time),
+and the rank's proportional set size (``Pss`` of ``/proc/self/smaps_rollup``: shared pages divided
+among the processes mapping them, so the ranks' PSS add up to the node's memory without counting
+the host store twice), after the steps and before the engine is built (``base_pss_bytes``: the
+interpreter, torch, transformers and the process group). Rank 0 prints one line ``RESULT <json>``
+with every rank's figures.
 """
 
 from __future__ import annotations
@@ -45,6 +48,14 @@ def _rollup_kb() -> dict[str, int]:
     return out
 
 
+def _map_store(store) -> None:
+    """Read one byte of every page of the host store, so that its pages are in this rank's RSS
+    before the measured step: a page a rank first maps during the step (e.g. AdamW state first
+    touched by the previous step's overlapped update) is store memory, not the step's growth."""
+    for unit, name in store.layout.offsets:
+        int(store.buffer(unit, name).view(torch.uint8)[::4096].sum())
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     dist.init_process_group("gloo")
@@ -54,6 +65,7 @@ def main() -> None:
         cfg = to_typed(compose("config", overrides=spec["overrides"]))
     validate(cfg, world)
     model = model_of(cfg)
+    base_pss = _rollup_kb()["Pss"] * 1024  # interpreter, libraries, process group: before any state
     engine = Engine(
         cfg, model, rank=rank, world_size=world, local_rank=int(os.environ["LOCAL_RANK"]),
         run_id=f"bench{os.getppid()}", device=torch.device("cpu"),
@@ -67,11 +79,14 @@ def main() -> None:
         for step in range(spec.get("steps", 2)):
             last = step == spec.get("steps", 2) - 1
             if last:
+                _map_store(engine.store)
                 dist.barrier()
+                shmem_before = _status_kb("RssShmem")
                 Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
                 rss_before = _status_kb("VmRSS")
             engine.train_step(step, x, y)
         peak_growth = (_status_kb("VmHWM") - rss_before) * 1024
+        shmem_growth = (_status_kb("RssShmem") - shmem_before) * 1024
         dist.barrier()  # every rank still maps the store while PSS is read
         rollup = _rollup_kb()
         mine = {
@@ -80,7 +95,9 @@ def main() -> None:
             "window_bytes": engine.window.nbytes,
             "blocks": list(engine.blocks),
             "peak_growth_bytes": peak_growth,
+            "shmem_growth_bytes": shmem_growth,
             "pss_bytes": rollup["Pss"] * 1024,
+            "base_pss_bytes": base_pss,
             "pss_shmem_bytes": rollup.get("Pss_Shmem", 0) * 1024,
             "rss_bytes": rollup["Rss"] * 1024,
         }

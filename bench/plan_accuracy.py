@@ -4,19 +4,23 @@
 
 For each configuration the real engine runs two training steps under torchrun (gloo) and reports
 its objects' sizes and its resident peak; ``nodetrain.plan`` predicts the same run (CPU profile,
-same overrides). Printed side by side, with the relative error of each prediction:
+same overrides). Printed side by side, with the relative error of each prediction and whether it
+is within 10%:
 
 - host store: ``engine.store.nbytes`` (the planner uses the same ``StoreLayout``, so it is exact
   by construction; printed to show it);
 - window: ``engine.window.nbytes`` per stage;
-- activations: the resident growth during the second step (VmHWM after − VmRSS before, see
-  ``memory_worker.py``) vs the planner's peak activation bytes of that stage;
-- host total: the ranks' summed PSS after the step vs store + ranks × ``plan.rank_overhead_gb``
-  + windows (the per-rank overhead is an assumption of the planner; this row shows how good it is;
-  the pinned mmap threshold returns freed memory, so ranks here keep less heap than in a real run,
-  where ``bench/host_memory.py`` measures it).
+- activations: the resident growth during the second step (VmHWM after − VmRSS before, with the
+  store's pages mapped beforehand, see ``memory_worker.py``) vs the planner's peak activation
+  bytes of that stage (``costs.stage_memory``);
+- host total: the ranks' summed PSS after the steps vs store + windows + ranks × a per-rank base.
+  Twice: with the base measured in the same run (each rank's PSS before the engine is built: the
+  interpreter, torch, transformers and gloo, which depend on the software, not on the model), and
+  with the planner's assumption ``plan.rank_overhead_gb`` (a margin meant to cover a CUDA rank's
+  context too; not counted in the verdict). The pinned mmap threshold returns freed memory, so ranks
+  here keep less heap than in a real run, where ``bench/host_memory.py`` measures it.
 
-Target (issue 4): host and window memory within 10%.
+Target (issue 4): predicted vs measured host and window memory within 10%.
 """
 
 from __future__ import annotations
@@ -65,40 +69,48 @@ CONFIGS = {
 }
 
 
-def _report(name: str, nproc: int, overrides: list[str]) -> list[float]:
+def _report(name: str, nproc: int, overrides: list[str]) -> list[bool]:
     predicted, ranks = plan(nproc, overrides), measure(nproc, overrides)
-    errors = []
+    verdicts = []
     print(f"\n== {name} ({predicted.shape.num_params / 1e6:.1f}M parameters, {nproc} ranks)")
-    print(f"{'what':<34}{'predicted':>14}{'measured':>14}{'error':>9}")
+    print(f"{'what':<40}{'predicted':>12}{'measured':>12}{'error':>9}  ≤ 10%")
 
     def row(what: str, p: float, m: float, unit: float, track: bool = True) -> None:
-        print(f"{what:<34}{p / unit:>14,.2f}{m / unit:>14,.2f}{err(p, m):>9}")
+        ok = abs(p - m) <= 0.10 * m
+        print(f"{what:<40}{p / unit:>12,.2f}{m / unit:>12,.2f}{err(p, m):>9}  {'yes' if ok else 'NO'}")
         if track:
-            errors.append(abs(p - m) / m)
+            verdicts.append(ok)
 
     row("host store (MB)", predicted.store_bytes, ranks[0]["store_bytes"], MB)
     for st, r in zip(predicted.stages, ranks, strict=True):
         assert list(st.blocks) == r["blocks"], (st.blocks, r["blocks"])
         row(f"window stage {st.stage} (MB)", st.window_bytes, r["window_bytes"], MB)
     for st, r in zip(predicted.stages, ranks, strict=True):
-        row(f"activations stage {st.stage} (MB)", st.activation_bytes, r["peak_growth_bytes"], MB, False)
+        row(f"activations stage {st.stage} (MB)", st.activation_bytes, r["peak_growth_bytes"], MB)
     pss = sum(r["pss_bytes"] for r in ranks)
-    overhead = nproc * predicted.cfg.plan.rank_overhead_gb * GB
-    steady = predicted.store_bytes + overhead + sum(st.window_bytes for st in predicted.stages)
-    row("host total, steady (GB, sum PSS)", steady, pss, GB, False)
-    per_rank = (pss - predicted.store_bytes) / nproc
-    print(f"measured per-rank overhead beyond the store: {per_rank / GB:.3f} GB (planner assumes "
-          f"{predicted.cfg.plan.rank_overhead_gb} GB)")  # fmt: skip
-    return errors
+    base = sum(r["base_pss_bytes"] for r in ranks) / nproc
+    windows = sum(st.window_bytes for st in predicted.stages)
+    row("host total, base measured (GB)", predicted.store_bytes + nproc * base + windows, pss, GB)
+    assumed = nproc * predicted.cfg.plan.rank_overhead_gb * GB
+    row("host total, plan.rank_overhead_gb (GB)", predicted.store_bytes + assumed + windows, pss, GB, False)
+    beyond = (pss - predicted.store_bytes - windows) / nproc
+    print(
+        f"per rank: {base / GB:.3f} GB before the engine (interpreter, torch, transformers, gloo), "
+        f"{beyond / GB:.3f} GB after the steps beyond store and window; plan.rank_overhead_gb "
+        f"assumes {predicted.cfg.plan.rank_overhead_gb} GB"
+    )
+    return verdicts
 
 
 def main() -> None:
-    errors = []
+    verdicts = []
     for name, (nproc, overrides) in CONFIGS.items():
-        errors += _report(name, nproc, overrides)
-    worst = max(errors)
-    verdict = "met" if worst <= 0.10 else "MISSED"
-    print(f"\nhost store and window, worst error {worst:.1%}: target ≤ 10% {verdict}")
+        verdicts += _report(name, nproc, overrides)
+    missed = verdicts.count(False)
+    print(
+        f"\nstore, window, activations and host total (base measured): {len(verdicts) - missed} of "
+        f"{len(verdicts)} within 10% — target {'met' if not missed else 'MISSED'}"
+    )
 
 
 if __name__ == "__main__":

@@ -165,13 +165,23 @@ class StepBreakdown:
         static: what does not change between steps (``window_bytes``, ``resident_bytes``,
             ``num_resident``, ``resident_units`` (names, comma-separated), ``store_bytes``), copied
             into every record.
+        num_stages: stages per pipeline (P); the world is P × replicas, rank = replica · P + stage
+            (replicas.py). Default: the whole world is one pipeline.
     """
 
-    def __init__(self, device, flops_per_step_token: float, peak_flops: float, static: dict[str, float]):
+    def __init__(
+        self,
+        device,
+        flops_per_step_token: float,
+        peak_flops: float,
+        static: dict[str, float],
+        num_stages: int | None = None,
+    ):
         self.timeline = Timeline(device)
         self.flops_per_token = flops_per_step_token
         self.peak_flops = peak_flops
         self.static = dict(static)
+        self.num_stages = num_stages
 
     def stage_record(self, step_s: float, tokens: int, phases: dict[str, float], busy: dict) -> dict:
         """This stage's record of one step.
@@ -194,28 +204,41 @@ class StepBreakdown:
         return {**rec, **self.static}
 
     def gather(self, record: dict) -> dict:
-        """Collective: every stage's record to rank 0, combined by :func:`combine_stages` there;
+        """Collective: every rank's record to rank 0, combined by :func:`combine_stages` there;
         ``{}`` on the other ranks."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return combine_stages([record])
         rank = dist.get_rank()
         out = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(record, out, dst=0)
-        return combine_stages(out) if rank == 0 else {}
+        return combine_stages(out, self.num_stages) if rank == 0 else {}
 
 
-def combine_stages(records: list[dict]) -> dict:
-    """One flat record from the stages' records (index = stage).
+def combine_stages(records: list[dict], num_stages: int | None = None) -> dict:
+    """One flat record from every rank's record (index = global rank = replica · P + stage).
 
-    Per stage: every key as ``stage<s>/<key>``. Step level: ``step_s`` the slowest stage; the phase
-    times and ``other_s`` the mean over stages (so they still sum to about ``step_s``);
-    ``tflops`` = Σ stage FLOPs / step_s / 1e12; ``mfu`` = Σ FLOPs / (step_s × Σ stage peaks);
-    ``h2d_gbps``/``d2h_gbps`` bytes over worker-busy seconds of all stages; ``window_bytes`` the
-    largest stage's; ``*_bytes`` moved, ``*_busy_s`` and ``num_resident`` summed; ``store_bytes`` as is.
+    Per stage: replica 0's record of stage s, every key as ``stage<s>/<key>`` (the replicas run the
+    same blocks on the same shapes, so one pipeline's stages describe the run; a single node's keys
+    are unchanged). With several replicas, ``replica<r>/step_s`` is each replica's slowest stage,
+    so a slow node shows. Step level, over every rank of every replica: ``step_s`` the slowest
+    rank; the phase times and ``other_s`` the mean over ranks (so they still sum to about
+    ``step_s``); ``tflops`` = Σ FLOPs / step_s / 1e12; ``mfu`` = Σ FLOPs / (step_s × Σ peaks);
+    ``h2d_gbps``/``d2h_gbps`` bytes over worker-busy seconds of all ranks; ``window_bytes`` the
+    largest rank's; ``*_bytes`` moved, ``*_busy_s`` and ``num_resident`` (units resident on all
+    devices) summed; ``store_bytes`` one node's store, as is.
+
+    Args:
+        records: :meth:`StepBreakdown.stage_record` of every rank, in global rank order.
+        num_stages: P, stages per pipeline; default ``len(records)`` (one replica).
     """
+    p = num_stages or len(records)
+    assert len(records) % p == 0, f"{len(records)} ranks' records do not form pipelines of {p} stages"
     out: dict[str, Any] = {}
-    for s, rec in enumerate(records):
+    for s, rec in enumerate(records[:p]):
         out.update({f"stage{s}/{k}": v for k, v in rec.items()})
+    if len(records) > p:
+        for r in range(len(records) // p):
+            out[f"replica{r}/step_s"] = max(x["step_s"] for x in records[r * p : (r + 1) * p])
     n = len(records)
 
     def total(key: str) -> float:

@@ -128,23 +128,65 @@ class StageMemory:
         return self.window_bytes + self.activation_bytes
 
 
-def _layer_recompute_bytes(shape: ModelShape, n: int, e: int) -> int:
-    """Autograd-saved tensors of one recomputed decoder layer plus its backward working set.
+def _layer_saved_per_token(shape: ModelShape, e: int) -> int:
+    """Bytes per token that autograd saves while recomputing one decoder layer (transformers 5's
+    Llama/Qwen3 ``DecoderLayer`` with SDPA; no T×T matrix), plus its output and incoming gradient.
 
-    Per token, as counted with ``torch.autograd.graph.saved_tensors_hooks`` on transformers 5's
-    Llama and Qwen3 layers (SDPA, no T×T matrix): each RMSNorm keeps its fp32 upcast 4·D (with
-    e = 4 that is its input, which only the post-attention norm adds) and two D·e tensors (the
-    normalized copy and the output); SDPA keeps q, k, v, its output (2H + 2K)·Q·e and an fp32
-    log-sum-exp 4·H (GQA: k and v are not repeated); the SwiGLU MLP keeps gate, act(gate), up and
-    their product, 4·F·e; Qwen3's q/k norms add (H + K)·Q·(4 + e). Backward then holds about one
-    F-wide and one D-wide gradient beyond what it frees, (F + D)·e.
+    Read off the layer's forward: ``input_layernorm`` keeps its fp32 upcast 4·D (with e = 4 that is
+    the block input, already saved), the normalized copy and the output, 2·D·e; attention keeps
+    q and k after RoPE and v, (H + 2K)·Q·e (GQA: k and v are not repeated), SDPA's output H·Q·e,
+    the ``.transpose(1, 2).contiguous()`` copy ``o_proj`` reads, H·Q·e, and SDPA's fp32
+    log-sum-exp 4·H; Qwen3's q/k norms add (H + K)·Q·(4 + e); ``post_attention_layernorm`` keeps
+    4·D + 2·D·e (its input, the residual sum, is new in every dtype); the SwiGLU MLP keeps gate,
+    act(gate), up and their product, 4·F·e. The recomputed output and the gradient arriving for
+    it are 2·D·e more.
     """
     d, f, q = shape.hidden, shape.intermediate, shape.head_dim
     h, k = shape.heads, shape.kv_heads
-    norms = 2 * (4 * d + 2 * d * e) if e < 4 else 5 * d * e
-    per_token = norms + (2 * h + 2 * k) * q * e + 4 * h + 4 * f * e + (f + d) * e
-    per_token += (h + k) * q * (4 + e) if shape.qk_norm else 0
-    return n * per_token
+    norm_in = (4 * d if e < 4 else 0) + 2 * d * e
+    attention = (h + 2 * k) * q * e + 2 * h * q * e + 4 * h
+    attention += (h + k) * q * (4 + e) if shape.qk_norm else 0
+    return norm_in + attention + (4 * d + 2 * d * e) + 4 * f * e + 2 * d * e
+
+
+def _layer_backward_peak(shape: ModelShape, n: int, e: int, grads: int) -> int:
+    """Peak bytes of recomputing one decoder layer for ``n`` tokens and taking its gradients.
+
+    Autograd runs the MLP's backward first (``down_proj``, the SwiGLU product, ``up_proj``, the
+    SiLU, ``gate_proj``: reverse creation order) and frees each node's saved tensors once it ran,
+    while the weight gradients (F·D·e each) accumulate. With S the saved bytes
+    (:func:`_layer_saved_per_token` × n) the live bytes at each node are:
+
+    - ``down_proj``: S + n·F·e (gradient of its input) + F·D·e;
+    - the product: its input p is freed, grad_p stays while grad_a, grad_u are made: S + 2·n·F·e + F·D·e;
+    - ``up_proj``: p, a, u, grad_p freed, grad_a kept: S − n·F·e + n·D·e + 2·F·D·e;
+    - ``gate_proj``: the MLP's saved tensors and grad_a, grad_u freed, grad_g kept:
+      S − 3·n·F·e + 2·n·D·e + 3·F·D·e;
+    - SDPA's backward (the MLP and the post-attention norm done, ``o_proj``'s input copy freed):
+      the input norm's and the attention's saved tensors, output, incoming and residual gradients
+      3·D·e, the gradient of SDPA's output H·Q·e and the q, k, v gradients it makes (H + 2K)·Q·e,
+      per token; weight gradients 3·F·D·e + ``o_proj``'s D·H·Q·e;
+    - the end of the layer: every weight gradient (``grads``: the block's load × e, plus the D2H
+      worker's fp32 copy on the CPU), the input norm's saved tensors, the output, the incoming
+      gradient and the input gradient.
+
+    Checked against the resident peak of one layer's recompute + backward (``VmHWM`` with a pinned
+    mmap threshold) on the three configurations of ``bench/plan_accuracy.py``: 3–4% above it.
+    """
+    d, f, q, h, k = shape.hidden, shape.intermediate, shape.head_dim, shape.heads, shape.kv_heads
+    saved = n * _layer_saved_per_token(shape, e)
+    w = d * f * e
+    norm_in = (4 * d if e < 4 else 0) + 2 * d * e
+    attention = (h + 2 * k) * q * e + h * q * e + 4 * h + ((h + k) * q * (4 + e) if shape.qk_norm else 0)
+    sdpa = n * (norm_in + attention + 3 * d * e + h * q * e + (h + 2 * k) * q * e) + 3 * w + d * h * q * e
+    return max(
+        saved + n * f * e + w,
+        saved + 2 * n * f * e + w,
+        saved - n * f * e + n * d * e + 2 * w,
+        saved - 3 * n * f * e + 2 * n * d * e + 3 * w,
+        sdpa,
+        grads + n * (norm_in + 3 * d * e),
+    )
 
 
 def _head_recompute_bytes(shape: ModelShape, n: int, e: int) -> int:
@@ -157,19 +199,17 @@ def _head_recompute_bytes(shape: ModelShape, n: int, e: int) -> int:
 def _block_peak_bytes(shape: ModelShape, block: int, n: int, e: int, on_cpu: bool) -> int:
     """Peak of recomputing ``block`` and taking its gradients.
 
-    Activation gradients and saved tensors are freed as the backward walks the block while its
-    weight gradients (``load × e``) accumulate, so the peak is the larger of the two, not their sum.
+    A decoder layer: :func:`_layer_backward_peak`. The embedding and the head: activation
+    gradients and saved tensors are freed as the backward walks the block while its weight
+    gradients (``load × e``) accumulate, so the peak is the larger of the two, not their sum.
     When the device is the CPU, ``Window.offload``'s D2H worker converts each gradient tensor to
     fp32 in that same memory (4 bytes per element of the block's largest tensor, when e < 4).
     """
     last = len(shape.unit_numels) - 1
-    if block == 0:
-        acts = 0  # the embedding's backward only scatters into its weight gradient
-    elif block == last:
-        acts = _head_recompute_bytes(shape, n, e)
-    else:
-        acts = _layer_recompute_bytes(shape, n, e)
     grads = shape.load_numels[block] * e + (4 * shape.largest_tensors[block] if on_cpu and e < 4 else 0)
+    if 0 < block < last:
+        return _layer_backward_peak(shape, n, e, grads)
+    acts = _head_recompute_bytes(shape, n, e) if block == last else 0  # the embedding only scatters
     return max(acts, grads)
 
 
@@ -193,7 +233,11 @@ def stage_memory(
     Gradients queued for D2H: on a GPU up to ``slots`` earlier blocks' (``Window.offload``'s bound;
     the planner takes the bound, since a D2H-bound stage reaches it); on the CPU none (measured by
     ``bench/plan_accuracy.py``: the copy worker drains each block's gradients before the next
-    block's recompute peaks).
+    block's recompute peaks). A CPU copy worker starved of cores (a machine running more threads
+    than it has) can still hold up to ``slots`` blocks' gradients at that peak, which the planner
+    does not count (the likely cause of one run of the bench's 4-stage configuration, under a load
+    of ~8 on 2 cores, measuring 54.8 MB in a middle stage against 45.4 MB predicted; other runs:
+    within 8%).
 
     Args:
         shape: the model; blocks: this stage's block indices (from ``partition``).

@@ -175,7 +175,7 @@ class Engine:
             "resident_units": ",".join(self.model.units[i].name for i in self.window.resident),
             "store_bytes": self.store.nbytes,
         }
-        return StepBreakdown(self.device, per_token, peak, static)
+        return StepBreakdown(self.device, per_token, peak, static, self.topo.num_stages)
 
     # ---- set-up ------------------------------------------------------------------------------
 

@@ -99,6 +99,31 @@ def test_combine_stages_arithmetic() -> None:
     assert out["window_bytes"] == 60 and out["num_resident"] == 2 and out["store_bytes"] == 1000
 
 
+def test_combine_two_replicas_keys_by_stage_and_aggregates_every_rank() -> None:
+    # ranks 0, 1: replica 0's stages 0, 1; ranks 2, 3: replica 1's (rank = replica · 2 + stage)
+    ranks = [
+        _rec(2.0, 1.5, 0.4, 4e12, 1e12, 400, 0.2),
+        _rec(1.8, 1.0, 0.8, 2e12, 2e12, 600, 0.8),
+        _rec(2.5, 1.1, 1.0, 4e12, 1e12, 200, 0.4),  # replica 1 is the slow node
+        _rec(1.9, 0.6, 1.2, 2e12, 2e12, 800, 0.6),
+    ]
+    out = combine_stages(ranks, num_stages=2)
+    # per stage: replica 0's record under the stage index, no key for a rank ≥ num_stages
+    assert {k.split("/")[0] for k in out if k.startswith("stage")} == {"stage0", "stage1"}
+    assert out["stage0/step_s"] == 2.0 and out["stage1/compute_s"] == 1.0 and out["stage1/h2d_bytes"] == 600
+    assert out["replica0/step_s"] == 2.0 and out["replica1/step_s"] == 2.5
+    # step level: every rank of every replica
+    assert out["step_s"] == 2.5
+    assert out["compute_s"] == pytest.approx((1.5 + 1.0 + 1.1 + 0.6) / 4)
+    assert out["bubble_s"] == pytest.approx((0.4 + 0.8 + 1.0 + 1.2) / 4)
+    assert out["flops"] == 12e12 and out["tflops"] == pytest.approx(12e12 / 2.5 / 1e12)
+    assert out["mfu"] == pytest.approx(12e12 / (2.5 * 6e12))
+    assert out["h2d_gbps"] == pytest.approx(2000 / 2.0 / 1e9)
+    assert out["window_bytes"] == 80 and out["num_resident"] == 4 and out["store_bytes"] == 1000
+    # one replica: the keys are as before
+    assert combine_stages(ranks[:2], num_stages=2) == combine_stages(ranks[:2])
+
+
 def test_progress_line_shows_mfu_and_shares() -> None:
     rec = {"step": 3, "loss": 2.0, "step_s": 2.0, "mfu": 0.251, **{f"{p}_s": 0.4 for p in PHASES}}
     line = format_progress(rec, 10)

@@ -37,6 +37,24 @@ def _align(nbytes: int) -> int:
     return -(-nbytes // PAGE) * PAGE
 
 
+def _layer_peak(n: int, d: int, f: int, saved: int, norm_in: int, sdpa: int, grads: int, e: int) -> int:
+    """Peak bytes of a decoder layer's recompute + backward for n tokens, by the walk documented in
+    ``costs._layer_backward_peak``, from per-token byte counts (``saved``: everything the layer
+    keeps; ``sdpa``: what lives at SDPA's backward) and gradient bytes. S = n·saved, W = one MLP
+    weight's gradient D·F·e; at down_proj S + n·F·e + W, at the SwiGLU product S + 2·n·F·e + W, at
+    up_proj S − n·F·e + n·D·e + 2W, at gate_proj S − 3·n·F·e + 2·n·D·e + 3W, at SDPA
+    n·sdpa + 3W + D·D·e (o_proj, H·Q = D here), at the layer's end its gradients + n·(input norm + 3·D·e)."""
+    s, w = n * saved, d * f * e
+    return max(
+        s + n * f * e + w,
+        s + 2 * n * f * e + w,
+        s - n * f * e + n * d * e + 2 * w,
+        s - 3 * n * f * e + 2 * n * d * e + 3 * w,
+        n * sdpa + 3 * w + d * d * e,
+        grads + n * (norm_in + 3 * d * e),
+    )
+
+
 def _hardware(**kw) -> HardwareConfig:
     base = dict(
         name="test",
@@ -108,14 +126,17 @@ def test_config_a_device_memory_by_hand() -> None:
     assert s1.saved_bytes == 1 * (2 * n * d * e) == 8_192
     # one direction of sends each (stage 0 activations, stage 1 input gradients), G·M of them
     assert s0.p2p_bytes == s1.p2p_bytes == 1 * 2 * n * d * e == 8_192
-    # layer recompute per token: norms 2·(4D + 2·D·e) + SDPA (2H+2K)·Q·e + lse 4·H + MLP 4·F·e
-    # + backward (F+D)·e = 1024 + 384 + 16 + 1024 + 384 = 2832 bytes; it beats the layer's
-    # weight gradients (36,992·e) and the embedding's (19,200·e)
-    layer = n * 2832
+    # a layer saves per token: input norm 4D + 2·D·e, q/k/v (H+2K)·Q·e, SDPA output and o_proj's
+    # copy 2·H·Q·e, lse 4·H, post norm 4D + 2·D·e, MLP 4·F·e, output + incoming gradient 2·D·e
+    # = 512 + 256 + 256 + 16 + 512 + 1024 + 256 = 2832 bytes
+    # at SDPA's backward per token: input norm 512, q/k/v + output + lse 400, 3·D·e 384, the output's
+    # gradient 128 and q/k/v's 256 = 1680
+    layer = _layer_peak(n, d, f=128, saved=2832, norm_in=512, sdpa=1680, grads=A_LAYER * e, e=e)
+    assert layer == 90_624 + 2 * 8_192 + 16_384 == 123_392  # at the SwiGLU product's backward
     # head per token: norm D·(4 + 2e) + loss 12·V = 512 + 3600, beats its gradients 19,264·e
     head = n * (512 + 12 * 300)
     queued = 2 * A_LAYER * e  # a GPU stage may hold `slots` earlier blocks' gradients for D2H
-    assert s0.transient_bytes == layer + queued == 238_592
+    assert s0.transient_bytes == layer + queued == 271_360
     assert s1.transient_bytes == head + queued == 279_552
     assert s1.total_bytes == 147_968 + 8_192 + 8_192 + 279_552 == 443_904
 
@@ -195,11 +216,17 @@ def test_config_b_memory_and_time_by_hand() -> None:
     assert s0.window_bytes == 2 * B_LAYER * e == 296_192  # the tied head binds 64 + 19,200 < B_LAYER
     assert s0.saved_bytes == 3 * (n * 8 + 3 * n * d * e) == 18_624  # GPipe: all M in flight
     assert s0.p2p_bytes == 0
-    # the peak is a layer's weight gradients, 37,024·4 = 148,096: more than its recompute (n·5,648:
-    # norms 5·D·e + SDPA 768 + lse 16 + MLP 2048 + backward 768 + q/k norms 768), the head's
-    # n·(D·12 + 12·V) = 34,944 or its tied gradients 77,056; fp32 needs no conversion, and the CPU
-    # copy worker holds no queued gradients
-    assert s0.transient_bytes == B_LAYER * e == 148_096
+    # a layer saves per token (e = 4: the input norm's upcast is its input): input norm 2·D·e, q/k/v
+    # (H+2K)·Q·e, SDPA output and o_proj's copy 2·H·Q·e, lse 4·H, q/k norms (H+K)·Q·(4+e), post
+    # norm 4D + 2·D·e, MLP 4·F·e, output + incoming gradient 2·D·e
+    # = 512 + 512 + 512 + 16 + 768 + 768 + 2048 + 512 = 5648 bytes
+    # at SDPA's backward per token: input norm 512, q/k/v + output + lse + q/k norms 1552, 3·D·e
+    # 768, the output's gradient 256 and q/k/v's 512 = 3600
+    layer = _layer_peak(n, d, f=128, saved=5648, norm_in=512, sdpa=3600, grads=B_LAYER * e, e=e)
+    # the peak is the layer's end: its weight gradients 37,024·4 and n·(512 + 3·D·e) = 10,240;
+    # more than the head's n·(D·12 + 12·V) = 34,944 or its tied gradients 77,056; fp32 needs no
+    # conversion, and the CPU copy worker holds no queued gradients
+    assert s0.transient_bytes == layer == 148_096 + 10_240 == 158_336
     # on a CPU profile the stage lives in host memory next to the store and the rank overhead
     assert plan.host_need_bytes == plan.store_bytes + int(0.5e9) + s0.total_bytes
     t = plan.time

@@ -188,6 +188,11 @@ def test_two_nodes_equal_one_node_on_the_global_batch(tmp_path: Path, shm_dir: P
     for name in node0:
         assert torch.equal(node0[name], node1[name]), f"{name} differs between the nodes"
 
+    # the breakdown names stages by stage index (replica 0's), and its step time is the slowest node's
+    bd = steps[-1]["breakdown"]
+    assert {k.split("/")[0] for k in bd if k.startswith("stage")} == {"stage0", "stage1"}
+    assert bd["step_s"] == max(bd["replica0/step_s"], bd["replica1/step_s"]) >= bd["stage1/step_s"]
+
     # equal to one node running the whole global batch (1e-5, fp32) ...
     assert [s["tokens"] for s in steps] == [s["tokens"] for s in single.steps]
     for key in ("loss", "grad_norm", "lr"):
