@@ -13,7 +13,8 @@ is within 10%:
 - activations: the resident growth during the second step (VmHWM after − VmRSS before, with the
   store's pages mapped beforehand, see ``memory_worker.py``) vs the planner's peak activation
   bytes of that stage (``costs.stage_memory``);
-- host total: the ranks' summed PSS after the steps vs store + windows + ranks × a per-rank base.
+- host total: the ranks' summed PSS after the steps vs store + windows + D2H staging + ranks × a
+  per-rank base.
   Twice: with the base measured in the same run (each rank's PSS before the engine is built: the
   interpreter, torch, transformers and gloo, which depend on the software, not on the model), and
   with the planner's assumption ``plan.rank_overhead_gb`` (a margin meant to cover a CUDA rank's
@@ -89,14 +90,14 @@ def _report(name: str, nproc: int, overrides: list[str]) -> list[bool]:
         row(f"activations stage {st.stage} (MB)", st.activation_bytes, r["peak_growth_bytes"], MB)
     pss = sum(r["pss_bytes"] for r in ranks)
     base = sum(r["base_pss_bytes"] for r in ranks) / nproc
-    windows = sum(st.window_bytes for st in predicted.stages)
+    windows = sum(st.window_bytes + st.staging_bytes for st in predicted.stages)  # both host memory on CPU
     row("host total, base measured (GB)", predicted.store_bytes + nproc * base + windows, pss, GB)
     assumed = nproc * predicted.cfg.plan.rank_overhead_gb * GB
     row("host total, plan.rank_overhead_gb (GB)", predicted.store_bytes + assumed + windows, pss, GB, False)
     beyond = (pss - predicted.store_bytes - windows) / nproc
     print(
         f"per rank: {base / GB:.3f} GB before the engine (interpreter, torch, transformers, gloo), "
-        f"{beyond / GB:.3f} GB after the steps beyond store and window; plan.rank_overhead_gb "
+        f"{beyond / GB:.3f} GB after the steps beyond store, window and staging; plan.rank_overhead_gb "
         f"assumes {predicted.cfg.plan.rank_overhead_gb} GB"
     )
     return verdicts

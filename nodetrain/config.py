@@ -288,8 +288,9 @@ class PlanConfig:
     """Planner settings (``python -m nodetrain.plan``) and the training start-up memory check."""
 
     rank_overhead_gb: float = 0.5
-    """Host RAM per rank beyond the host store (interpreter, torch, window, kept heap), GB; 0.38-0.50
-    measured per CPU rank by ``bench/host_memory.py``. CUDA ranks also hold a CUDA context: raise it."""
+    """Host RAM per rank beyond the host store, the window and the D2H staging buffers (interpreter,
+    torch, transformers, gloo, kept heap), GB. Measured per CPU rank by ``bench/plan_accuracy.py``:
+    0.28-0.29 GB; the default leaves room for a CUDA rank's context (raise it if that is larger)."""
     device_reserve_gb: float = 2.0
     """Device memory the planner keeps free (CUDA context, allocator slack), GB."""
     overlap_optimizer: bool = True

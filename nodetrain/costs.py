@@ -112,6 +112,9 @@ class StageMemory:
     blocks: range
     window_bytes: int
     """``slots × largest block load × e`` (``Window.nbytes``)."""
+    staging_bytes: int
+    """Host bytes (on every profile, page-locked on CUDA) of the gradient offloads' staging buffers,
+    ``slots × largest block × e`` (``Window.staging_nbytes``, staging.py); not device memory."""
     saved_bytes: int
     """Saved block inputs of the micro-batches in flight (1F1B: min(S − s, M); GPipe: M)."""
     p2p_bytes: int
@@ -255,6 +258,7 @@ def stage_memory(
         stage=stage,
         blocks=blocks,
         window_bytes=slots * largest * e,
+        staging_bytes=slots * largest * e,
         saved_bytes=in_flight * per_mb,
         p2p_bytes=sends * g * m * n * d * e,
         transient_bytes=max(_block_peak_bytes(shape, i, n, e, on_cpu) for i in blocks) + queued,

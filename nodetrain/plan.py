@@ -168,9 +168,8 @@ class _Node:
             )
             for s, blocks in enumerate(self.stage_blocks)
         ]
-        host = (
-            self.store_bytes + self.overhead_bytes + (sum(x.total_bytes for x in stages) if self.cpu else 0)
-        )
+        host = self.store_bytes + self.overhead_bytes + sum(x.staging_bytes for x in stages)
+        host += sum(x.total_bytes for x in stages) if self.cpu else 0
         return stages, host
 
     def fits(self, b: int) -> bool:
@@ -203,7 +202,8 @@ class Plan:
     ``grad_tied``)."""
     store_bytes: int
     host_need_bytes: int
-    """Host store + per-rank overhead (+ every stage's window and activations on a CPU profile)."""
+    """Host store + per-rank overhead + every stage's D2H staging buffers (+ its window and
+    activations on a CPU profile)."""
     stages: list[StageMemory]
     device_limit_bytes: int
     """Device memory one stage may use (device memory − plan.device_reserve_gb); 0 on a CPU profile."""

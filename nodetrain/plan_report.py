@@ -52,7 +52,8 @@ def _store_table(plan: Plan) -> Table:
         "[bold]host store[/]", f"[bold]{plan.store_bytes / n:.2f}[/]", f"[bold]{_gb(plan.store_bytes)}[/]"
     )
     extra = plan.host_need_bytes - plan.store_bytes
-    what = "rank overhead" + (" + stages' windows and activations" if not plan.device_limit_bytes else "")
+    what = "rank overhead + D2H staging"
+    what += " + windows and activations" if not plan.device_limit_bytes else ""
     table.add_row(f"+ {what} ({plan.num_stages} ranks)", "", _gb(extra))
     host = plan.cfg.hardware.host_memory_gb * GB
     table.add_row(
