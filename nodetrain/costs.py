@@ -169,8 +169,8 @@ def _layer_backward_peak(shape: ModelShape, n: int, e: int, grads: int) -> int:
       the input norm's and the attention's saved tensors, output, incoming and residual gradients
       3·D·e, the gradient of SDPA's output H·Q·e and the q, k, v gradients it makes (H + 2K)·Q·e,
       per token; weight gradients 3·F·D·e + ``o_proj``'s D·H·Q·e;
-    - the end of the layer: every weight gradient (``grads``: the block's load × e, plus the D2H
-      worker's fp32 copy on the CPU), the input norm's saved tensors, the output, the incoming
+    - the end of the layer: every weight gradient (``grads``: the block's load × e), the input
+      norm's saved tensors, the output, the incoming
       gradient and the input gradient.
 
     Checked against the resident peak of one layer's recompute + backward (``VmHWM`` with a pinned
@@ -205,15 +205,19 @@ def _block_peak_bytes(shape: ModelShape, block: int, n: int, e: int, on_cpu: boo
     A decoder layer: :func:`_layer_backward_peak`. The embedding and the head: activation
     gradients and saved tensors are freed as the backward walks the block while its weight
     gradients (``load × e``) accumulate, so the peak is the larger of the two, not their sum.
-    When the device is the CPU, ``Window.offload``'s D2H worker converts each gradient tensor to
-    fp32 in that same memory (4 bytes per element of the block's largest tensor, when e < 4).
+    When the device is the CPU, ``Window.offload`` first copies the block's gradients into its
+    staging buffer (staging.py, allocated with the window) and releases them; only then does the
+    D2H worker convert each staged tensor to fp32 to add it to the store (4 bytes per element of
+    the block's largest tensor, when e < 4), so that copy is a separate, later peak, not one on
+    top of the gradients.
     """
     last = len(shape.unit_numels) - 1
-    grads = shape.load_numels[block] * e + (4 * shape.largest_tensors[block] if on_cpu and e < 4 else 0)
+    grads = shape.load_numels[block] * e
+    convert = 4 * shape.largest_tensors[block] if on_cpu and e < 4 else 0
     if 0 < block < last:
-        return _layer_backward_peak(shape, n, e, grads)
+        return max(_layer_backward_peak(shape, n, e, grads), convert)
     acts = _head_recompute_bytes(shape, n, e) if block == last else 0  # the embedding only scatters
-    return max(acts, grads)
+    return max(acts, grads, convert)
 
 
 def stage_memory(
