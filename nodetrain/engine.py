@@ -3,13 +3,26 @@
 Owns: wiring store, window, stage runner, P2P and optimizer for this rank, and the order of a
 step: pipeline rounds → flush gradients → sum the tied embedding's two uses → sum gradients over
 the replicas (several nodes, see replicas.py) → one all-reduce (global grad norm² and loss) → clip
-→ AdamW → refresh the transfer copy, with the AdamW of each unit on a background thread
-(overlap.py decides when) and the step's phases timed (breakdown.py). A step whose all-reduced
-loss or gradient norm is NaN/inf is skipped on every stage (they all see the same totals):
-gradients dropped, no AdamW update, so no non-finite value reaches the master weights. The same
-all-reduce carries the stop request of a signal (faults.StopRequest), so every rank stops after
-the same step. Does not own: the config,
-data or logging (train.py).
+→ AdamW → refresh the transfer copy, with the AdamW of each unit on a background thread and the
+step's phases timed (breakdown.py). The same all-reduce carries the stop request of a signal
+(faults.StopRequest), so every rank stops after the same step. Does not own: the config, data or
+logging (train.py).
+
+When each unit is updated (overlap.py decides; logged once at start-up):
+    in-backward (``optim.overlap``, ``optim.max_grad_norm=0``, ``optim.update_in_backward``)  as
+        soon as the unit's gradient is final, during the rest of the backward; its cross-replica
+        sum and norm² run on the optimizer thread just before. Only the tied embedding shared
+        across stages waits for the step's all-reduce (its gradient is final after the tied sum).
+    deferred (clipping, or ``optim.update_in_backward=false``)  every unit after the all-reduce,
+        overlapped with the next step's forward; the cross-replica sum runs here, before it.
+    ``optim.overlap=false``  every unit at the end of the step, on the training thread.
+
+A step whose all-reduced loss or gradient norm is NaN/inf is reported skipped on every stage (they
+all see the same totals; ``StepResult.skipped``, ``train.max_bad_steps``), and no non-finite value
+reaches the master weights or AdamW's state. Deferred, the whole step is skipped: gradients
+dropped, no AdamW update. In-backward, the units whose gradient was NaN/inf were left out by the
+optimizer thread's per-unit guard, the units with finite gradients of that step were already
+updated, and the units left for after the all-reduce are not updated.
 
 Exactness (DESIGN invariant 2): the loss is the sum of token cross-entropies over every
 micro-batch and accumulation round of the step divided by the step's valid-token count, so
@@ -67,7 +80,8 @@ class StepResult:
     optim_s: float
     """This rank's seconds of optimizer work the step waited for (not hidden behind compute)."""
     skipped: bool = False
-    """The loss or gradient norm was NaN/inf: no update was applied (on any stage)."""
+    """The loss or gradient norm was NaN/inf: no update was applied (on any stage), except, with
+    in-backward updates, those of units whose own gradient was finite (see the module docstring)."""
     stop: bool = False
     """Some rank asked to stop (a signal) before this step's all-reduce: every rank stops after it."""
     breakdown: dict = field(default_factory=dict)

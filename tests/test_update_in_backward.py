@@ -6,15 +6,17 @@ small host store in one process (a NaN unit left untouched, the others equal to
 runs through ``parity_worker.py`` compared with plain ``transformers`` + ``torch.optim.AdamW``
 (test_parity.py's reference and launcher, with extra overrides put into its spec):
 
-- parity with updates in the backward (2 stages 1F1B, 1 stage GPipe with a tied embedding), with
-  the copy workers and the optimizer thread slowed so that a missing wait gives wrong numbers, and
-  the step breakdown showing that AdamW of some unit started before the stage's backward ended;
-- a NaN injected into the last stage's gradient at step 2: in-backward, exactly the poisoned unit
-  (and the tied embedding, updated after the all-reduce) is left out of step 2, every other unit is
-  updated; deferred (``optim.update_in_backward=false``), the whole step is skipped, and no update
-  runs during the backward;
-- two torchrun "nodes" (``--nnodes 2``): per-unit cross-replica sums issued from the optimizer
-  thread during the backward (gloo, while the training thread runs P2P) give the reference result.
+- parity with updates in the backward (1 stage, GPipe, tied embedding), with the copy workers
+  and the optimizer thread slowed so that a missing wait gives wrong numbers, and the step
+  breakdown showing that AdamW of some unit started before the stage's backward ended;
+- a NaN injected into the last stage's gradient at step 2 (2 stages, 1F1B, tied embedding, slowed
+  workers): in-backward, exactly the poisoned unit (and the tied embedding, updated after the
+  all-reduce) is left out of step 2 and every other unit matches the reference in weights, AdamW
+  moments and step counts; deferred (``optim.update_in_backward=false``), the whole step is
+  skipped and no update runs during the backward; each rule's result is far from the other's;
+- two torchrun "nodes" (``--nnodes 2``, 2 stages, GPipe): per-unit cross-replica sums issued from
+  the optimizer thread during the backward (gloo, while the training thread runs P2P) give the
+  reference result, identical on both nodes.
 """
 
 from __future__ import annotations
