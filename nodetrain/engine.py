@@ -131,24 +131,8 @@ class Engine:
         self._tied_across = model.tied and topo.num_stages > 1
         self.optimizer = StoreAdamW(self.store, self.units, cfg.optim)
         self.grad_sum = ReplicaGradSum(topo, staging=device if dist.get_backend() == "nccl" else None)
-        in_backward, why = update_mode(cfg.optim)
-        log.info("optimizer updates: %s", why)
         self._step = 0
-        self.updates = UnitUpdates(
-            self.optimizer,
-            model.bindings,
-            self.blocks,
-            shared_units=(0,) if self._tied_across and topo.stage == 0 else (),
-            overlap=cfg.optim.overlap,
-            clip=cfg.optim.max_grad_norm > 0,
-            threads=cfg.optim.threads or fair_share_threads(),
-            delay_s=cfg.optim.test_delay_s,
-            defer=not cfg.optim.update_in_backward,
-            grad_sum=self.grad_sum,  # in-backward: each unit's cross-replica sum, on the optimizer thread
-            on_final=self._poison,
-            device=device,
-        )
-        assert self.updates.in_backward == in_backward
+        self.updates = self._make_updates(device)
         self.window = Window(
             self.store,
             model.bindings,
@@ -178,6 +162,28 @@ class Engine:
             [model.units[i].name for i in self.window.resident] or "none",
             self.store.nbytes / 1e6,
         )
+
+    def _make_updates(self, device: torch.device) -> UnitUpdates:
+        """The overlapped optimizer, in the mode :func:`update_mode` gives (logged with its reason)."""
+        cfg = self.cfg
+        in_backward, why = update_mode(cfg.optim)
+        log.info("optimizer updates: %s", why)
+        updates = UnitUpdates(
+            self.optimizer,
+            self.model.bindings,
+            self.blocks,
+            shared_units=(0,) if self._tied_across and self.stage == 0 else (),
+            overlap=cfg.optim.overlap,
+            clip=cfg.optim.max_grad_norm > 0,
+            threads=cfg.optim.threads or fair_share_threads(),
+            delay_s=cfg.optim.test_delay_s,
+            defer=not cfg.optim.update_in_backward,
+            grad_sum=self.grad_sum,  # in-backward: each unit's cross-replica sum, on the optimizer thread
+            on_final=self._poison,
+            device=device,
+        )
+        assert updates.in_backward == in_backward
+        return updates
 
     def _make_breakdown(self) -> StepBreakdown:
         n = sum(self.model.block_cost(i) for i in self.blocks)
