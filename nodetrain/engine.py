@@ -88,6 +88,21 @@ class StepResult:
     """On rank 0: every stage's step breakdown, flat (see ``breakdown.combine_stages``); else {}."""
 
 
+def _nan_injection(test, store: HostStore, last_unit: int, step: list[int]):
+    """Test-only NaN injection (``test.nan_rank``/``nan_step``): ``poison(*units)`` writes a NaN into
+    the gradient of this stage's last unit if it is among ``units``, once that gradient is final:
+    from the optimizer thread for an in-backward unit (``UnitUpdates.on_final``), else after the
+    flush; before the norm in both cases. ``step[0]`` is the 0-based step being run. A closure, not
+    an Engine method: the optimizer holding a bound method would keep the engine, and with it the
+    store's mapping, alive after the job drops it (jobs.Release)."""
+
+    def poison(*units: int) -> None:
+        if last_unit in units:
+            poison_grads(test, dist.get_rank(), step[0] + 1, [store.grad(last_unit)])
+
+    return poison
+
+
 class Engine:
     """This rank's stage: owns a contiguous range of units and trains them.
 
@@ -131,7 +146,8 @@ class Engine:
         self._tied_across = model.tied and topo.num_stages > 1
         self.optimizer = StoreAdamW(self.store, self.units, cfg.optim)
         self.grad_sum = ReplicaGradSum(topo, staging=device if dist.get_backend() == "nccl" else None)
-        self._step = 0
+        self._step = [0]  # the step being run, read by the NaN injection (on the optimizer thread too)
+        self._poison = _nan_injection(cfg.test, self.store, self.units[-1].index, self._step)
         self.updates = self._make_updates(device)
         self.window = Window(
             self.store,
@@ -255,14 +271,6 @@ class Engine:
         with timeline.phase("optim"):
             return self.updates.grad_sq_sum() if self.topo.replica == 0 else 0.0
 
-    def _poison(self, *units: int) -> None:
-        """Test-only NaN injection (``test.nan_rank``/``nan_step``) into the gradient of this stage's
-        last unit, if among ``units``, once it is final: from the optimizer thread for an in-backward
-        unit (``UnitUpdates.on_final``), else after the flush, before the norm in both cases."""
-        last = self.units[-1].index
-        if last in units:
-            poison_grads(self.cfg.test, dist.get_rank(), self._step + 1, [self.store.grad(last)])
-
     def _skip_step(self, step: int) -> None:
         """A NaN/inf step: no further update, gradients dropped (after every running update)."""
         self.updates.wait_all()  # an update still reading its gradient must not see it zeroed
@@ -343,7 +351,7 @@ class Engine:
         inputs, labels = self._replica_share(inputs, labels)
         lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
         actions = build_schedule(self.cfg.pipeline.schedule, self.num_stages, self.stage, m)
-        self._step = step
+        self._step[0] = step
         self.updates.begin_step(lr, self.grad_accum * m, self._offload_sequence(actions))
         self.window.begin(self._load_sequence(actions, self.grad_accum))
         self.p2p.reset_timer()
