@@ -192,7 +192,8 @@ class StepBreakdown:
             phases: :meth:`Timeline.stop`'s output.
             busy: ``h2d_bytes``, ``d2h_bytes``, ``h2d_busy_s``, ``d2h_busy_s``, ``optim_busy_s``:
                 bytes moved and seconds the copy and optimizer workers worked (overlapped or not);
-                ``cpu_s``: CPU seconds of this process (all threads) during the step.
+                ``cpu_s``: CPU seconds of this process (all threads) during the step;
+                ``num_updates_in_backward``: unit updates that started before the backward ended.
         """
         flops = self.flops_per_token * tokens
         rec = {"step_s": step_s, **phases, "other_s": step_s - sum(phases.values()), **busy}

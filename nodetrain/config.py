@@ -179,6 +179,14 @@ class OptimConfig:
     """Run each unit's AdamW update on a background CPU thread while compute continues: during
     backward when ``max_grad_norm`` is 0, else unit by unit ahead of the next step's forward. False =
     update every unit at the end of the step, on the training thread."""
+    update_in_backward: bool = True
+    """With ``overlap`` and no clipping (``max_grad_norm`` 0): update each unit during the backward,
+    as soon as its gradient is final (after the cross-node sum with several nodes). A NaN/inf step
+    is then skipped unit by unit: a unit whose gradient is NaN/inf is not updated, but the finite
+    units of that step already were (the step still counts as skipped, ``train.max_bad_steps``).
+    False = every update waits for the step's all-reduce and a NaN/inf step is skipped whole on
+    every stage (overlapped with the next step's forward instead). Ignored with clipping or
+    ``overlap=false``."""
     threads: int = 0
     """CPU threads (an OpenMP team) for the AdamW update; 0 = the node's cores / ranks on the node."""
     test_delay_s: float = 0.0

@@ -3,13 +3,26 @@
 Owns: wiring store, window, stage runner, P2P and optimizer for this rank, and the order of a
 step: pipeline rounds → flush gradients → sum the tied embedding's two uses → sum gradients over
 the replicas (several nodes, see replicas.py) → one all-reduce (global grad norm² and loss) → clip
-→ AdamW → refresh the transfer copy, with the AdamW of each unit on a background thread
-(overlap.py decides when) and the step's phases timed (breakdown.py). A step whose all-reduced
-loss or gradient norm is NaN/inf is skipped on every stage (they all see the same totals):
-gradients dropped, no AdamW update, so no non-finite value reaches the master weights. The same
-all-reduce carries the stop request of a signal (faults.StopRequest), so every rank stops after
-the same step. Does not own: the config,
-data or logging (train.py).
+→ AdamW → refresh the transfer copy, with the AdamW of each unit on a background thread and the
+step's phases timed (breakdown.py). The same all-reduce carries the stop request of a signal
+(faults.StopRequest), so every rank stops after the same step. Does not own: the config, data or
+logging (train.py).
+
+When each unit is updated (overlap.py decides; logged once at start-up):
+    in-backward (``optim.overlap``, ``optim.max_grad_norm=0``, ``optim.update_in_backward``)  as
+        soon as the unit's gradient is final, during the rest of the backward; its cross-replica
+        sum and norm² run on the optimizer thread just before. Only the tied embedding shared
+        across stages waits for the step's all-reduce (its gradient is final after the tied sum).
+    deferred (clipping, or ``optim.update_in_backward=false``)  every unit after the all-reduce,
+        overlapped with the next step's forward; the cross-replica sum runs here, before it.
+    ``optim.overlap=false``  every unit at the end of the step, on the training thread.
+
+A step whose all-reduced loss or gradient norm is NaN/inf is reported skipped on every stage (they
+all see the same totals; ``StepResult.skipped``, ``train.max_bad_steps``), and no non-finite value
+reaches the master weights or AdamW's state. Deferred, the whole step is skipped: gradients
+dropped, no AdamW update. In-backward, the units whose gradient was NaN/inf were left out by the
+optimizer thread's per-unit guard, the units with finite gradients of that step were already
+updated, and the units left for after the all-reduce are not updated.
 
 Exactness (DESIGN invariant 2): the loss is the sum of token cross-entropies over every
 micro-batch and accumulation round of the step divided by the step's valid-token count, so
@@ -32,7 +45,7 @@ from nodetrain.config import Config, grad_accum_of
 from nodetrain.faults import poison_grads
 from nodetrain.model import HFModel
 from nodetrain.optim import StoreAdamW, clip_coef, lr_at
-from nodetrain.overlap import UnitUpdates, fair_share_threads
+from nodetrain.overlap import UnitUpdates, fair_share_threads, update_mode
 from nodetrain.pipeline import P2P, Action, build_schedule, partition
 from nodetrain.replicas import ReplicaGradSum, Topology, node_group, replica_slice
 from nodetrain.residency import resident_blocks
@@ -67,11 +80,27 @@ class StepResult:
     optim_s: float
     """This rank's seconds of optimizer work the step waited for (not hidden behind compute)."""
     skipped: bool = False
-    """The loss or gradient norm was NaN/inf: no update was applied (on any stage)."""
+    """The loss or gradient norm was NaN/inf: no update was applied (on any stage), except, with
+    in-backward updates, those of units whose own gradient was finite (see the module docstring)."""
     stop: bool = False
     """Some rank asked to stop (a signal) before this step's all-reduce: every rank stops after it."""
     breakdown: dict = field(default_factory=dict)
     """On rank 0: every stage's step breakdown, flat (see ``breakdown.combine_stages``); else {}."""
+
+
+def _nan_injection(test, store: HostStore, last_unit: int, step: list[int]):
+    """Test-only NaN injection (``test.nan_rank``/``nan_step``): ``poison(*units)`` writes a NaN into
+    the gradient of this stage's last unit if it is among ``units``, once that gradient is final:
+    from the optimizer thread for an in-backward unit (``UnitUpdates.on_final``), else after the
+    flush; before the norm in both cases. ``step[0]`` is the 0-based step being run. A closure, not
+    an Engine method: the optimizer holding a bound method would keep the engine, and with it the
+    store's mapping, alive after the job drops it (jobs.Release)."""
+
+    def poison(*units: int) -> None:
+        if last_unit in units:
+            poison_grads(test, dist.get_rank(), step[0] + 1, [store.grad(last_unit)])
+
+    return poison
 
 
 class Engine:
@@ -116,19 +145,11 @@ class Engine:
         self._init_weights(init_from)
         self._tied_across = model.tied and topo.num_stages > 1
         self.optimizer = StoreAdamW(self.store, self.units, cfg.optim)
-        self.updates = UnitUpdates(
-            self.optimizer,
-            model.bindings,
-            self.blocks,
-            shared_units=(0,) if self._tied_across and topo.stage == 0 else (),
-            overlap=cfg.optim.overlap,
-            clip=cfg.optim.max_grad_norm > 0,
-            threads=cfg.optim.threads or fair_share_threads(),
-            delay_s=cfg.optim.test_delay_s,
-            # a NaN/inf step is skipped on every stage, known only after the step's all-reduce: no
-            # unit may be updated during the backward (with several replicas, also the cross-node sum)
-            defer=True,
-        )
+        staging = device if dist.get_backend() == "nccl" else None
+        self.grad_sum = ReplicaGradSum(topo, cfg.dist.timeout_s, staging=staging)
+        self._step = [0]  # the step being run, read by the NaN injection (on the optimizer thread too)
+        self._poison = _nan_injection(cfg.test, self.store, self.units[-1].index, self._step)
+        self.updates = self._make_updates(device)
         self.window = Window(
             self.store,
             model.bindings,
@@ -144,8 +165,6 @@ class Engine:
         shape = (cfg.train.micro_batch_size, cfg.train.seq_len, model.config.hidden_size)
         p2p_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
         self.p2p = P2P(topo.stage, topo.num_stages, shape, self.dtype, p2p_device, topo.pipeline_ranks)
-        staging = device if dist.get_backend() == "nccl" else None
-        self.grad_sum = ReplicaGradSum(topo, cfg.dist.timeout_s, staging=staging)
         self.breakdown = self._make_breakdown()
         self.window.timeline = self.p2p.timeline = self.breakdown.timeline
         log.info(
@@ -160,6 +179,28 @@ class Engine:
             [model.units[i].name for i in self.window.resident] or "none",
             self.store.nbytes / 1e6,
         )
+
+    def _make_updates(self, device: torch.device) -> UnitUpdates:
+        """The overlapped optimizer, in the mode :func:`update_mode` gives (logged with its reason)."""
+        cfg = self.cfg
+        in_backward, why = update_mode(cfg.optim)
+        log.info("optimizer updates: %s", why)
+        updates = UnitUpdates(
+            self.optimizer,
+            self.model.bindings,
+            self.blocks,
+            shared_units=(0,) if self._tied_across and self.stage == 0 else (),
+            overlap=cfg.optim.overlap,
+            clip=cfg.optim.max_grad_norm > 0,
+            threads=cfg.optim.threads or fair_share_threads(),
+            delay_s=cfg.optim.test_delay_s,
+            defer=not cfg.optim.update_in_backward,
+            grad_sum=self.grad_sum,  # in-backward: each unit's cross-replica sum, on the optimizer thread
+            on_final=self._poison,
+            device=device,
+        )
+        assert updates.in_backward == in_backward
+        return updates
 
     def _make_breakdown(self) -> StepBreakdown:
         n = sum(self.model.block_cost(i) for i in self.blocks)
@@ -206,6 +247,51 @@ class Engine:
         dist.barrier()  # the tied embedding's transfer copy is read by the last stage
 
     # ---- one step ----------------------------------------------------------------------------
+
+    def _offload_sequence(self, actions) -> list[int]:
+        """Blocks in the order their gradients are offloaded in a step (every backward, in reverse)."""
+        backwards = [a for a in actions if a.kind == "B"] * self.grad_accum
+        return [b for _ in backwards for b in self.blocks[::-1]]
+
+    def _settle_grads(self) -> float:
+        """Make the step's gradients final; returns this stage's Σ gradient² (0 on replicas ≠ 0,
+        each stage is counted once, see replicas.py).
+
+        In-backward (overlap.py), the units updated during the backward already had their replica
+        sum and norm² on the optimizer thread: wait for those first (no collective of that thread may
+        overlap the ones below), then the remaining units (the tied embedding) go through the tied
+        sum and the replica sum here. Deferred, every unit does, and none was updated yet.
+        """
+        timeline = self.breakdown.timeline
+        with timeline.phase("optim"):
+            self.updates.wait_measured()
+            later = self.updates.later_units
+            self._poison(*later)
+            self._sum_tied_grads()
+        with timeline.phase("bubble"):  # the cross-node sum, before any of these units is updated
+            self.grad_sum([self.store.grad(u) for u in later])
+        with timeline.phase("optim"):
+            return self.updates.grad_sq_sum() if self.topo.replica == 0 else 0.0
+
+    def _skip_step(self, step: int) -> None:
+        """A NaN/inf step: no further update, gradients dropped (after every running update)."""
+        self.updates.wait_all()  # an update still reading its gradient must not see it zeroed
+        self.optimizer.drop_grads()
+        if not self.updates.in_backward:
+            log.warning("step %d: loss or gradient norm is NaN/inf; update skipped on every stage", step + 1)
+            return
+        names = [self.model.units[u].name for u in self.updates.nonfinite]
+        later = [self.model.units[u].name for u in self.updates.later_units]
+        log.warning(
+            "step %d: loss or gradient norm is NaN/inf; update skipped on rank %d for the units with a "
+            "NaN/inf gradient %s%s; with optim.update_in_backward=true the step's units with finite "
+            "gradients were updated during the backward; set optim.update_in_backward=false to skip "
+            "whole steps",
+            step + 1,
+            dist.get_rank(),
+            names,
+            f" and for {later} (updated after the step's all-reduce)" if later else "",
+        )
 
     def _load_sequence(self, actions, rounds: int) -> list[int]:
         seq = []
@@ -267,23 +353,19 @@ class Engine:
         inputs, labels = self._replica_share(inputs, labels)
         lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
         actions = build_schedule(self.cfg.pipeline.schedule, self.num_stages, self.stage, m)
-        self.updates.begin_step(lr, self.grad_accum * m)
+        self._step[0] = step
+        self.updates.begin_step(lr, self.grad_accum * m, self._offload_sequence(actions))
         self.window.begin(self._load_sequence(actions, self.grad_accum))
         self.p2p.reset_timer()
         loss_sum = 0.0
         for r in range(self.grad_accum):
             loss_sum += self._run_round(actions, r, inputs, labels, 1.0 / max(tokens, 1), train=True)
+        self.updates.end_backward()
         self.window.flush()
         with timeline.phase("bubble"):
             self.p2p.wait_sends()
+        grad_sq = self._settle_grads()
         with timeline.phase("optim"):
-            grads = [self.store.grad(u.index) for u in self.units]
-            poison_grads(self.cfg.test, dist.get_rank(), step + 1, grads)  # test-only NaN injection
-            self._sum_tied_grads()
-        with timeline.phase("bubble"):  # the cross-node sum, before any update (none ran yet)
-            self.grad_sum(grads)
-        with timeline.phase("optim"):
-            grad_sq = self.updates.grad_sq_sum() if self.topo.replica == 0 else 0.0  # each stage counted once
             totals = torch.tensor([grad_sq, loss_sum, float(stop)], dtype=torch.float64)
         with timeline.phase("bubble"):
             dist.all_reduce(totals)  # NaN/inf on any stage makes the sums non-finite on every stage
@@ -291,10 +373,7 @@ class Engine:
         skipped = not math.isfinite(float(totals[0]) + float(totals[1]))
         with timeline.phase("optim"):  # the run's last step leaves the store final
             if skipped:
-                self.optimizer.drop_grads()
-                log.warning(
-                    "step %d: loss or gradient norm is NaN/inf; update skipped on every stage", step + 1
-                )
+                self._skip_step(step)
             else:
                 last = step + 1 == self.cfg.train.steps
                 self.updates.finish_step(lr, clip_coef(grad_norm, self.cfg.optim.max_grad_norm), last)
@@ -304,6 +383,7 @@ class Engine:
         phases = timeline.stop()
         now = time.perf_counter()
         busy = {**self.window.take_stats(), "optim_busy_s": self.updates.take_busy_s()}
+        busy["num_updates_in_backward"] = self.updates.take_in_backward_count()
         busy["cpu_s"] = time.process_time() - cpu0
         record = self.breakdown.stage_record(now - t0, inputs.numel(), phases, busy)
         loss = float(totals[1]) / max(tokens, 1)

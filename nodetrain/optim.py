@@ -115,9 +115,13 @@ class StoreAdamW:
         """Zero the gradient accumulators without an update: a skipped (non-finite) step leaves master
         weights, ``exp_avg``, ``exp_avg_sq`` and AdamW's step count as they were."""
         for u in self.units:
-            for name in self.store.layout.fields_of(u.index):
-                if name.startswith("grad"):
-                    self.store.buffer(u.index, name).zero_()
+            self.drop_unit_grads(u.index)
+
+    def drop_unit_grads(self, unit: int) -> None:
+        """:meth:`drop_grads` for one owned unit (a unit whose gradient is NaN/inf, overlap.py)."""
+        for name in self.store.layout.fields_of(unit):
+            if name.startswith("grad"):
+                self.store.buffer(unit, name).zero_()
 
     def unit_grad_sq(self, unit: int) -> float:
         """Sum of squared fp32 gradients of one owned unit (float64 sum of its groups' fp32 dots)."""

@@ -1,29 +1,43 @@
 """Overlapped CPU optimizer: when each owned unit's AdamW runs, on which thread, and who waits for it.
 
 Owns: one background optimizer thread per rank (with its own OpenMP team of ``optim.threads``),
-deciding when a unit's update is submitted, and the futures that make a load of a unit wait for
-its update (DESIGN invariant 3: overlap, never staleness). Does not own: the AdamW arithmetic
-(optim.py) or the loads (stream.py calls :meth:`UnitUpdates.gate` when it issues one).
+deciding when a unit's update is submitted, the per-unit non-finite guard of in-backward updates,
+and the futures that make a load of a unit wait for its update (DESIGN invariant 3: overlap, never
+staleness). Does not own: the AdamW arithmetic (optim.py), the loads (stream.py calls
+:meth:`UnitUpdates.gate` when it issues one) or the step's all-reduce and skip decision (engine.py).
 
-When a unit is updated:
-    no clipping (``optim.max_grad_norm=0``)  as soon as its gradient is final, i.e. after the
-        last offload of the step of every block binding it (counted on the D2H worker), so
-        updates run during the rest of the backward;
-    clipping  after the step's all-reduce gives the clip coefficient, unit by unit in the order
-        the next step's forward loads them; the forward of unit i waits only for unit i.
-    several replicas (nodes)  as with clipping: the engine sums every owned unit's gradient across
-        the nodes after the flush, from its training thread in the same order on every replica, and
-        only then are updates submitted.
+When a unit is updated (:func:`update_mode` decides, the engine logs its reason at start-up):
+    in-backward (``optim.overlap``, ``optim.max_grad_norm=0``, ``optim.update_in_backward``)  as
+        soon as its gradient is final, i.e. after the last offload of the step of every block
+        binding it (counted on the D2H worker), so updates run during the rest of the backward.
+        The optimizer thread then, per unit and in the order the units became final: calls the
+        ``on_final`` hook (test-only NaN injection), sums the gradient over the replicas (several
+        nodes: an all-reduce in the stage's group, which only this thread uses during the
+        backward), takes its norm², and applies AdamW only if that norm² is finite.
+    deferred (clipping, or ``optim.update_in_backward=false``)  after the step's all-reduce gives
+        the clip coefficient (and says whether the step is finite), unit by unit in the order the
+        next step's forward loads them; the forward of unit i waits only for unit i. The engine
+        sums gradients over the replicas on its training thread before that all-reduce.
     A unit another stage also reads (the tied embedding, owned by stage 0 and bound by the last
-    stage's head) is updated after the tied gradient sum and waited for before the step ends, so
-    the engine's barrier publishes it.
+    stage's head) is always updated after the all-reduce (its gradient is final only after the tied
+    sum) and waited for before the step ends, so the engine's barrier publishes it.
 With ``optim.overlap=false`` every unit is updated at the end of the step on the training thread.
+
+NaN/inf semantics (issue: faults; no non-finite value ever reaches master weights or AdamW state):
+    deferred  the whole step is skipped on every stage: no unit is updated, AdamW's step counts
+        stay, gradients are dropped (engine.py).
+    in-backward  a unit whose gradient is NaN/inf is not updated (its accumulators are zeroed, its
+        master weights, ``exp_avg``, ``exp_avg_sq`` and step count stay) and shows in
+        :attr:`UnitUpdates.nonfinite`; the finite units of that step were already updated. The
+        step's totals are still non-finite, so the engine reports it skipped (``train.max_bad_steps``
+        counts it) and does not update the units left for after the all-reduce (the tied embedding).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import threading
 import time
@@ -32,9 +46,10 @@ from pathlib import Path
 
 import torch
 
+from nodetrain.config import OptimConfig
 from nodetrain.optim import StoreAdamW
 
-__all__ = ["UnitUpdates", "fair_share_threads"]
+__all__ = ["UnitUpdates", "fair_share_threads", "update_mode", "final_order"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +88,62 @@ def _limit_thread(threads: int) -> None:
     runtime.omp_set_num_threads(threads)
 
 
+def _init_thread(threads: int, device: torch.device | None) -> None:
+    """The optimizer thread's set-up: its OpenMP team and, on CUDA, the rank's device and a stream of
+    its own (the cross-replica sum stages gradients through the device, replicas.py; the current
+    device and stream are per thread)."""
+    _limit_thread(threads)
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.set_device(device)
+        torch.cuda.set_stream(torch.cuda.Stream(device))
+
+
+def update_mode(cfg: OptimConfig) -> tuple[bool, str]:
+    """Whether units are updated during the backward, and why (one line for the start-up log).
+
+    Args:
+        cfg: the optimizer config (``overlap``, ``max_grad_norm``, ``update_in_backward``).
+
+    Returns:
+        (in_backward, reason).
+    """
+    if not cfg.overlap:
+        return False, "optim.overlap=false: every unit is updated at the step's end on the training thread"
+    if cfg.max_grad_norm > 0:
+        return False, (
+            f"optim.max_grad_norm={cfg.max_grad_norm}: the clip needs the global norm, so updates run after "
+            "the step's all-reduce, overlapped with the next step's forward; a NaN/inf step is skipped whole"
+        )
+    if not cfg.update_in_backward:
+        return False, (
+            "optim.update_in_backward=false: updates run after the step's all-reduce, overlapped with the "
+            "next step's forward; a NaN/inf step is skipped whole"
+        )
+    return True, (
+        "no clipping and optim.update_in_backward=true: each unit is updated during the backward as soon "
+        "as its gradient is final; a unit with a NaN/inf gradient is left out, the finite ones applied"
+    )
+
+
+def final_order(offload_blocks, units_of: dict[int, list[int]]) -> list[int]:
+    """The order in which units' gradients become final, given the blocks in offload order.
+
+    A unit is final at the last offload of any block binding it; units final at the same offload
+    come in ``units_of[block]`` order (as :meth:`UnitUpdates.offloaded` visits them). A pure function
+    of the schedule, so it is the same on every replica of a stage: the replicas' per-unit
+    all-reduces pair up.
+
+    Args:
+        offload_blocks: block indices in the order their gradients are offloaded in a step.
+        units_of: per block, the units whose gradients it offloads (counted ones only).
+    """
+    last: dict[int, tuple[int, int]] = {}
+    for pos, block in enumerate(offload_blocks):
+        for k, u in enumerate(units_of.get(block, ())):
+            last[u] = (pos, k)
+    return sorted(last, key=last.__getitem__)
+
+
 class UnitUpdates:
     """Runs a stage's per-unit AdamW updates, overlapped with compute, and gates loads on them.
 
@@ -85,28 +156,42 @@ class UnitUpdates:
         clip: global-norm clipping is on (updates wait for the step's all-reduce).
         threads: OpenMP threads of the optimizer thread (≥ 1).
         delay_s: test-only sleep before each update, to expose a missing wait.
-        defer: no update starts during the backward; all wait for the engine's all-reduce. The
-            engine defers because a gradient is final only after the cross-node sum (several
-            replicas) and because a NaN/inf step must be skipped on every stage (issue: faults), which
-            is known only after that all-reduce. Updates still overlap the next step's forward.
+        defer: no update starts during the backward; all wait for the engine's all-reduce
+            (``optim.update_in_backward=false``: a NaN/inf step is then skipped whole).
+        grad_sum: in-backward only: ``grad_sum([grad])`` sums one unit's flat fp32 gradient over
+            the replicas in place (``ReplicaGradSum``); called on the optimizer thread.
+        on_final: in-backward only: ``on_final(unit)`` is called on the optimizer thread when the
+            unit's gradient is final, before the replica sum and its norm² (test-only NaN injection).
+        device: the compute device; on CUDA the optimizer thread selects it (``grad_sum`` stages
+            through it).
     """
 
     def __init__(self, optimizer: StoreAdamW, bindings, blocks, shared_units=(), *, overlap: bool,
-                 clip: bool, threads: int, delay_s: float = 0.0, defer: bool = False):  # fmt: skip
+                 clip: bool, threads: int, delay_s: float = 0.0, defer: bool = False, grad_sum=None,
+                 on_final=None, device: torch.device | None = None):  # fmt: skip
         self.opt, self.overlap, self.clip, self.defer = optimizer, overlap, clip, defer
         self._owned = [u.index for u in optimizer.units]
         self._shared = set(shared_units)
         self._units_of = {b: sorted({x.unit for x in bindings[b]} & set(self._owned)) for b in blocks}
         self._users = {u: [b for b in blocks if u in self._units_of[b]] for u in self._owned}
         self._delay_s = delay_s
+        self._grad_sum, self._on_final = grad_sum, on_final
         self._pool = None
         if overlap:
-            self._pool = ThreadPoolExecutor(1, "optim", initializer=_limit_thread, initargs=(threads,))
+            self._pool = ThreadPoolExecutor(1, "optim", initializer=_init_thread, initargs=(threads, device))
         self._pending: dict[int, Future] = {}
+        self._measured: dict[int, Future] = {}  # in-backward unit -> its norm², once measured
         self._remaining: dict[int, int] = {}
         self._grad_sq: dict[int, float] = {}
+        self._order: list[int] | None = None  # the expected order of in-backward units (final_order)
+        self._num_final = 0
         self._lr = 0.0
         self._lock = threading.Lock()
+        self._step_id = 0
+        self._backward_done = False
+        self._in_backward_count = 0
+        self.nonfinite: list[int] = []
+        """In-backward units of the current step left out because their gradient was NaN/inf."""
         self.busy_s = 0.0
         """Seconds the optimizer spent updating units (overlapped or not) since the last take."""
 
@@ -133,17 +218,41 @@ class UnitUpdates:
         """Whether units are updated during the backward (overlap, no clipping, not deferred)."""
         return self.overlap and not self.clip and not self.defer
 
-    def begin_step(self, lr: float, offloads_per_block: int) -> None:
-        """Arm the final-gradient count: every block gets ``offloads_per_block`` offloads a step."""
+    @property
+    def later_units(self) -> list[int]:
+        """Owned units whose gradient the engine finalises after the flush (tied sum, replica sum)
+        and which are updated after the all-reduce: all of them, or in-backward the shared ones."""
+        return [u for u in self._owned if not self.in_backward or u in self._shared]
+
+    def begin_step(self, lr: float, offloads_per_block: int, offload_order=None) -> None:
+        """Arm the final-gradient count: every block gets ``offloads_per_block`` offloads a step.
+
+        Args:
+            lr: this step's learning rate.
+            offloads_per_block: offloads of each of this stage's blocks in the step.
+            offload_order: optional, the step's blocks in offload order; the units must then become
+                final in :func:`final_order` (asserted on the optimizer thread).
+        """
         self._lr = lr
         self._grad_sq.clear()
+        self._measured.clear()
+        self.nonfinite = []
         self._remaining = {
             u: offloads_per_block * len(self._users[u]) for u in self._owned if u not in self._shared
         }
+        self._order = None
+        if offload_order is not None:
+            units_of = {b: [u for u in us if u in self._remaining] for b, us in self._units_of.items()}
+            self._order = final_order(offload_order, units_of)
+        self._num_final = 0
+        with self._lock:
+            self._step_id += 1
+            self._backward_done = False
+            self._in_backward_count = 0
 
     def offloaded(self, block: int) -> None:
         """The D2H worker accumulated one gradient of ``block``; a unit whose count reaches zero is
-        final: its norm² is taken now and its update submitted (only when :attr:`in_backward`)."""
+        final and goes to the optimizer thread (only when :attr:`in_backward`)."""
         if not self.in_backward:
             return
         for u in self._units_of[block]:
@@ -151,19 +260,60 @@ class UnitUpdates:
                 continue
             self._remaining[u] -= 1
             if self._remaining[u] == 0:
-                self._grad_sq[u] = self.opt.unit_grad_sq(u)
-                self._submit(u, self._lr, 1.0)
+                self._measured[u] = Future()
+                self._pending[u] = self._pool.submit(self._finalize, u, self._lr, self._step_id)
+
+    def _finalize(self, unit: int, lr: float, step_id: int) -> None:
+        """Optimizer thread, in-backward: hook → replica sum → norm² → AdamW if finite."""
+        measured = self._measured[unit]
+        try:
+            if self._order is not None:
+                want = self._order[self._num_final]
+                assert unit == want, f"unit {unit} became final where the schedule puts unit {want}"
+                self._num_final += 1
+            if self._on_final is not None:
+                self._on_final(unit)
+            if self._grad_sum is not None:
+                self._grad_sum([self.opt.store.grad(unit)])
+            sq = self.opt.unit_grad_sq(unit)
+            if not math.isfinite(sq):  # left out: no NaN/inf into the master weights or AdamW's state
+                self.opt.drop_unit_grads(unit)
+                self.nonfinite.append(unit)
+            self._grad_sq[unit] = sq
+        except BaseException as e:
+            measured.set_exception(e)
+            raise
+        measured.set_result(sq)
+        if math.isfinite(sq):
+            self._update(unit, lr, 1.0, step_id)
+
+    def wait_measured(self) -> None:
+        """Block until every in-backward unit's replica sum and norm² are done (after the flush, all
+        are submitted); its update may still run. Afterwards no other thread runs a collective."""
+        for fut in list(self._measured.values()):
+            fut.result()
 
     def grad_sq_sum(self) -> float:
         """This stage's Σ gradient² (after the flush and the tied sum), without racing the updates
-        already running: in-backward units were measured when they became final."""
+        still running: in-backward units were measured when they became final."""
         if not self.in_backward:
             return self.opt.grad_sq_sum()
+        self.wait_measured()
         missing = [u for u in self._owned if u not in self._shared and u not in self._grad_sq]
         assert not missing, f"units {missing} never became final; offload count mismatch"
         for u in self._shared:
             self._grad_sq[u] = self.opt.unit_grad_sq(u)
         return sum(self._grad_sq[u] for u in self._owned)
+
+    def end_backward(self) -> None:
+        """The training thread finished the step's last backward (issued it, on CUDA)."""
+        with self._lock:
+            self._backward_done = True
+
+    def take_in_backward_count(self) -> int:
+        """Updates of the current step whose AdamW started before :meth:`end_backward`."""
+        with self._lock:
+            return self._in_backward_count
 
     def finish_step(self, lr: float, grad_scale: float, wait_all: bool = False) -> None:
         """Submit (or, without overlap, run) the updates not yet started, in forward order; wait for
@@ -174,18 +324,20 @@ class UnitUpdates:
             self.opt.step(lr, grad_scale)
             self.busy_s += time.perf_counter() - t0
             return
-        for u in self._owned:
-            if not self.in_backward or u in self._shared:
-                self._submit(u, lr, grad_scale)
+        for u in self.later_units:
+            self._submit(u, lr, grad_scale)
         self.wait(self._owned if wait_all else self._shared)
 
     def _submit(self, unit: int, lr: float, grad_scale: float) -> None:
         assert self._pool is not None
-        self._pending[unit] = self._pool.submit(self._update, unit, lr, grad_scale)
+        self._pending[unit] = self._pool.submit(self._update, unit, lr, grad_scale, self._step_id)
 
-    def _update(self, unit: int, lr: float, grad_scale: float) -> None:
+    def _update(self, unit: int, lr: float, grad_scale: float, step_id: int) -> None:
         if self._delay_s:
             time.sleep(self._delay_s)
+        with self._lock:
+            if step_id == self._step_id and not self._backward_done:
+                self._in_backward_count += 1
         t0 = time.perf_counter()
         self.opt.step_unit(unit, lr, grad_scale)
         with self._lock:

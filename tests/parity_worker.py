@@ -8,16 +8,18 @@ an independent reference. One spec (JSON) describes the run:
      "model_dir": "<save_pretrained dir>" | null (random init),
      "batch_file": "<safetensors with inputs, labels: int64 [steps, N, B, T]>",
      "out_dir": "<dir>", "run_id": "<names the store file>", "memory_report": false,
-     "device": "cpu" | "cuda"}
+     "device": "cpu" | "cuda", "export_state": false}
 
 Writes, under ``out_dir``:
     weights_rank<r>.safetensors  the fp32 master weights of the units rank r owns, by HF name
                                  (a tied head also writes ``lm_head.weight``, read through its
                                  binding to the embedding);
     rank<r>.json                 {"units": [...], "resident": [...], "store_nbytes": ...,
-                                 "memory": {...} | null};
-    steps.json                   (rank 0) per step: loss, grad_norm, lr, tokens, and the step's
-                                 breakdown of every stage (see nodetrain/breakdown.py).
+                                 "memory": {...} | null, "adamw_steps": {HF name: count} | null};
+    state_rank<r>.safetensors    with ``export_state``: AdamW's ``<HF name>.exp_avg`` and
+                                 ``<HF name>.exp_avg_sq`` of the units rank r owns;
+    steps.json                   (rank 0) per step: loss, grad_norm, lr, tokens, skipped, and the
+                                 step's breakdown of every stage (see nodetrain/breakdown.py).
 
     python -m torch.distributed.run --nproc_per_node 2 --master_port 29511 tests/parity_worker.py spec.json
 
@@ -145,6 +147,7 @@ def main(spec_path: str) -> None:
                 "grad_norm": r.grad_norm,
                 "lr": r.lr,
                 "tokens": r.tokens,
+                "skipped": r.skipped,
                 "breakdown": r.breakdown,
             }
         )
@@ -173,7 +176,18 @@ def main(spec_path: str) -> None:
         "resident": [model.units[i].name for i in engine.window.resident],
         "store_nbytes": engine.store.nbytes,
         "memory": memory,
+        "adamw_steps": None,
     }
+    if spec.get("export_state"):
+        engine.wait_optimizer()
+        state = {}
+        for unit in engine.units:
+            for name in ("exp_avg", "exp_avg_sq"):
+                buf = engine.store.buffer(unit.index, name)
+                for p in unit.params:
+                    state[f"{p.hf_name}.{name}"] = buf[p.offset : p.offset + p.numel].view(p.shape).clone()
+        save_file(state, str(out / f"state_rank{rank}.safetensors"))
+        report["adamw_steps"] = engine.optimizer.steps_by_name()
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     if rank == 0:
         (out / "steps.json").write_text(json.dumps(steps))
