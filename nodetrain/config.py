@@ -284,7 +284,8 @@ class HardwareConfig:
     host_memory_bandwidth_gbps: float = MISSING
     """Host memory bandwidth of the node (all sockets), GB/s; bounds the CPU optimizer."""
     cores: int = MISSING
-    """CPU cores of the node."""
+    """CPU cores of the node (≥ 1; shown, not used: the planner's CPU AdamW time is bound by
+    ``host_memory_bandwidth_gbps``, see costs.py)."""
     gpus_per_node: int = MISSING
     """GPUs of the node; 0 = no accelerator (stages are CPU processes)."""
     source: str = ""

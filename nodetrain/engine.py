@@ -283,14 +283,14 @@ class Engine:
         names = [self.model.units[u].name for u in self.updates.nonfinite]
         later = [self.model.units[u].name for u in self.updates.later_units]
         log.warning(
-            "step %d: loss or gradient norm is NaN/inf; update skipped on rank %d for the units with a "
-            "NaN/inf gradient %s%s; with optim.update_in_backward=true the step's units with finite "
-            "gradients were updated during the backward; set optim.update_in_backward=false to skip "
-            "whole steps",
+            "step %d: loss or gradient norm is NaN/inf on some stage; rank %d left out %s (NaN/inf "
+            "gradient) and %s (updated only after the step's all-reduce); with "
+            "optim.update_in_backward=true the step's units with finite gradients were updated during "
+            "the backward; set optim.update_in_backward=false to skip whole steps",
             step + 1,
             dist.get_rank(),
             names,
-            f" and for {later} (updated after the step's all-reduce)" if later else "",
+            later,
         )
 
     def _load_sequence(self, actions, rounds: int) -> list[int]:

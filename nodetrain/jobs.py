@@ -149,7 +149,8 @@ class Release:
         still = mapped(store_path)
         # wandb's service threads live as long as the process and serve the next job's run too.
         new = [t for t in threading.enumerate() if t not in self._threads and t.is_alive()]
-        threads = sorted(t.name for t in new if not t.name.startswith("wandb"))
+        # so do the OpenTelemetry exporter threads wandb starts with its first run (Otel*).
+        threads = sorted(t.name for t in new if not t.name.startswith(("wandb", "Otel")))
         if still or threads:
             log.warning("job left behind: store %s mapped=%s, threads %s", store_path, still, threads)
         else:

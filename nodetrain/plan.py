@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -240,9 +241,19 @@ def _check_hardware(cfg: Config, num_stages: int) -> None:
     hw, problems = cfg.hardware, []
     for key in ("peak_flops", "host_link_gbps", "host_memory_gb", "host_memory_bandwidth_gbps"):
         if not getattr(hw, key) > 0:
-            problems.append(f"hardware.{key}={getattr(hw, key)}: must be > 0; fix the profile")
+            problems.append(
+                f"hardware.{key}={getattr(hw, key)}: must be > 0; take it from the datasheet (units in "
+                "nodetrain/config.py HardwareConfig) or pick a profile of conf/hardware/"
+            )
     if not 0 < hw.matmul_efficiency <= 1:
         problems.append(f"hardware.matmul_efficiency={hw.matmul_efficiency}: must be in (0, 1]; use 0.6")
+    if hw.cores < 1:
+        problems.append(f"hardware.cores={hw.cores}: must be >= 1; the node's CPU cores")
+    if hw.gpus_per_node < 0 or (hw.gpus_per_node == 0 and hw.device_memory_gb > 0):
+        problems.append(
+            f"hardware.gpus_per_node={hw.gpus_per_node}: must be >= 1 on a GPU profile (device_memory_gb="
+            f"{hw.device_memory_gb}); 0 only with hardware=cpu (or device_memory_gb=0)"
+        )
     if hw.gpus_per_node and not hw.device_memory_gb > cfg.plan.device_reserve_gb:
         what = f"must exceed plan.device_reserve_gb={cfg.plan.device_reserve_gb} on a GPU profile"
         problems.append(f"hardware.device_memory_gb={hw.device_memory_gb}: {what}")
@@ -385,7 +396,12 @@ def main(dict_cfg: DictConfig) -> None:
     """Hydra entry: print the plan of the composed config (same keys as training, plus ``hardware``)."""
     from nodetrain.plan_report import render  # rich output only where it is printed
 
-    render(make_plan(to_typed(dict_cfg)))
+    try:
+        plan = make_plan(to_typed(dict_cfg))
+    except ConfigError as e:  # a user's mistake: the message, not a traceback
+        print(f"ConfigError: {e}", file=sys.stderr)
+        sys.exit(2)
+    render(plan)
 
 
 if __name__ == "__main__":

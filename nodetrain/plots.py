@@ -9,7 +9,7 @@ Does not own: the numbers (the engine measures, metrics.py writes them). Rank 0 
 
 Files, under ``<run dir>/plots/``: ``loss.png`` (train loss per step and validation loss),
 ``tokens_per_s.png``, ``time.png`` (every per-step timing in the records: the keys ending in
-``_s`` except rates, e.g. ``step_s``, ``stall_s``, ``p2p_wait_s``, ``optim_s``) and
+``_s`` except rates and per-stage copies, e.g. ``step_s``, ``stall_s``, ``optim_s``) and
 ``summary.png`` (the three side by side).
 """
 
@@ -60,11 +60,11 @@ def _number(value: Any) -> bool:
 
 def timing_keys(records: Sequence[dict[str, Any]]) -> list[str]:
     """Per-step durations present in the records: numeric keys ending in ``_s`` (seconds), not rates
-    (``*_per_s``), in first-seen order."""
+    (``*_per_s``) and not one stage's copy (``stage<s>/…``, ``replica<r>/…``), in first-seen order."""
     keys: dict[str, None] = {}
     for r in records:
         for k, v in r.items():
-            if k.endswith("_s") and not k.endswith("_per_s") and _number(v):
+            if k.endswith("_s") and not k.endswith("_per_s") and "/" not in k and _number(v):
                 keys.setdefault(k)
     return list(keys)
 
@@ -94,6 +94,7 @@ def _plot_tokens(ax: Axes, records: Sequence[dict[str, Any]]) -> bool:
 
 def _plot_time(ax: Axes, records: Sequence[dict[str, Any]]) -> bool:
     drawn = False
+    ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)  # a dozen step-level timings, distinct colours
     for key in timing_keys(records):
         x, y = _series(records, key)
         ax.plot(x, y, label=key.removesuffix("_s"))
@@ -112,7 +113,7 @@ _PANELS: dict[str, Callable[[Axes, Sequence[dict[str, Any]]], bool]] = {
 def _finish(ax: Axes, drawn: bool) -> None:
     ax.grid(alpha=0.3)
     if drawn:
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="x-small", ncol=2)
     else:
         ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes)
 

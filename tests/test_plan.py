@@ -302,12 +302,19 @@ def test_every_hardware_profile_states_sources_and_plans(profile: str) -> None:
     assert plan.store_bytes > 0 and plan.time.step_s > 0
 
 
-def _plan_cli(*overrides: str) -> str:
+def _plan_cli(*overrides: str, rc: int = 0) -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", COLUMNS="200")
     cmd = [sys.executable, "-m", "nodetrain.plan", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    assert proc.returncode == rc, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def test_cli_refuses_meaningless_hardware_without_a_traceback() -> None:
+    out = _plan_cli("hardware=h100_sxm", "hardware.cores=0", "hardware.gpus_per_node=0", rc=2)
+    assert "hardware.cores=0: must be >= 1" in out
+    assert "hardware.gpus_per_node=0: must be >= 1 on a GPU profile" in out
+    assert "Traceback" not in out
 
 
 def test_cli_llama2_70b_on_h100_fits() -> None:

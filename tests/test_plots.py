@@ -67,6 +67,7 @@ def test_plots_follow_the_data_and_every_timing_key(tmp_path: Path) -> None:
     assert not np.array_equal(_pixels(down[0]), _pixels(up[0])), "the loss plot ignores the loss"
     assert not np.array_equal(_pixels(down[2]), _pixels(up[2])), "the time plot ignores a new timing key"
     records = [json.loads(line) for line in (tmp_path / "up" / "metrics.jsonl").read_text().splitlines()[:-1]]
+    records[0]["stage1/compute_s"] = records[0]["replica0/step_s"] = 0.5  # per-stage copies: not drawn
     assert timing_keys(records) == ["step_s", "stall_s", "p2p_wait_s", "optim_s", "h2d_wait_s"]
 
 
