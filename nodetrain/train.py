@@ -196,7 +196,7 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
                 if every and not interrupted and ((step + 1) % every == 0 or last):
                     rec["val_loss"] = _evaluate(engine, val_ds, cfg)
                 save = interrupted and cfg.checkpoint.on_signal == "save"
-                stop, stall_s = ckpt.after_step(step + 1, save=save)  # after evaluation (dropout RNG)
+                stop, stall_s = ckpt.after_step(step + 1, save=save)  # after evaluation (draws no RNG)
                 if stall_s is not None:
                     rec["ckpt_stall_s"] = stall_s
                 if interrupted:

@@ -166,9 +166,9 @@ def restore_steps(ckpt: Path, optimizer: StoreAdamW, units: list[Unit]) -> None:
 def seed_rng(seed: int, step: int, rank: int) -> None:
     """Seed this rank's torch (CPU and CUDA), Python and numpy generators from (seed, step, rank).
 
-    A fresh run calls it with step 0 before anything draws (dropout, evaluation): torch seeds its
-    default generator nondeterministically per process, so without this two runs of one config
-    would draw different dropout masks.
+    A fresh run calls it with step 0 before anything draws (dropout in training; evaluation runs in
+    eval mode and draws nothing): torch seeds its default generator nondeterministically per
+    process, so without this two runs of one config would draw different dropout masks.
     """
     digest = hashlib.sha256(f"nodetrain.rng:{seed}:{step}:{rank}".encode()).digest()
     s = int.from_bytes(digest[:8], "little") >> 1
