@@ -29,6 +29,22 @@ TINY_RUN = [
 TESTS = Path(__file__).resolve().parent
 
 
+SONNET = (
+    "Shall I compare thee to a summer's day?\nThou art more lovely and more temperate:\n"
+    "Rough winds do shake the darling buds of May,\nAnd summer's lease hath all too short a date;\n"
+)
+"""Four lines of a public-domain sonnet: real text for small training runs."""
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> list[str]:
+    """Overrides for a small real-text corpus (:data:`SONNET` × 200) and its prepared-data dir,
+    shared by the launches of one test module."""
+    d = tmp_path_factory.mktemp("corpus")
+    (d / "sonnet.txt").write_text(SONNET * 200)
+    return [f"data.source={d / 'sonnet.txt'}", f"data.dir={d / 'prepared'}", "data.vocab_size=300"]
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

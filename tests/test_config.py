@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import torchrun_cmd
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -375,8 +376,7 @@ def test_torchrun_makes_one_run_dir_with_a_log_per_rank(tmp_path: Path) -> None:
     app.write_text(textwrap.dedent(_APP.format(conf=str(CONF))))
     runs = tmp_path / "runs"
     env = _env(NODETRAIN_RUNS=str(runs), OMP_NUM_THREADS="1")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    cmd = [*torchrun, str(app), "model=qwen3_tiny"]
+    cmd = torchrun_cmd(2, str(app), "model=qwen3_tiny")
     subprocess.run(cmd, env=env, cwd=tmp_path, check=True, capture_output=True, timeout=300)
     (run_dir,) = runs.iterdir()
     assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", "rank0.log", "rank1.log"]

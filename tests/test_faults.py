@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import ROOT, TINY_RUN, job_env, start_job, torchrun_cmd
+from conftest import ROOT, SONNET, TINY_RUN, job_env, start_job, torchrun_cmd
 from safetensors.torch import load_file
 from test_parity import ATOL_WEIGHT, OPTIM, RTOL, lr_schedule
 
@@ -45,18 +45,6 @@ TINY = [
     "train.eval_every=0",
     "logging.plots=false",
 ]
-SONNET = (
-    "Shall I compare thee to a summer's day?\nThou art more lovely and more temperate:\n"
-    "Rough winds do shake the darling buds of May,\nAnd summer's lease hath all too short a date;\n"
-)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> list[str]:
-    """A small real-text corpus and its prepared-data dir, shared by the launches of this module."""
-    d = tmp_path_factory.mktemp("corpus")
-    (d / "sonnet.txt").write_text(SONNET * 200)
-    return [f"data.source={d / 'sonnet.txt'}", f"data.dir={d / 'prepared'}", "data.vocab_size=300"]
 
 
 def _launch(nproc: int, overrides: list[str], tmp: Path) -> subprocess.Popen:

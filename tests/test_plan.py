@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import SONNET
 from hydra import compose, initialize_config_dir
 
 from nodetrain.config import (
@@ -344,9 +345,7 @@ def test_training_refuses_a_store_larger_than_host_memory(tmp_path, shm_dir) -> 
     """llama2_70b needs ~1.24 TB of host store: every rank refuses before the store exists, and no
     rank grows beyond a small fraction of the machine (nothing was allocated)."""
     corpus = tmp_path / "sonnet.txt"
-    corpus.write_text(
-        "Shall I compare thee to a summer's day?\nThou art more lovely and more temperate:\n" * 300
-    )
+    corpus.write_text(SONNET * 150)
     overrides = [
         "model=llama2_70b",
         f"data.source={corpus}",

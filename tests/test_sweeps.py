@@ -20,25 +20,13 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_RUN, free_port
+from conftest import ROOT, TINY_RUN, torchrun_cmd
 from wandb_log import read_run
 
 from nodetrain.config import OptimConfig
 
 TINY = [*TINY_RUN, "train.eval_batches=1"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> list[str]:
-    """A small real-text corpus (a public-domain sonnet, repeated) and its prepared-data dir."""
-    d = tmp_path_factory.mktemp("corpus")
-    text = (
-        "Shall I compare thee to a summer's day?\nThou art more lovely and more temperate:\n"
-        "Rough winds do shake the darling buds of May,\nAnd summer's lease hath all too short a date;\n"
-    )
-    (d / "sonnet.txt").write_text(text * 200)
-    return [f"data.source={d / 'sonnet.txt'}", f"data.dir={d / 'prepared'}", "data.vocab_size=300"]
 
 
 def _env(tmp_path: Path, wandb_mode: str) -> dict[str, str]:
@@ -74,13 +62,7 @@ def test_multirun_of_two_learning_rates_on_two_ranks(
     lrs, steps = ("0.001", "0.0003"), 2
     overrides = [*TINY, *corpus, f"train.steps={steps}", f"train.eval_every={steps}", f"store.dir={shm_dir}"]
     overrides += ["logging.tags=[lr-sweep]", f"optim.lr={','.join(lrs)}"]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-    ]
+    cmd = torchrun_cmd(2)
     _run([*cmd, "-m", "nodetrain.train", "--multirun", *overrides], _env(tmp_path, "offline"), 400)
     exited = time.time()
 
@@ -125,13 +107,7 @@ def test_multirun_job_failing_on_one_rank_ends_the_sweep(tmp_path: Path, corpus:
     /dev/shm (DESIGN invariant 7; issue 5's 2-rank failure)."""
     overrides = [*TINY, *corpus, "train.steps=20", "train.eval_every=0", "logging.plots=false"]
     overrides += [f"store.dir={shm_dir}", "test.fail_rank=1", "test.fail_step=2", "optim.lr=1e-3,3e-4"]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-    ]
+    cmd = torchrun_cmd(2)
     cmd += ["-m", "nodetrain.train", "--multirun", *overrides]
     proc = subprocess.run(
         cmd, cwd=ROOT, env=_env(tmp_path, "disabled"), capture_output=True, text=True, timeout=300

@@ -9,61 +9,32 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import TINY_RUN
+from conftest import TINY_RUN, torchrun_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [*TINY_RUN, "train.eval_batches=1"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(nproc: int, overrides: list[str], runs: Path, timeout_s: float = 300):
     env = dict(os.environ, NODETRAIN_RUNS=str(runs), WANDB_MODE="offline", PYTHONPATH=str(ROOT))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        f"--master_port={_free_port()}",
-        "-m",
-        "nodetrain.train",
-        *overrides,
-    ]
+    cmd = torchrun_cmd(nproc, "-m", "nodetrain.train", *overrides)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     return proc, time.perf_counter() - t0
-
-
-@pytest.fixture(scope="module")
-def tiny_corpus(tmp_path_factory) -> list[str]:
-    """A small real-text corpus (a public-domain sonnet, repeated) and its prepared-data dir."""
-    d = tmp_path_factory.mktemp("corpus")
-    text = (
-        "Shall I compare thee to a summer's day?\nThou art more lovely and more temperate:\n"
-        "Rough winds do shake the darling buds of May,\nAnd summer's lease hath all too short a date;\n"
-    )
-    (d / "sonnet.txt").write_text(text * 200)
-    return [f"data.source={d / 'sonnet.txt'}", f"data.dir={d / 'prepared'}", "data.vocab_size=300"]
 
 
 def _shm_stores() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("nodetrain-*.store")}
 
 
-def test_two_ranks_one_run_dir_with_metrics_logs_and_wandb(tmp_path, tiny_corpus):
+def test_two_ranks_one_run_dir_with_metrics_logs_and_wandb(tmp_path, corpus):
     before = _shm_stores()
-    proc, _ = _torchrun(2, [*TINY, *tiny_corpus, "train.steps=3", "train.eval_every=2"], tmp_path)
+    proc, _ = _torchrun(2, [*TINY, *corpus, "train.steps=3", "train.eval_every=2"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dirs = [p for p in tmp_path.iterdir() if p.is_dir()]
     assert len(run_dirs) == 1, run_dirs
@@ -94,9 +65,9 @@ def test_two_ranks_one_run_dir_with_metrics_logs_and_wandb(tmp_path, tiny_corpus
     ],
     ids=["more-stages-than-layers", "batch-not-divisible", "unknown-schedule", "data-shorter-than-a-batch"],
 )
-def test_bad_config_refused_on_every_rank_within_seconds(tmp_path, tiny_corpus, nproc, overrides, key):
+def test_bad_config_refused_on_every_rank_within_seconds(tmp_path, corpus, nproc, overrides, key):
     before = _shm_stores()
-    proc, elapsed = _torchrun(nproc, [*TINY, *tiny_corpus, *overrides], tmp_path, timeout_s=120)
+    proc, elapsed = _torchrun(nproc, [*TINY, *corpus, *overrides], tmp_path, timeout_s=120)
     assert proc.returncode != 0
     assert key in proc.stdout + proc.stderr
     assert elapsed < 60, f"refusal took {elapsed:.0f}s"
