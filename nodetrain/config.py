@@ -417,17 +417,23 @@ def _rank0_only(value: Any) -> Any:
     return value if _rank() == 0 else None
 
 
+def _rank0_else(on_rank0: Any, elsewhere: Any) -> Any:
+    """``on_rank0`` on global rank 0, ``elsewhere`` on the other ranks (e.g. the console log level)."""
+    return on_rank0 if _rank() == 0 else elsewhere
+
+
 def register_configs() -> None:
     """Store ``Config`` in Hydra's ConfigStore as ``base_config`` and register the resolvers.
 
     Call once before ``@hydra.main`` or ``compose`` runs; calling again is harmless. Resolvers:
-    ``${nt_run_id:}`` (see ``run_id``), ``${nt_rank:}`` (global rank) and ``${nt_rank0_only:x}``
-    (``x`` on rank 0, null elsewhere).
+    ``${nt_run_id:}`` (see ``run_id``), ``${nt_rank:}`` (global rank), ``${nt_rank0_only:x}``
+    (``x`` on rank 0, null elsewhere) and ``${nt_rank0_else:x,y}`` (``x`` on rank 0, ``y`` elsewhere).
     """
     ConfigStore.instance().store(name="base_config", node=Config)
     OmegaConf.register_new_resolver("nt_run_id", run_id, replace=True)
     OmegaConf.register_new_resolver("nt_rank", _rank, replace=True)
     OmegaConf.register_new_resolver("nt_rank0_only", _rank0_only, replace=True)
+    OmegaConf.register_new_resolver("nt_rank0_else", _rank0_else, replace=True)
 
 
 def to_typed(dict_config: DictConfig) -> Config:
