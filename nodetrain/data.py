@@ -219,13 +219,13 @@ def _install(tmp: Path, target: Path) -> None:
 def _train_bpe(cfg: DataConfig, files: list[Path]) -> Tokenizer:
     """A byte-level BPE trained on the corpus, with progress while the text is read."""
     total_bytes = sum(p.stat().st_size for p in files)
+    log.info("data: training a byte-level BPE of %d ids (reading the text, then merging)", cfg.vocab_size)
     with TaskProgress("data: reading text for the BPE", total_bytes, "MB", 1e-6) as bar:
 
-        def texts() -> Iterator[str]:
+        def texts() -> Iterator[str]:  # consumed in a tokenizers thread: no logging here
             for doc in corpus.iter_documents(cfg, files):
                 yield from _chunks(doc, True)
                 bar.advance(len(doc))
-            log.info("data: learning %d BPE merges on %.1f MB of text", cfg.vocab_size, bar.done / 1e6)
 
         return tokenizers_.train_bpe(texts(), cfg.vocab_size, show_progress=bar.terminal)
 

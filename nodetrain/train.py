@@ -229,10 +229,15 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
 
 
 def _write_plots(run_dir: Path) -> None:
-    from nodetrain.plots import write_plots  # matplotlib: imported on rank 0 only, when used
+    from nodetrain.plots import (
+        write_plots,
+        write_sweep_plot,
+    )  # matplotlib: imported on rank 0 only, when used
 
     try:
         log.info("plots: %s", ", ".join(p.name for p in write_plots(run_dir)))
+        if run_dir.name.isdigit():  # a job of a sweep (see jobs.Job): compare it with the jobs so far
+            log.info("sweep plot: %s", write_sweep_plot(run_dir.parent))
     except Exception:  # the run itself succeeded; a plot must not turn it into a failure
         log.exception("writing the plots of %s failed; redraw with python -m nodetrain.plots", run_dir)
 

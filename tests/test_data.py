@@ -16,7 +16,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from nodetrain import corpus, data, tokenizer
+from nodetrain import corpus, data, progress, tokenizer
 from nodetrain.config import DataConfig
 from nodetrain.data import EOT_TOKEN, TokenDataset, batch, prepare
 from nodetrain.progress import TaskProgress
@@ -282,22 +282,32 @@ def test_a_megabyte_line_without_spaces_prepares_in_seconds_and_round_trips(tmp_
 
 
 def test_prepare_says_what_it_builds_and_reuses_with_progress_lines(tmp_path, caplog, monkeypatch):
-    monkeypatch.setattr(TaskProgress.__init__, "__defaults__", ("", 1.0, 0.0, False))  # a line per group
-    monkeypatch.setattr(data, "_BATCH_CHARS", 50)
+    monkeypatch.setattr(progress, "EVERY_S", 1e-3)  # a progress line every millisecond, and a last one
     cfg = DataConfig(source=str(_txt_corpus(tmp_path)), dir=str(tmp_path / "ds"), vocab_size=300)
     with caplog.at_level(logging.INFO, logger="nodetrain"):
         directory = prepare(cfg)
         prepare(cfg)
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith(f"data: preparing {directory} from ") for line in lines)
-    assert any(line.startswith("data: encoding: ") and "%" in line and "ETA" in line for line in lines)
+    assert any(line.startswith("data: encoding: 100% (0.0/0.0 MB), ") for line in lines)
     assert lines[-1].startswith(f"data: reusing {directory}")
+    assert all(r.threadName in ("MainThread", "nodetrain-progress") for r in caplog.records)
 
 
-def test_task_progress_line_is_the_share_done_and_a_linear_eta():
+def test_task_progress_line_is_the_share_done_and_a_linear_eta(caplog):
     bar = TaskProgress("work", total=200, unit="MB", scale=0.5, terminal=False)
     bar.advance(50)
     assert bar.line(elapsed_s=10.0) == "work: 25% (25.0/100.0 MB), 10 s, ETA 30 s"
+    with caplog.at_level(logging.INFO, logger="nodetrain"):
+        with TaskProgress("slow", total=4, every_s=0.05, terminal=False) as slow:
+            for _ in range(4):
+                slow.advance(1)
+                time.sleep(0.05)
+        with TaskProgress("quick", total=4, every_s=60, terminal=False) as quick:
+            quick.advance(4)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) >= 2 and all(line.startswith("slow: ") for line in lines)  # none for a quick task
+    assert lines[-1].startswith("slow: 100% (4.0/4.0), ")
 
 
 # --- user errors: each names its config key -----------------------------------------------------
