@@ -61,7 +61,7 @@ def format_progress(
         eta_s: wall seconds the remaining steps are expected to take; shown when given.
     """
     width = len(str(total_steps))
-    parts = [f"step {record['step']:>{width}}/{total_steps} {record['step'] / max(total_steps, 1):.0%}"]
+    parts = [f"step {record['step']:>{width}}/{total_steps} {record['step'] / max(total_steps, 1):>4.0%}"]
     for seconds, label in ((elapsed_s, "{} elapsed"), (eta_s, "ETA {}")):
         if _is_number(seconds) and math.isfinite(seconds):
             parts.append(label.format(datetime.timedelta(seconds=round(seconds))))
@@ -191,9 +191,10 @@ class MetricsLogger:
             self._first_step, self._start_s = step - 1, now_s - float(clean.get("step_s") or 0)
         if step % self.print_every == 0 or step == self.total_steps or clean.get("val_loss") is not None:
             assert self._console is not None
-            elapsed_s = now_s - self._start_s
-            done = step - self._first_step if self._first_step is not None else 0
-            eta_s = eta_seconds(elapsed_s, done, self.total_steps - step)
+            elapsed_s = eta_s = None  # none before the first training step (an evaluation at step 0)
+            if self._first_step is not None:
+                elapsed_s = now_s - self._start_s
+                eta_s = eta_seconds(elapsed_s, step - self._first_step, self.total_steps - step)
             self._console.print(format_progress(clean, self.total_steps, elapsed_s, eta_s))
 
     def close(self, exit_code: int = 0) -> None:

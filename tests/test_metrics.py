@@ -85,10 +85,10 @@ def test_context_manager_and_odd_values(tmp_path: Path) -> None:
 
 def test_format_progress() -> None:
     line = format_progress(_record(7, val_loss=2.25), total_steps=300)
-    assert line.startswith("step   7/300 2% | loss -2.0000 | val 2.2500 | lr 7.00e-03")
+    assert line.startswith("step   7/300   2% | loss -2.0000 | val 2.2500 | lr 7.00e-03")
     assert line.endswith("9,000 tok/s")
     timed = format_progress(_record(150), total_steps=300, elapsed_s=61.4, eta_s=3725.0)
-    assert timed.startswith("step 150/300 50% | 0:01:01 elapsed | ETA 1:02:05 | loss")
+    assert timed.startswith("step 150/300  50% | 0:01:01 elapsed | ETA 1:02:05 | loss")
 
 
 def test_progress_line_eta_is_the_mean_step_time_of_this_run(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -102,9 +102,9 @@ def test_progress_line_eta_is_the_mean_step_time_of_this_run(tmp_path: Path, mon
     logger.close()
     first, second = capsys.readouterr().out.splitlines()
     # step 11: 2 s (its step_s) for 1 step -> 9 left take 18 s
-    assert first.startswith("step 11/20 55% | 0:00:02 elapsed | ETA 0:00:18 | ")
+    assert first.startswith("step 11/20  55% | 0:00:02 elapsed | ETA 0:00:18 | ")
     # step 13: 130 - (112 - 2) = 20 s for 3 steps -> 7 left take 46.7 s
-    assert second.startswith("step 13/20 65% | 0:00:20 elapsed | ETA 0:00:47 | ")
+    assert second.startswith("step 13/20  65% | 0:00:20 elapsed | ETA 0:00:47 | ")
     assert eta_seconds(0.0, 0, 5) != eta_seconds(0.0, 0, 5)  # NaN before the first step
 
 
