@@ -53,7 +53,7 @@ _FORMAT_VERSION = 2
 _DATASET_FILES = ("train.bin", "val.bin", "tokenizer.json", "meta.json")
 _CHUNK_CHARS = 1 << 16
 """Longest piece of a document handed to ``encode_batch`` (characters), where it can be split."""
-_BATCH_CHARS = 1 << 22
+_BATCH_CHARS = 1 << 20
 """Characters encoded per ``encode_batch`` call; bounds the memory used on a large corpus."""
 _TRAINED = ("", "bpe")
 """``data.tokenizer`` values that train a BPE on the corpus (``""``: unless model.init_from has one)."""
