@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import itertools
 import json
+import os
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -67,17 +68,50 @@ def source_name(source: str) -> str:
     return re.sub(r"[^\w.-]+", "_", name).strip("._") or "corpus"
 
 
-def files_digest(files: Sequence[Path]) -> dict:
-    """The fingerprint inputs of the corpus: per file its path, size, mtime and SHA-256 of its bytes,
-    plus one SHA-256 over all of them (``sha256``); reading is ~1 GB/s."""
-    entries = []
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(_HASH_BLOCK_BYTES):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_cache(cache: Path | None) -> dict[str, dict]:
+    try:
+        return json.loads(cache.read_text(encoding="utf-8")) if cache else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(cache: Path, entries: dict[str, dict]) -> None:
+    """Replace ``cache`` atomically (a concurrent writer's entries may be lost: they are rehashed)."""
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(entries, indent=1), encoding="utf-8")
+    tmp.replace(cache)
+
+
+def files_digest(files: Sequence[Path], cache: Path | None = None) -> dict:
+    """The fingerprint inputs of the corpus: per file its absolute path, size, mtime and SHA-256 of its
+    bytes, plus one SHA-256 over every file's size and SHA-256, in order (``sha256``).
+
+    Args:
+        files: the corpus files, in order.
+        cache: a JSON file of earlier hashes: a file whose path, size and ``st_mtime_ns`` equal a
+            stored entry keeps its stored SHA-256 instead of being read again (as ``make`` trusts
+            mtimes; reading costs ~1 s per GB); None = read every file. Rewritten with the current
+            entries (those of files that no longer exist dropped).
+    """
+    known, entries = _read_cache(cache), []
     for path in files:
-        stat = path.stat()
-        digest = hashlib.sha256()
-        with path.open("rb") as f:
-            while block := f.read(_HASH_BLOCK_BYTES):
-                digest.update(block)
-        entries.append({"path": str(path), "size": stat.st_size, "sha256": digest.hexdigest()})
+        stat, key = path.stat(), str(path.absolute())
+        entry = {"path": key, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        hit = known.get(key, {})
+        same = hit.get("size") == stat.st_size and hit.get("mtime_ns") == stat.st_mtime_ns
+        entries.append(entry | {"sha256": hit["sha256"] if same and "sha256" in hit else _sha256(path)})
+    if cache is not None:
+        kept = {k: v for k, v in known.items() if os.path.exists(k)}
+        _write_cache(cache, kept | {e["path"]: e for e in entries})
     total = hashlib.sha256(json.dumps([[e["size"], e["sha256"]] for e in entries]).encode()).hexdigest()
     return {"sha256": total, "files": entries}
 

@@ -55,6 +55,8 @@ _CHUNK_CHARS = 1 << 16
 """Longest piece of a document handed to ``encode_batch`` (characters), where it can be split."""
 _BATCH_CHARS = 1 << 20
 """Characters encoded per ``encode_batch`` call; bounds the memory used on a large corpus."""
+_HASH_CACHE = ".file_hashes.json"
+"""File in the ``data.dir`` root holding the corpus files' SHA-256 by path, size and mtime."""
 _TRAINED = ("", "bpe")
 """``data.tokenizer`` values that train a BPE on the corpus (``""``: unless model.init_from has one)."""
 # "\S\n" then "\S": the GPT-2 pre-tokenizer regex always ends a piece after such a newline and has no
@@ -146,15 +148,16 @@ class _Inputs:
     fingerprint: str
 
 
-def _inputs(cfg: DataConfig) -> _Inputs:
-    """Read the corpus files (to hash them) and load a given tokenizer."""
+def _inputs(cfg: DataConfig, root: Path) -> _Inputs:
+    """Hash the corpus files (see ``corpus.files_digest``; the hashes are kept in ``root``) and load a
+    given tokenizer."""
     files = corpus.source_files(cfg)
     tok = None if cfg.tokenizer in _TRAINED else tokenizers_.load_tokenizer(cfg.tokenizer)
     if tok is None:
         tokenization = {"bpe_vocab_size": cfg.vocab_size, "max_piece_bytes": tokenizers_.MAX_PIECE_BYTES}
     else:
         tokenization = {"tokenizer_sha256": tokenizers_.tokenizer_sha256(tok)}
-    digest = corpus.files_digest(files)
+    digest = corpus.files_digest(files, root / _HASH_CACHE)
     keyed = {
         "format_version": _FORMAT_VERSION,
         "corpus_sha256": digest["sha256"],  # over every file's size and SHA-256, in order
@@ -181,14 +184,16 @@ def _is_complete(directory: Path, fingerprint: str) -> bool:
     return same and all((directory / name).is_file() for name in _DATASET_FILES)
 
 
-def _check_target(cfg: DataConfig, target: Path) -> None:
-    """Refuse a ``data.dir`` root that is a file, or a dataset dir holding files prepare did not write."""
-    root = target.parent
+def _check_root(cfg: DataConfig, root: Path) -> None:
     if root.exists() and not root.is_dir():
         raise ValueError(
             f"data.dir={cfg.dir!r} is a file, not a directory; fix: set data.dir to the directory under "
             "which prepared datasets go (default: data)"
         )
+
+
+def _check_target(cfg: DataConfig, target: Path) -> None:
+    """Refuse a dataset directory holding files prepare did not write."""
     foreign = [p.name for p in target.iterdir() if p.name not in _DATASET_FILES] if target.is_dir() else []
     if foreign or (target.exists() and not target.is_dir()):
         raise ValueError(
@@ -266,7 +271,8 @@ def prepare(cfg: DataConfig, seed: int = 0) -> Path:
     ``val_fraction`` goes to ``val.bin``, the rest to ``train.bin`` (flat ``uint16`` if the vocabulary
     has at most 65536 ids, else ``uint32``). All is built in a temp dir beside the target and renamed
     into place, ``meta.json`` last, so a crash never leaves a dataset that looks complete. The
-    fingerprint (SHA-256) covers every corpus file's size and content, the tokenizer (its JSON, or
+    fingerprint (SHA-256) covers every corpus file's size and content (a file's hash is read again
+    only when its size or mtime changed, see ``corpus.files_digest``), the tokenizer (its JSON, or
     the trained BPE's vocab_size and pre-token bound) and val_fraction/jsonl_field, so a dataset is
     reused only for the same inputs, and a changed file gives a new directory (the old one stays for
     runs that use it). Call it on one rank only; it logs what it reuses or builds, with progress.
@@ -288,9 +294,10 @@ def prepare(cfg: DataConfig, seed: int = 0) -> Path:
     """
     del seed
     _check_config(cfg)
-    inputs = _inputs(cfg)
-    name = corpus.source_name(cfg.source)
-    target = Path(cfg.dir).expanduser().absolute() / f"{name}-{inputs.fingerprint[:12]}"
+    root = Path(cfg.dir).expanduser().absolute()
+    _check_root(cfg, root)
+    inputs = _inputs(cfg, root)
+    target = root / f"{corpus.source_name(cfg.source)}-{inputs.fingerprint[:12]}"
     if _is_complete(target, inputs.fingerprint):
         log.info("data: reusing %s (same files, tokenizer and settings: fingerprint matches)", target)
         return target

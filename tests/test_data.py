@@ -21,6 +21,7 @@ from nodetrain.config import DataConfig
 from nodetrain.data import EOT_TOKEN, TokenDataset, batch, prepare
 from nodetrain.progress import TaskProgress
 
+HASHES = ".file_hashes.json"  # data.py's hash cache in the data.dir root
 TEXTS = [
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n",
     "  Leading spaces, trailing spaces   \nand tabs\t\there; ünïcödé — “quotes” 😀\n\n\n",
@@ -175,10 +176,11 @@ def test_prepare_is_idempotent_and_redoes_a_changed_config(tmp_path):
     assert other != directory and _stream(other)[1]["vocab_size"] == 290
     assert _stream(directory)[1]["vocab_size"] == 300  # the first dataset is left for runs using it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", "src"]  # no temp dirs left behind
-    assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == sorted([directory.name, other.name])
+    names = sorted(p.name for p in (tmp_path / "ds").iterdir())
+    assert names == sorted([HASHES, directory.name, other.name])
 
 
-def test_an_edited_source_is_prepared_again_and_a_touched_one_is_reused(tmp_path):
+def test_an_edited_source_is_prepared_again_and_a_touched_one_is_reused(tmp_path, monkeypatch):
     source = _write(tmp_path / "doc.txt", TEXTS[0])
     cfg = DataConfig(source=str(source), dir=str(tmp_path / "ds"), vocab_size=300)
     first = prepare(cfg)
@@ -190,8 +192,13 @@ def test_an_edited_source_is_prepared_again_and_a_touched_one_is_reused(tmp_path
     assert edited != first and _decode(edited, tokens) == TEXTS[0] + TEXTS[2]
     assert len(tokens) > len(first_tokens)
     assert meta["inputs"]["files"][0]["size"] == len((TEXTS[0] + TEXTS[2]).encode())
-    os.utime(source, ns=(0, 0))  # same bytes, another mtime: the content decides
-    assert prepare(cfg) == edited and _read_ids(first) == first_tokens.tolist()
+    hashed = []
+    monkeypatch.setattr(
+        corpus, "_sha256", lambda path, read=corpus._sha256: hashed.append(path) or read(path)
+    )
+    assert prepare(cfg) == edited and hashed == []  # same size and mtime: the stored hash is trusted
+    os.utime(source, ns=(0, 0))  # same bytes, another mtime: read again, and the content decides
+    assert prepare(cfg) == edited and hashed == [source] and _read_ids(first) == first_tokens.tolist()
     assert first_meta["fingerprint"] != meta["fingerprint"]
 
 
@@ -219,7 +226,7 @@ def test_a_failed_prepare_leaves_no_dataset(tmp_path, monkeypatch):
     cfg = DataConfig(source=str(_txt_corpus(tmp_path)), dir=str(tmp_path / "ds"), vocab_size=300)
     with pytest.raises(RuntimeError):
         prepare(cfg)
-    assert list((tmp_path / "ds").iterdir()) == []
+    assert [p.name for p in (tmp_path / "ds").iterdir()] == [HASHES]
 
 
 def test_a_given_tokenizer_dir_is_used(tmp_path):
