@@ -39,8 +39,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from nodetrain import corpus
-from nodetrain import tokenizer as tokenizers_
+from nodetrain import corpus, tokenizer
 from nodetrain.config import DataConfig
 from nodetrain.progress import TaskProgress
 from nodetrain.tokenizer import EOT_TOKEN
@@ -104,7 +103,7 @@ def _encode_to_file(
     """Write the token stream (documents joined by ``eot_id``) to ``path``; return its length."""
     num_tokens = 0
     with path.open("wb") as f:
-        for group in _groups(docs, tokenizers_.is_chunk_safe(tok)):
+        for group in _groups(docs, tokenizer.is_chunk_safe(tok)):
             encoded = iter(tok.encode_batch([p for p in group if p is not None], add_special_tokens=False))
             parts = [[eot_id] if p is None else next(encoded).ids for p in group]
             tokens = np.array(list(itertools.chain.from_iterable(parts)), dtype=dtype)
@@ -152,11 +151,11 @@ def _inputs(cfg: DataConfig, root: Path) -> _Inputs:
     """Hash the corpus files (see ``corpus.files_digest``; the hashes are kept in ``root``) and load a
     given tokenizer."""
     files = corpus.source_files(cfg)
-    tok = None if cfg.tokenizer in _TRAINED else tokenizers_.load_tokenizer(cfg.tokenizer)
+    tok = None if cfg.tokenizer in _TRAINED else tokenizer.load_tokenizer(cfg.tokenizer)
     if tok is None:
-        tokenization = {"bpe_vocab_size": cfg.vocab_size, "max_piece_bytes": tokenizers_.MAX_PIECE_BYTES}
+        tokenization = {"bpe_vocab_size": cfg.vocab_size, "max_piece_bytes": tokenizer.MAX_PIECE_BYTES}
     else:
-        tokenization = {"tokenizer_sha256": tokenizers_.tokenizer_sha256(tok)}
+        tokenization = {"tokenizer_sha256": tokenizer.tokenizer_sha256(tok)}
     digest = corpus.files_digest(files, root / _HASH_CACHE)
     keyed = {
         "format_version": _FORMAT_VERSION,
@@ -232,14 +231,14 @@ def _train_bpe(cfg: DataConfig, files: list[Path]) -> Tokenizer:
                 yield from _chunks(doc, True)
                 bar.advance(len(doc))
 
-        return tokenizers_.train_bpe(texts(), cfg.vocab_size, show_progress=bar.terminal)
+        return tokenizer.train_bpe(texts(), cfg.vocab_size, show_progress=bar.terminal)
 
 
 def _build(cfg: DataConfig, tmp: Path, inputs: _Inputs) -> dict:
     """Write all dataset files into the empty directory ``tmp``, ``meta.json`` last; return the meta."""
     files = inputs.files
     tok = inputs.tokenizer or _train_bpe(cfg, files)
-    eot_id = tokenizers_.eot_id(tok, f"data.tokenizer={cfg.tokenizer!r}")
+    eot_id = tokenizer.eot_id(tok, f"data.tokenizer={cfg.tokenizer!r}")
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     dtype = np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
     tok.save(str(tmp / "tokenizer.json"))
