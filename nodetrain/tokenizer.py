@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -27,8 +26,6 @@ __all__ = [
     "is_chunk_safe",
     "tokenizer_sha256",
 ]
-
-log = logging.getLogger(__name__)
 
 EOT_TOKEN = "<|endoftext|>"
 """End-of-text token of a trained tokenizer; its id separates documents in the token stream."""

@@ -161,6 +161,7 @@ def test_chunked_encoding_gives_the_tokens_of_whole_documents(tmp_path, monkeypa
     cfg = DataConfig(source=str(_write(tmp_path / "doc.txt", doc)), dir=str(tmp_path / "ds"), vocab_size=300)
     directory = prepare(cfg)
     tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    assert tokenizer.is_chunk_safe(tok)  # the trained BPE (pre-tokens cut at 64 bytes) is split for real
     assert _stream(directory)[0].tolist() == tok.encode(doc, add_special_tokens=False).ids
 
 
