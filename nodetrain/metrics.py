@@ -49,7 +49,7 @@ def _jsonable(value: Any) -> Any:
 def format_progress(
     record: dict[str, Any], total_steps: int, elapsed_s: float | None = None, eta_s: float | None = None
 ) -> str:
-    """One progress line, e.g. ``step  10/300 3% | 0:00:41 elapsed | ETA 0:19:49 | loss 4.1234 |
+    """One progress line, e.g. ``step  10/300   3% | 0:00:41 elapsed | ETA 0:19:49 | loss 4.1234 |
     lr 3.00e-03 | 9,100 tok/s | mfu 31.0% | cmp 80% stall 5% d2h 1% opt 2% bub 12%`` (the last part:
     the shares of ``step_s`` of the breakdown's phases).
 

@@ -229,10 +229,8 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
 
 
 def _write_plots(run_dir: Path) -> None:
-    from nodetrain.plots import (
-        write_plots,
-        write_sweep_plot,
-    )  # matplotlib: imported on rank 0 only, when used
+    # matplotlib: imported on rank 0 only, when used
+    from nodetrain.plots import write_plots, write_sweep_plot
 
     try:
         log.info("plots: %s", ", ".join(p.name for p in write_plots(run_dir)))
