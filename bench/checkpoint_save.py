@@ -6,7 +6,7 @@ and once writing from the host store while training waits (``false``). Printed p
 (``ckpt_stall_s`` of metrics.jsonl), the write time of the slowest rank (``save_timing_s`` in
 trainer_state.json), the checkpoint's size, and a training step's time for scale.
 
-    python bench/checkpoint_save.py [--steps 6] [--data-dir data/shakespeare]
+    python bench/checkpoint_save.py [--steps 6] [--data-dir data]
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _run(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--data-dir", default=str(ROOT / "data" / "shakespeare"))
+    ap.add_argument("--data-dir", default=str(ROOT / "data"))
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="nt-bench-save-") as tmp:
         print("default model llama_10m (7.9M parameters), 2 ranks, bf16 export + fp32 master and AdamW state")

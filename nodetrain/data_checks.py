@@ -1,7 +1,9 @@
 """Start-up checks of a prepared dataset against the run that is about to use it.
 
-Owns: opening both splits for training, and refusing — before the host store exists — a split too
-short for one batch and a tokenizer whose vocabulary the model cannot embed. Does not own: preparing
+Owns: which tokenizer a run uses (``model.init_from``'s own, unless ``data.tokenizer`` says
+otherwise: a new BPE's ids would mean other things than the imported embedding rows), opening both
+splits for training, and refusing — before the host store exists — a split too short for one batch
+and a tokenizer whose vocabulary the model cannot embed. Does not own: preparing
 or validating the files themselves (data.py refuses a missing meta.json, a truncated or corrupt
 ``.bin`` and ids >= the tokenizer's vocabulary when it opens a split).
 
@@ -13,12 +15,83 @@ when ``train.eval_every`` > 0). A shorter split would repeat windows inside one 
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 from pathlib import Path
 
 from nodetrain import data
-from nodetrain.config import Config, grad_accum_of
+from nodetrain.config import Config, DataConfig, ModelConfig, grad_accum_of
+from nodetrain.tokenizer import has_tokenizer
 
-__all__ = ["check_vocab", "open_splits"]
+__all__ = ["check_init_vocab", "check_vocab", "open_splits", "run_data_config"]
+
+log = logging.getLogger("nodetrain")
+
+
+def run_data_config(cfg: Config) -> DataConfig:
+    """``cfg.data`` with the tokenizer a run uses: ``data.tokenizer`` when set (``bpe`` = train a
+    BPE), else ``model.init_from``'s tokenizer when that is set, else a BPE trained on the corpus.
+
+    Raises:
+        ValueError: ``model.init_from`` holds no tokenizer and ``data.tokenizer`` is empty (a new
+            BPE would silently give ids that the imported embedding rows do not mean).
+    """
+    init_from, tokenizer = cfg.model.init_from, cfg.data.tokenizer
+    if not init_from or tokenizer not in ("", "bpe"):
+        return cfg.data
+    if tokenizer == "bpe":
+        log.warning(
+            "data.tokenizer=bpe with model.init_from=%s: a new BPE's ids do not mean what the imported "
+            "embedding rows learnt; expect the loss to start near the random level",
+            init_from,
+        )
+        return cfg.data
+    if not has_tokenizer(init_from):
+        raise ValueError(
+            f"model.init_from={init_from!r} holds no tokenizer (tokenizer.json or files AutoTokenizer loads) "
+            "and data.tokenizer is empty: training a new BPE would give ids that mean other things than the "
+            "imported embedding rows; fix: data.tokenizer=<the model's tokenizer directory>, or "
+            "data.tokenizer=bpe to train a new one on purpose"
+        )
+    log.info("data.tokenizer: the tokenizer of model.init_from=%s", init_from)
+    return dataclasses.replace(cfg.data, tokenizer=init_from)
+
+
+def _embedding_rows(model_dir: Path) -> int | None:
+    """``vocab_size`` of the HF ``config.json`` in ``model_dir`` (or its ``text_config``), or None."""
+    try:
+        hf = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # the import's own checks name the problem (checkpoint/hf_import.py)
+    rows = hf.get("vocab_size") or (hf.get("text_config") or {}).get("vocab_size")
+    return int(rows) if rows else None
+
+
+def check_init_vocab(model: ModelConfig, ds: data.TokenDataset) -> int | None:
+    """Refuse a tokenizer with more ids than ``model.init_from``'s embedding has rows.
+
+    An embedding with more rows than the tokenizer has ids is accepted (checkpoints pad their
+    vocabulary, e.g. Qwen's: the extra rows never see a token).
+
+    Returns:
+        The embedding rows of ``model.init_from`` (the model's vocab_size unless ``model.hf`` sets
+        one), or None without ``model.init_from`` or a readable config.json there.
+
+    Raises:
+        ValueError: the tokenizer has more ids than the embedding rows, naming both and the fix.
+    """
+    if not model.init_from or (rows := _embedding_rows(Path(model.init_from).expanduser())) is None:
+        return None
+    if ds.vocab_size > rows:
+        tokenizer = ds.path.parent / "tokenizer.json"
+        raise ValueError(
+            f"model.init_from={model.init_from!r} embeds {rows} token ids (config.json vocab_size) but the "
+            f"tokenizer {tokenizer} has {ds.vocab_size}: ids >= {rows} have no embedding row; fix: use the "
+            "model's own tokenizer (leave data.tokenizer empty, or data.tokenizer=<model.init_from>), or "
+            f"a tokenizer of at most {rows} ids"
+        )
+    return rows
 
 
 def _check_length(ds: data.TokenDataset, num_sequences: int, seq_len: int, batch: str, fix: str) -> None:

@@ -168,15 +168,17 @@ class Engine:
         self.breakdown = self._make_breakdown()
         self.window.timeline = self.p2p.timeline = self.breakdown.timeline
         log.info(
-            "stage %d/%d (replica %d/%d): units %s (%s), window %.1f MB (resident: %s), host store %.1f MB",
+            "stage %d/%d (replica %d/%d): %s … %s, %d units, window %.1f MB (resident: %s), "
+            "host store %.1f MB",
             topo.stage,
             topo.num_stages,
             topo.replica,
             topo.num_replicas,
-            [model.units[i].name for i in (self.blocks[0], self.blocks[-1])],
+            model.units[self.blocks[0]].name,
+            model.units[self.blocks[-1]].name,
             len(self.blocks),
             self.window.nbytes / 1e6,
-            [model.units[i].name for i in self.window.resident] or "none",
+            ", ".join(model.units[i].name for i in self.window.resident) or "none",
             self.store.nbytes / 1e6,
         )
 

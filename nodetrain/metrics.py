@@ -14,16 +14,18 @@ fields), or deciding which rank logs (the caller passes ``enabled``, normally ``
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
+import time
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
 from rich.console import Console
 
-__all__ = ["METRICS_FILE", "MetricsLogger", "format_progress"]
+__all__ = ["METRICS_FILE", "MetricsLogger", "eta_seconds", "format_progress"]
 
 METRICS_FILE = "metrics.jsonl"
 """Name of the per-run record file under the run directory."""
@@ -44,16 +46,25 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def format_progress(record: dict[str, Any], total_steps: int) -> str:
-    """One progress line, e.g. ``step 10/300 | loss 4.1234 | lr 3.00e-03 | 9,100 tok/s | mfu 31.0% |
-    cmp 80% stall 5% d2h 1% opt 2% bub 12%`` (the shares of ``step_s`` of the breakdown's phases).
+def format_progress(
+    record: dict[str, Any], total_steps: int, elapsed_s: float | None = None, eta_s: float | None = None
+) -> str:
+    """One progress line, e.g. ``step  10/300   3% | 0:00:41 elapsed | ETA 0:19:49 | loss 4.1234 |
+    lr 3.00e-03 | 9,100 tok/s | mfu 31.0% | cmp 80% stall 5% d2h 1% opt 2% bub 12%`` (the last part:
+    the shares of ``step_s`` of the breakdown's phases).
 
     Args:
         record: a logged record; ``step`` is required, the other fields are shown when present.
-        total_steps: steps of the whole run, shown after the slash.
+        total_steps: steps of the whole run, shown after the slash and as the percentage done.
+        elapsed_s: wall seconds since the first step of this run (or of its resume) began; shown when
+            given.
+        eta_s: wall seconds the remaining steps are expected to take; shown when given.
     """
     width = len(str(total_steps))
-    parts = [f"step {record['step']:>{width}}/{total_steps}"]
+    parts = [f"step {record['step']:>{width}}/{total_steps} {record['step'] / max(total_steps, 1):>4.0%}"]
+    for seconds, label in ((elapsed_s, "{} elapsed"), (eta_s, "ETA {}")):
+        if _is_number(seconds) and math.isfinite(seconds):
+            parts.append(label.format(datetime.timedelta(seconds=round(seconds))))
     fields = (
         ("loss", "loss {:.4f}"),
         ("val_loss", "val {:.4f}"),
@@ -71,6 +82,12 @@ def format_progress(record: dict[str, Any], total_steps: int) -> str:
     if _is_number(step_s) and step_s > 0 and all(_is_number(v) for _, v in shares):
         parts.append(" ".join(f"{name} {v / step_s:.0%}" for name, v in shares))
     return " | ".join(parts)
+
+
+def eta_seconds(elapsed_s: float, steps_done: int, steps_left: int) -> float:
+    """Seconds the ``steps_left`` remaining steps take at the mean wall time of the ``steps_done``
+    steps of ``elapsed_s`` (evaluation and checkpoint stalls included); NaN before the first step."""
+    return elapsed_s / steps_done * steps_left if steps_done > 0 else math.nan
 
 
 _SHARES = (("cmp", "compute"), ("stall", "stall"), ("d2h", "d2h_wait"), ("opt", "optim"), ("bub", "bubble"))
@@ -130,6 +147,8 @@ class MetricsLogger:
         self.run_id: str | None = None
         """The wandb run's id (keep it in a checkpoint to continue the run), or None without wandb."""
         self._console: Console | None = None
+        self._start_s = time.monotonic()
+        self._first_step: int | None = None  # the step before the first logged training step
         if not enabled:
             return
         run_dir = Path(run_dir)
@@ -167,9 +186,16 @@ class MetricsLogger:
         self._file.flush()
         if self._run is not None:
             self._run.log({k: v for k, v in clean.items() if v is not None}, step=step)
+        now_s = time.monotonic()
+        if self._first_step is None and step > 0:  # a resumed run's ETA counts only its own steps
+            self._first_step, self._start_s = step - 1, now_s - float(clean.get("step_s") or 0)
         if step % self.print_every == 0 or step == self.total_steps or clean.get("val_loss") is not None:
             assert self._console is not None
-            self._console.print(format_progress(clean, self.total_steps))
+            elapsed_s = eta_s = None  # none before the first training step (an evaluation at step 0)
+            if self._first_step is not None:
+                elapsed_s = now_s - self._start_s
+                eta_s = eta_seconds(elapsed_s, step - self._first_step, self.total_steps - step)
+            self._console.print(format_progress(clean, self.total_steps, elapsed_s, eta_s))
 
     def close(self, exit_code: int = 0) -> None:
         """Close ``metrics.jsonl`` and finish the wandb run; later calls do nothing.

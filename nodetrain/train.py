@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 from nodetrain import data
 from nodetrain.checkpoint import Checkpointing
 from nodetrain.config import Config, grad_accum_of, register_configs, to_typed, validate
-from nodetrain.data_checks import check_vocab, open_splits
+from nodetrain.data_checks import check_init_vocab, check_vocab, open_splits, run_data_config
 from nodetrain.engine import Engine
 from nodetrain.faults import BadSteps, StopRequest, maybe_fail
 from nodetrain.jobs import Job, Release, current_job, fail_fast
@@ -142,9 +142,11 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     rank, world_size, local_rank, device = _init_distributed(cfg.dist.timeout_s)
     topology, release = Topology.from_env(cfg.pipeline.stages), Release()
-    data_dir = Path(_on_rank0(lambda: str(data.prepare(cfg.data, cfg.seed))))
+    data_cfg = run_data_config(cfg)  # model.init_from's tokenizer unless data.tokenizer is set
+    data_dir = Path(_on_rank0(lambda: str(data.prepare(data_cfg, cfg.seed))))
     train_ds, val_ds = open_splits(data_dir, cfg, topology.num_replicas)
-    model = HFModel(build_hf_config(cfg.model, vocab_size=train_ds.vocab_size))
+    init_rows = check_init_vocab(cfg.model, train_ds)  # an imported (maybe padded) embedding's rows
+    model = HFModel(build_hf_config(cfg.model, vocab_size=init_rows or train_ds.vocab_size))
     check_vocab(model.config.vocab_size, train_ds)
     # refuse a store the node cannot hold (nodes are alike: node 0 answers for all)
     _on_rank0(lambda: preflight(cfg, model, topology.num_stages))
@@ -227,10 +229,13 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
 
 
 def _write_plots(run_dir: Path) -> None:
-    from nodetrain.plots import write_plots  # matplotlib: imported on rank 0 only, when used
+    # matplotlib: imported on rank 0 only, when used
+    from nodetrain.plots import write_plots, write_sweep_plot
 
     try:
         log.info("plots: %s", ", ".join(p.name for p in write_plots(run_dir)))
+        if run_dir.name.isdigit():  # a job of a sweep (see jobs.Job): compare it with the jobs so far
+            log.info("sweep plot: %s", write_sweep_plot(run_dir.parent))
     except Exception:  # the run itself succeeded; a plot must not turn it into a failure
         log.exception("writing the plots of %s failed; redraw with python -m nodetrain.plots", run_dir)
 

@@ -45,6 +45,12 @@ def corpus(tmp_path_factory) -> list[str]:
     return [f"data.source={d / 'sonnet.txt'}", f"data.dir={d / 'prepared'}", "data.vocab_size=300"]
 
 
+def prepared_dir(root: Path) -> Path:
+    """The one dataset that ``data.prepare`` wrote under the ``data.dir`` root ``root``."""
+    (meta,) = Path(root).glob("*/meta.json")
+    return meta.parent
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

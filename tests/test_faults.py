@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import ROOT, SONNET, TINY_RUN, job_env, start_job, torchrun_cmd
+from conftest import ROOT, SONNET, TINY_RUN, job_env, prepared_dir, start_job, torchrun_cmd
 from safetensors.torch import load_file
 from test_parity import ATOL_WEIGHT, OPTIM, RTOL, lr_schedule
 
@@ -360,7 +360,14 @@ def test_nan_gradient_is_skipped_on_every_stage(tmp_path: Path, corpus, shm_dir:
     torch.manual_seed(11)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**NAN_HF)).save_pretrained(model_dir)
     hf = [f"++model.hf.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in NAN_HF.items()]
-    overrides = [*TINY, *corpus, *hf, f"model.init_from={model_dir}", f"store.dir={shm_dir}"]
+    overrides = [
+        *TINY,
+        *corpus,
+        *hf,
+        f"model.init_from={model_dir}",
+        "data.tokenizer=bpe",
+        f"store.dir={shm_dir}",
+    ]
     overrides += ["train.dtype=float32", f"train.steps={NAN_STEPS}", "optim.max_grad_norm=0.3"]
     overrides += [f"optim.{k}={v}" for k, v in OPTIM.items()]
     overrides += ["test.nan_rank=1", f"test.nan_step={NAN_AT}", "checkpoint.export_dtype=float32"]
@@ -377,8 +384,9 @@ def test_nan_gradient_is_skipped_on_every_stage(tmp_path: Path, corpus, shm_dir:
             in (run / f"rank{r}.log").read_text()
         )
 
-    meta = json.loads((Path(corpus[1].split("=", 1)[1]) / "meta.json").read_text())
-    train_ds = data.TokenDataset.open(Path(corpus[1].split("=", 1)[1]), "train")
+    prepared = prepared_dir(Path(corpus[1].split("=", 1)[1]))
+    meta = json.loads((prepared / "meta.json").read_text())
+    train_ds = data.TokenDataset.open(prepared, "train")
     seed = Config().seed
     batches = [data.batch(train_ds, seed, s, 4, 16) for s in range(NAN_STEPS)]  # 2 micro-batches × 2
     assert meta["vocab_size"] == NAN_HF["vocab_size"]

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from wandb_log import read_run
 
-from nodetrain.metrics import METRICS_FILE, MetricsLogger, format_progress
+from nodetrain import metrics
+from nodetrain.metrics import METRICS_FILE, MetricsLogger, eta_seconds, format_progress
 
 KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"}
 
@@ -84,8 +85,27 @@ def test_context_manager_and_odd_values(tmp_path: Path) -> None:
 
 def test_format_progress() -> None:
     line = format_progress(_record(7, val_loss=2.25), total_steps=300)
-    assert line.startswith("step   7/300 | loss -2.0000 | val 2.2500 | lr 7.00e-03")
+    assert line.startswith("step   7/300   2% | loss -2.0000 | val 2.2500 | lr 7.00e-03")
     assert line.endswith("9,000 tok/s")
+    timed = format_progress(_record(150), total_steps=300, elapsed_s=61.4, eta_s=3725.0)
+    assert timed.startswith("step 150/300  50% | 0:01:01 elapsed | ETA 1:02:05 | loss")
+
+
+def test_progress_line_eta_is_the_mean_step_time_of_this_run(tmp_path: Path, monkeypatch, capsys) -> None:
+    clock = iter([100.0, 112.0, 130.0])  # init, step 11 logged (10 s since step 10 ended), step 13
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: next(clock))
+    logger = MetricsLogger(
+        tmp_path, {}, enabled=True, use_wandb=False, project="p", run_name="r", total_steps=20
+    )
+    logger.log(_record(11, step_s=2.0))  # a resumed run: its first step is 11
+    logger.log(_record(13, step_s=2.0))
+    logger.close()
+    first, second = capsys.readouterr().out.splitlines()
+    # step 11: 2 s (its step_s) for 1 step -> 9 left take 18 s
+    assert first.startswith("step 11/20  55% | 0:00:02 elapsed | ETA 0:00:18 | ")
+    # step 13: 130 - (112 - 2) = 20 s for 3 steps -> 7 left take 46.7 s
+    assert second.startswith("step 13/20  65% | 0:00:20 elapsed | ETA 0:00:47 | ")
+    assert eta_seconds(0.0, 0, 5) != eta_seconds(0.0, 0, 5)  # NaN before the first step
 
 
 def _offline_runs(run_dir: Path) -> list[Path]:

@@ -24,6 +24,7 @@ from conftest import ROOT, TINY_RUN, torchrun_cmd
 from wandb_log import read_run
 
 from nodetrain.config import OptimConfig
+from nodetrain.plots import SWEEP_PLOT, sweep_curves
 
 TINY = [*TINY_RUN, "train.eval_batches=1"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -63,8 +64,12 @@ def test_multirun_of_two_learning_rates_on_two_ranks(
     overrides = [*TINY, *corpus, f"train.steps={steps}", f"train.eval_every={steps}", f"store.dir={shm_dir}"]
     overrides += ["logging.tags=[lr-sweep]", f"optim.lr={','.join(lrs)}"]
     cmd = torchrun_cmd(2)
-    _run([*cmd, "-m", "nodetrain.train", "--multirun", *overrides], _env(tmp_path, "offline"), 400)
+    proc = _run([*cmd, "-m", "nodetrain.train", "--multirun", *overrides], _env(tmp_path, "offline"), 400)
     exited = time.time()
+    console = proc.stdout + proc.stderr
+    info_ranks = set(re.findall(r"^\[[^\]]+\]\[rank(\d+)\]\[[^\]]+\]\[INFO\]", console, re.MULTILINE))
+    assert info_ranks == {"0"}, f"INFO lines on the console from ranks {info_ranks}:\n{console[-3000:]}"
+    assert re.search(r"^step 2/2 100% \| 0:00:\d\d elapsed \| ETA 0:00:00 \| loss", console, re.MULTILINE)
 
     (sweep,) = (tmp_path / "runs").iterdir()  # one sweep directory, one job directory per value
     assert sweep.name.startswith("multirun_")
@@ -78,7 +83,10 @@ def test_multirun_of_two_learning_rates_on_two_ranks(
         assert records[1]["lr"] == pytest.approx(float(lr) / warmup, rel=1e-9)  # this job's lr, step 1
         assert f"optim.lr={lr}" in (job / ".hydra" / "overrides.yaml").read_text()
         logs = [(job / f"rank{r}.log").read_text() for r in (0, 1)]
-        assert "stage 1/2" in logs[1]
+        assert re.search(r"stage 1/2 \(replica 0/1\): layers\.1 … head, 2 units", logs[1]), logs[1][-2000:]
+        for r, log in enumerate(logs):  # every line of a rank's own log carries its rank
+            starts = [ln for ln in log.splitlines() if re.match(r"\[\d{4}-", ln)]
+            assert starts and all(f"][rank{r}][" in ln for ln in starts), log[-2000:]
         for log in logs:  # one process group for the sweep; each job let go of its store and threads
             assert ("process group: reused" in log) == (num == 1), log[-2000:]
             assert "job released: host store" in log and "no threads left" in log
@@ -95,6 +103,11 @@ def test_multirun_of_two_learning_rates_on_two_ranks(
         assert all(h["loss"] == r["loss"] for h, r in zip(logged[1:], records[1:], strict=True))
         runs.append(run.run_id)
     assert runs[0] != runs[1], "both jobs logged into one wandb run"
+    assert (sweep / SWEEP_PLOT).read_bytes().startswith(PNG_SIGNATURE)
+    curves = sweep_curves(sweep)  # one line per job, named by the swept value
+    assert [(label, steps) for label, steps, _ in curves] == [
+        (f"{n}: optim.lr={lr}", [1, 2]) for n, lr in enumerate(lrs)
+    ]
 
     last_step = max((sweep / str(n) / "metrics.jsonl").stat().st_mtime for n in (0, 1))
     assert exited - last_step < 30, f"exited {exited - last_step:.1f}s after the last step"

