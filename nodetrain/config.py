@@ -57,16 +57,26 @@ class ModelConfig:
     arch: str = "LlamaForCausalLM"
     """HF class name: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM."""
     config_path: str = ""
-    """Optional path to an HF ``config.json`` (or a directory holding one); its fields are the base
-    and ``hf`` overrides them."""
+    """Optional HF ``config.json`` (or a directory holding one) that defines the model; empty =
+    ``init_from`` when that is set. With a config from a directory, the model is exactly what
+    ``transformers.AutoConfig.from_pretrained`` builds from it (any config dialect, e.g. legacy
+    ``rope_scaling``/``rope_theta``; its architecture and padded ``vocab_size`` included):
+    ``arch`` and ``hf`` of the model group are not used (one log line says so) and
+    ``hf_override`` is the only way to change a field."""
     hf: dict[str, Any] = field(default_factory=dict)
-    """HF config fields (hidden_size, num_hidden_layers, ...). ``vocab_size`` is taken from the
-    tokenizer when left out. Keys must be fields of the arch's HF config class (see ``HF_KEYS`` in
-    nodetrain/config_checks.py);
-    add a key on the command line with ``+model.hf.<key>=<value>``."""
+    """HF config fields (hidden_size, num_hidden_layers, ...) of a model built without a config
+    directory (see ``config_path``). ``vocab_size`` is taken from the tokenizer when left out.
+    Keys must be fields of the arch's HF config class (see ``HF_KEYS`` in
+    nodetrain/config_checks.py); add a key on the command line with ``+model.hf.<key>=<value>``."""
+    hf_override: dict[str, Any] = field(default_factory=dict)
+    """HF config fields changed on top of the directory's ``config.json`` (``config_path`` or
+    ``init_from``), e.g. ``+model.hf_override.attention_dropout=0.1``; each one is logged as a
+    warning, and a math field (rope, norm eps, activation, ...) that then differs from the
+    imported weights' config is reported, not refused. Ignored without a config directory."""
     init_from: str = ""
     """HF model directory (config.json + *.safetensors) whose weights initialise the master weights;
-    empty = random init (normal(0, initializer_range), norms = 1, biases = 0)."""
+    empty = random init (normal(0, initializer_range), norms = 1, biases = 0). Alone it also defines
+    the model (see ``config_path``): ``model.init_from=<dir>`` is the whole import."""
 
 
 @dataclass

@@ -72,7 +72,8 @@ class Checkpointing:
         self.start_step = int(self.state["step"]) if self.state else 0
         self._hf_index = None
         if self.path is None and cfg.model.init_from:
-            self._hf_index = check_model_dir(cfg.model.init_from, model)  # headers only, before allocation
+            overrides = set(cfg.model.hf_override)
+            self._hf_index = check_model_dir(cfg.model.init_from, model, overrides)  # headers only
         elif self.path is not None and cfg.model.init_from:
             log.info("resuming from %s: model.init_from=%s is not read", self.path, cfg.model.init_from)
         self.writer: CheckpointWriter | None = None
