@@ -106,10 +106,11 @@ def _evaluate(engine: Engine, val: data.TokenDataset, cfg: Config) -> float:
 
 
 def _metrics_logger(
-    cfg: Config, job: Job, resolved: dict, enabled: bool, resume_id: str | None
+    cfg: Config, job: Job, resolved: dict, enabled: bool, resume_id: str | None, start_step: int
 ) -> MetricsLogger:
     """metrics.jsonl and the job's wandb run (named and grouped by the job, see jobs.py); a resumed
-    run continues the wandb run its checkpoint recorded unless ``logging.wandb_id`` names another."""
+    run continues the wandb run its checkpoint recorded unless ``logging.wandb_id`` names another.
+    Rows after ``start_step`` that an earlier launch wrote are dropped (one row per step)."""
     lc = cfg.logging
     return MetricsLogger(
         job.run_dir,
@@ -125,6 +126,7 @@ def _metrics_logger(
         notes=lc.notes,
         entity=lc.entity,
         resume_id=lc.wandb_id or resume_id,
+        start_step=start_step,
     )
 
 
@@ -148,7 +150,9 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
     check_vocab(model.config.vocab_size, train_ds)
     # refuse a store the node cannot hold (nodes are alike: node 0 answers for all)
     _on_rank0(lambda: preflight(cfg, model, topology.num_stages))
-    ckpt = Checkpointing(cfg, run_dir, resolved, model)  # resume or import is checked before the store exists
+    ckpt = Checkpointing(
+        cfg, run_dir, resolved, model, data_dir
+    )  # resume or import is checked before the store exists
     engine = Engine(
         cfg,
         model,
@@ -162,7 +166,7 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
     )
     k = topology.num_replicas  # the global batch: every replica's micro-batches
     num_mb = grad_accum_of(cfg, k) * cfg.pipeline.microbatches * k
-    metrics = _metrics_logger(cfg, job, resolved, enabled=rank == 0, resume_id=ckpt.wandb_run_id)
+    metrics = _metrics_logger(cfg, job, resolved, rank == 0, ckpt.wandb_run_id, ckpt.start_step)
     ckpt.wandb_run_id = metrics.run_id or ckpt.wandb_run_id  # kept in trainer_state.json (rank 0)
     records, ok, signals, bad = [], False, StopRequest(), BadSteps(cfg.train.max_bad_steps)
     try:
