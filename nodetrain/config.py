@@ -99,6 +99,18 @@ class DataConfig:
     """Fraction of the token stream (its tail) held out for validation, in (0, 0.5]."""
     jsonl_field: str = "text"
     """Field of each JSONL record that holds the text."""
+    format: str = "stream"
+    """``stream``: the documents' tokens as one stream cut into windows of ``train.seq_len`` + 1
+    (pre-training). ``records``: ``data.source`` is a .jsonl/.json/.parquet/.arrow file or a local
+    ``datasets`` directory of ``{"text"}``, ``{"prompt", "completion"}`` or ``{"messages"}``
+    records, tokenized with ``data.tokenizer`` (required; its chat template renders messages), with
+    the loss on completion/assistant tokens only, packed into rows (nodetrain/sft.py)."""
+    packing: bool = True
+    """``records`` only: several documents per row, positions restarting at 0 and attention not
+    crossing documents (nodetrain/packing.py); false = one document per row, padded on the right."""
+    add_bos: bool | None = None
+    """``records`` only: prepend BOS to each text/prompt; null = what the tokenizer's post-processor
+    does (Llama-3: one BOS per document)."""
 
 
 @dataclass

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the schema imports this module: types only, no runtime impo
     from nodetrain.config import Config, FaultInjectionConfig, ModelConfig, PipelineConfig, TrainConfig
 
 __all__ = [
+    "DATA_FORMATS",
     "DTYPES",
     "FAIL_MODES",
     "HF_KEYS",
@@ -45,6 +46,7 @@ SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
 SCHEDULES = ("gpipe", "1f1b")
 DTYPES = ("bfloat16", "float16", "float32")
 FAIL_MODES = ("raise", "hang")
+DATA_FORMATS = ("stream", "records")
 MAX_STAGES = 8  # one stage per GPU of one node
 REQUIRED_HF_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 _OPTIONAL_INT_HF_KEYS = ("num_key_value_heads", "vocab_size", "max_position_embeddings", "head_dim")
@@ -149,6 +151,7 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("data.dir", lambda v: bool(v), "must not be empty", "name the prepared dataset's directory"),
     ("store.dir", lambda v: bool(v), "must not be empty", "use /dev/shm"),
     ("data.jsonl_field", lambda v: bool(v), "must not be empty", "name the JSONL field holding the text"),
+    ("data.format", lambda v: v in DATA_FORMATS, f"not one of {', '.join(DATA_FORMATS)}", "pick one"),
     (
         "data.tokenizer",
         lambda v: not v or Path(v).expanduser().is_dir(),

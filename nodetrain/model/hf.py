@@ -254,16 +254,23 @@ class HFModel:
 
     # ---- compute ---------------------------------------------------------------------------
 
-    def context(self, h: torch.Tensor) -> dict:
+    def context(self, h: torch.Tensor, position_ids: torch.Tensor | None = None) -> dict:
         """Per micro-batch inputs every decoder layer needs: rotary (cos, sin), position ids, masks.
 
         Args:
             h: [B, T, D] hidden states (any dtype/device); only shape, dtype and device are used.
+            position_ids: [B, T] int64 on h's device, or None (0..T-1 in every row). Packed rows
+                restart at 0 for each document; transformers' mask functions then detect the
+                packing (``find_packed_sequence_indices``) and make the causal mask block-diagonal,
+                so no token attends across a document boundary.
         """
         device = h.device
         if device not in self._rotary:
             self._rotary[device] = type(self._meta.model.rotary_emb)(self.config).to(device)
-        pos = torch.arange(h.shape[1], device=device).unsqueeze(0)  # [1, T]
+        if position_ids is None:
+            pos = torch.arange(h.shape[1], device=device).unsqueeze(0)  # [1, T]
+        else:
+            pos = position_ids.to(device)  # [B, T]
         cos_sin = self._rotary[device](h, pos)
         kwargs = dict(config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
         masks = {"full_attention": create_causal_mask(**kwargs)}
