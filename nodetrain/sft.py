@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 _SPLIT_FILES = ("input_ids", "labels", "position_ids")
+_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
 def load_records(source: str | Path):
@@ -72,10 +74,15 @@ def _encode(tok: PreTrainedTokenizerBase, text: str, add_bos: bool | None) -> li
 
 
 def _chat(tok: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[list[int], list[bool]]:
-    """Render with the chat template; assistant turns are the character spans each one adds to
-    the rendering of the conversation before it (with the generation prompt), mapped to tokens."""
+    """Render with the chat template. A template with ``{% generation %}`` markers says itself
+    which tokens are the assistant's (transformers' ``return_assistant_tokens_mask``); otherwise
+    assistant turns are the character spans each one adds to the rendering of the conversation
+    before it (with the generation prompt), mapped to tokens through the offsets."""
     if not tok.chat_template:
         raise ValueError("records with 'messages' need a tokenizer with a chat template (data.tokenizer)")
+    if _GENERATION_TAG.search(tok.chat_template):
+        enc = tok.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
+        return list(enc["input_ids"]), [bool(m) for m in enc["assistant_masks"]]
     full = tok.apply_chat_template(messages, tokenize=False)
     spans = []
     for i, m in enumerate(messages):
@@ -86,7 +93,9 @@ def _chat(tok: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[list[int]
         if not (upto.startswith(before) and full.startswith(upto)):
             raise ValueError(
                 "the tokenizer's chat template does not render a conversation as the prefix of its "
-                "continuation, so assistant turns cannot be located; use a prefix-consistent template"
+                "continuation (e.g. Qwen3's re-renders the last assistant turn), so assistant turns "
+                "cannot be located; fix: one assistant turn per record, or a template with "
+                "{% generation %} markers"
             )
         spans.append((len(before), len(upto)))
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)

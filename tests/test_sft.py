@@ -7,8 +7,9 @@
   template) put labels only on completion / assistant tokens, checked against the text.
 * A chat-SFT run (tiny Qwen3 with a chat template, 2 stages, ``data.format=records``, packed): the
   step-1 loss equals transformers' loss with the same labels on each document of the step's rows
-  run alone (1e-5). (transformers 5.24's own ``forward(position_ids=packed)`` of these rows gives
-  5.7393 where the documents alone give 5.7469, so it is not used as the reference.)
+  run alone (1e-5). (transformers 5.24's ``forward(position_ids=packed)`` detects packing only
+  without a KV cache, i.e. with ``use_cache=False``; with the saved config's ``use_cache=True`` it
+  attends across documents — 5.7393 here against 5.7469 for the documents alone.)
 """
 
 from __future__ import annotations
@@ -152,6 +153,20 @@ def test_loss_masks_cover_completions_and_assistant_turns(model_dir: Path) -> No
     assert targets == want
     ids, mask = tokenize_record({"text": "Shall I"}, tok, add_bos=True)
     assert ids[0] == tok.bos_token_id and ids[-1] == tok.eos_token_id and all(mask)
+
+
+def test_generation_markers_give_the_same_mask(model_dir: Path) -> None:
+    """A template with {% generation %} markers: transformers' assistant mask, equal to the spans
+    the prefix rule finds for ChatML (marked: assistant content and its end-of-turn)."""
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    want = tokenize_record({"messages": CHATS[0]}, tok)
+    tok.chat_template = CHATML.replace(
+        "{{ m['content'] }}<|im_end|>\n",
+        "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>\n{% endgeneration %}"
+        "{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}",
+    )
+    assert "generation" in tok.chat_template
+    assert tokenize_record({"messages": CHATS[0]}, tok) == want
 
 
 def test_chat_sft_step1_loss_equals_transformers(tmp_path: Path, model_dir: Path) -> None:
