@@ -14,6 +14,7 @@ import json
 import logging
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from nodetrain import data
 from nodetrain.checkpoint.hf_import import check_model_dir, load_hf_weights
 from nodetrain.config import ModelConfig
+from nodetrain.data_checks import check_vocab
 from nodetrain.model import HFModel, build_hf_config
 from nodetrain.store import HostStore, StoreLayout
 
@@ -165,3 +167,19 @@ def test_one_key_import_trains_transformers_model(tmp_path: Path, corpus: list[s
         logits = _reference(tmp_path / "hf")(input_ids=x).logits  # [4, 16, 320]
     want = F.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
     assert got == pytest.approx(want, rel=1e-5, abs=0)
+
+
+def test_tokenizer_with_more_ids_than_the_checkpoint_rows_is_the_error(tmp_path: Path) -> None:
+    """Padded vocabularies are fine (320 rows, 300 ids: above); the reverse (280 rows) is refused."""
+    _hub_llama(tmp_path / "hf", inv_freq=False)
+    raw = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "small").mkdir()
+    (tmp_path / "small" / "config.json").write_text(json.dumps({**raw, "vocab_size": 280}))
+    rows = build_hf_config(
+        ModelConfig(name="x", init_from=str(tmp_path / "small")), vocab_size=300
+    ).vocab_size
+    assert rows == 280
+    tokenizer = SimpleNamespace(vocab_size=300, path=tmp_path / "prepared" / "train.bin")
+    with pytest.raises(ValueError, match=r"vocab_size=280 is smaller than the vocabulary .* \(300 ids"):
+        check_vocab(rows, tokenizer)
+    check_vocab(320, tokenizer)

@@ -31,7 +31,7 @@ from nodetrain.checkpoint.export import run_tokenizer
 from nodetrain.config import DataConfig
 from nodetrain.model import HFModel
 from nodetrain.packing import IGNORE_INDEX, pack, pairs
-from nodetrain.sft import RecordsDataset, tokenize_record
+from nodetrain.sft import RecordsDataset, load_records, tokenize_record
 
 ROOT = Path(__file__).resolve().parents[1]
 CHATML = (
@@ -139,6 +139,20 @@ def test_unpacked_rows_hold_one_document_each() -> None:
     assert rows.num_rows == 3 and rows.num_truncated == 1
     assert rows.input_ids[1, 4:].tolist() == [3] * 12 and (rows.labels[1, 4:] == IGNORE_INDEX).all()
     assert rows.position_ids[0].tolist() == [*range(8), *range(8)]
+
+
+def test_records_read_from_jsonl_parquet_and_a_datasets_directory(tmp_path: Path) -> None:
+    import datasets
+
+    records = [{"prompt": "Shall I", "completion": f" compare {i}"} for i in range(3)]
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    ds = datasets.Dataset.from_list(records)
+    ds.to_parquet(str(tmp_path / "r.parquet"))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    for source in ("r.jsonl", "r.parquet", "saved"):
+        assert load_records(tmp_path / source).to_list() == records, source
+    with pytest.raises(ValueError, match=r"data\.source=.*r\.csv.*not a records file"):
+        load_records(tmp_path / "r.csv")
 
 
 def test_loss_masks_cover_completions_and_assistant_turns(model_dir: Path) -> None:
