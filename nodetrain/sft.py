@@ -74,16 +74,33 @@ def _encode(tok: PreTrainedTokenizerBase, text: str, add_bos: bool | None) -> li
 
 
 def _chat(tok: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[list[int], list[bool]]:
-    """Render with the chat template. A template with ``{% generation %}`` markers says itself
-    which tokens are the assistant's (transformers' ``return_assistant_tokens_mask``); otherwise
-    assistant turns are the character spans each one adds to the rendering of the conversation
-    before it (with the generation prompt), mapped to tokens through the offsets."""
+    """Render with the chat template and mark the assistant's tokens.
+
+    A template with ``{% generation %}`` markers says itself which tokens are the assistant's
+    (transformers' ``return_assistant_tokens_mask``). Otherwise an assistant turn is what it adds
+    to the rendering of the conversation before it (with the generation prompt) — when the
+    template renders every conversation as the prefix of its continuation (ChatML); else (Qwen3's
+    template re-renders the last assistant turn) its content as written in the full rendering,
+    found message by message in order, plus the end-of-turn (eos) text right after it.
+
+    Raises:
+        ValueError: no chat template, or a message whose content the template does not render.
+    """
     if not tok.chat_template:
         raise ValueError("records with 'messages' need a tokenizer with a chat template (data.tokenizer)")
     if _GENERATION_TAG.search(tok.chat_template):
         enc = tok.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
         return list(enc["input_ids"]), [bool(m) for m in enc["assistant_masks"]]
     full = tok.apply_chat_template(messages, tokenize=False)
+    spans = _prefix_spans(tok, messages, full)
+    if spans is None:
+        spans = _content_spans(tok, messages, full)
+    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [any(a <= start < b for a, b in spans) for start, _ in enc["offset_mapping"]]
+    return enc["input_ids"], mask
+
+
+def _prefix_spans(tok, messages: list[dict], full: str) -> list[tuple[int, int]] | None:
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
@@ -91,16 +108,26 @@ def _chat(tok: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[list[int]
         before = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
         upto = tok.apply_chat_template(messages[: i + 1], tokenize=False)
         if not (upto.startswith(before) and full.startswith(upto)):
-            raise ValueError(
-                "the tokenizer's chat template does not render a conversation as the prefix of its "
-                "continuation (e.g. Qwen3's re-renders the last assistant turn), so assistant turns "
-                "cannot be located; fix: one assistant turn per record, or a template with "
-                "{% generation %} markers"
-            )
+            return None
         spans.append((len(before), len(upto)))
-    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
-    mask = [any(a <= start < b for a, b in spans) for start, _ in enc["offset_mapping"]]
-    return enc["input_ids"], mask
+    return spans
+
+
+def _content_spans(tok, messages: list[dict], full: str) -> list[tuple[int, int]]:
+    spans, cursor, eos = [], 0, tok.eos_token or ""
+    for m in messages:
+        content = m["content"].strip()
+        start = full.find(content, cursor)
+        if start < 0:
+            raise ValueError(
+                f"the chat template does not render the {m['role']} message {content[:40]!r} as "
+                "written, so its tokens cannot be located; fix: a template with {% generation %} markers"
+            )
+        cursor = start + len(content)
+        if m["role"] == "assistant":
+            end = cursor + len(eos) if eos and full.startswith(eos, cursor) else cursor
+            spans.append((start, end))
+    return spans
 
 
 def tokenize_record(

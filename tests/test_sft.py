@@ -183,6 +183,20 @@ def test_generation_markers_give_the_same_mask(model_dir: Path) -> None:
     assert tokenize_record({"messages": CHATS[0]}, tok) == want
 
 
+def test_a_template_that_re_renders_the_last_turn_masks_assistant_content(model_dir: Path) -> None:
+    """Qwen3-style: the last assistant turn gets an empty think block, so a conversation is not
+    the prefix of its continuation; every assistant content and its end-of-turn is still marked."""
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = CHATML.replace(
+        "{{ m['content'] }}",
+        "{% if m['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}",
+    )
+    ids, mask = tokenize_record({"messages": CHATS[0]}, tok)
+    assert "<think>" in tok.decode(ids)
+    targets = tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
+    assert targets == "".join(m["content"] + "<|im_end|>" for m in CHATS[0] if m["role"] == "assistant")
+
+
 def test_chat_sft_step1_loss_equals_transformers(tmp_path: Path, model_dir: Path) -> None:
     records = [{"messages": c} for c in CHATS] * 6 + [
         {"prompt": "Shall I", "completion": " compare thee"}
