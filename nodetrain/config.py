@@ -57,16 +57,26 @@ class ModelConfig:
     arch: str = "LlamaForCausalLM"
     """HF class name: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM."""
     config_path: str = ""
-    """Optional path to an HF ``config.json`` (or a directory holding one); its fields are the base
-    and ``hf`` overrides them."""
+    """Optional HF ``config.json`` (or a directory holding one) that defines the model; empty =
+    ``init_from`` when that is set. With a config from a directory, the model is exactly what
+    ``transformers.AutoConfig.from_pretrained`` builds from it (any config dialect, e.g. legacy
+    ``rope_scaling``/``rope_theta``; its architecture and padded ``vocab_size`` included):
+    ``arch`` and ``hf`` of the model group are not used (one log line says so) and
+    ``hf_override`` is the only way to change a field."""
     hf: dict[str, Any] = field(default_factory=dict)
-    """HF config fields (hidden_size, num_hidden_layers, ...). ``vocab_size`` is taken from the
-    tokenizer when left out. Keys must be fields of the arch's HF config class (see ``HF_KEYS`` in
-    nodetrain/config_checks.py);
-    add a key on the command line with ``+model.hf.<key>=<value>``."""
+    """HF config fields (hidden_size, num_hidden_layers, ...) of a model built without a config
+    directory (see ``config_path``). ``vocab_size`` is taken from the tokenizer when left out.
+    Keys must be fields of the arch's HF config class (see ``HF_KEYS`` in
+    nodetrain/config_checks.py); add a key on the command line with ``+model.hf.<key>=<value>``."""
+    hf_override: dict[str, Any] = field(default_factory=dict)
+    """HF config fields changed on top of the directory's ``config.json`` (``config_path`` or
+    ``init_from``), e.g. ``+model.hf_override.attention_dropout=0.1``; each one is logged as a
+    warning, and a math field (rope, norm eps, activation, ...) that then differs from the
+    imported weights' config is reported, not refused. Ignored without a config directory."""
     init_from: str = ""
     """HF model directory (config.json + *.safetensors) whose weights initialise the master weights;
-    empty = random init (normal(0, initializer_range), norms = 1, biases = 0)."""
+    empty = random init (normal(0, initializer_range), norms = 1, biases = 0). Alone it also defines
+    the model (see ``config_path``): ``model.init_from=<dir>`` is the whole import."""
 
 
 @dataclass
@@ -93,6 +103,18 @@ class DataConfig:
     """Fraction of the token stream (its tail) held out for validation, in (0, 0.5]."""
     jsonl_field: str = "text"
     """Field of each JSONL record that holds the text."""
+    format: str = "stream"
+    """``stream``: the documents' tokens as one stream cut into windows of ``train.seq_len`` + 1
+    (pre-training). ``records``: ``data.source`` is a .jsonl/.json/.parquet/.arrow file or a local
+    ``datasets`` directory of ``{"text"}``, ``{"prompt", "completion"}`` or ``{"messages"}``
+    records, tokenized with ``data.tokenizer`` (required; its chat template renders messages), with
+    the loss on completion/assistant tokens only, packed into rows (nodetrain/sft.py)."""
+    packing: bool = True
+    """``records`` only: several documents per row, positions restarting at 0 and attention not
+    crossing documents (nodetrain/packing.py); false = one document per row, padded on the right."""
+    add_bos: bool | None = None
+    """``records`` only: prepend BOS to each text/prompt; null = what the tokenizer's post-processor
+    does (Llama-3: one BOS per document)."""
 
 
 @dataclass

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the schema imports this module: types only, no runtime impo
     from nodetrain.config import Config, FaultInjectionConfig, ModelConfig, PipelineConfig, TrainConfig
 
 __all__ = [
+    "DATA_FORMATS",
     "DTYPES",
     "FAIL_MODES",
     "HF_KEYS",
@@ -31,6 +32,7 @@ __all__ = [
     "ConfigError",
     "Problems",
     "check_unknown_keys",
+    "config_source",
     "validate",
 ]
 
@@ -44,6 +46,7 @@ SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
 SCHEDULES = ("gpipe", "1f1b")
 DTYPES = ("bfloat16", "float16", "float32")
 FAIL_MODES = ("raise", "hang")
+DATA_FORMATS = ("stream", "records")
 MAX_STAGES = 8  # one stage per GPU of one node
 REQUIRED_HF_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 _OPTIONAL_INT_HF_KEYS = ("num_key_value_heads", "vocab_size", "max_position_embeddings", "head_dim")
@@ -148,6 +151,7 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("data.dir", lambda v: bool(v), "must not be empty", "name the directory prepared datasets go under"),
     ("store.dir", lambda v: bool(v), "must not be empty", "use /dev/shm"),
     ("data.jsonl_field", lambda v: bool(v), "must not be empty", "name the JSONL field holding the text"),
+    ("data.format", lambda v: v in DATA_FORMATS, f"not one of {', '.join(DATA_FORMATS)}", "pick one"),
     (
         "data.tokenizer",
         lambda v: v in ("", "bpe") or Path(v).expanduser().is_dir(),
@@ -194,26 +198,11 @@ def _check_fields(cfg: Config, problems: Problems) -> None:
         problems.add("optim.min_lr", cfg.optim.min_lr, f"must be <= optim.lr={cfg.optim.lr}", "lower it")
 
 
-def _effective_hf(model: ModelConfig, problems: Problems) -> dict[str, Any]:
-    """``config.json`` at ``model.config_path`` (if any) overridden by ``model.hf``."""
-    if not model.config_path:
-        return dict(model.hf)
-    path = Path(model.config_path)
-    path = path / "config.json" if path.is_dir() else path
-    try:
-        base = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        fix = "point it at an HF config.json or the directory holding one"
-        problems.add("model.config_path", model.config_path, f"cannot be read ({e})", fix)
-        return dict(model.hf)
-    archs = base.get("architectures") or []
-    if archs and model.arch not in archs:
-        problems.add("model.arch", model.arch, f"{path} has architectures={archs}", "make them agree")
-    return {**base, **model.hf}
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+def config_source(model: ModelConfig) -> Path | None:
+    """The directory or ``config.json`` that defines the model: ``model.config_path``, else
+    ``model.init_from``; None when the model is built from ``model.arch`` + ``model.hf``."""
+    source = model.config_path or model.init_from
+    return Path(source).expanduser() if source else None
 
 
 def _check_hf_keys(model: ModelConfig, problems: Problems) -> None:
@@ -225,10 +214,42 @@ def _check_hf_keys(model: ModelConfig, problems: Problems) -> None:
         problems.add(f"model.hf.{key}", model.hf[key], what, "check the spelling against HF's config.json")
 
 
+def _effective_hf(model: ModelConfig, problems: Problems) -> dict[str, Any]:
+    """The HF fields of the run's model: the config directory's ``config.json`` (if any) with
+    ``model.hf_override`` on top, else ``model.hf``."""
+    source = config_source(model)
+    if source is None:
+        return dict(model.hf)
+    key = "model.config_path" if model.config_path else "model.init_from"
+    path = source / "config.json" if source.is_dir() else source
+    if key == "model.init_from" and not source.is_dir():
+        return dict(model.hf_override)  # reported by the field check
+    try:
+        base = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        fix = "point it at an HF config.json or the directory holding one"
+        problems.add(key, str(source), f"cannot be read ({e})", fix)
+        return dict(model.hf_override)
+    archs = base.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_ARCHS:
+        what = f"{path} has architectures={archs}"
+        problems.add(key, str(source), what, f"nodetrain trains {', '.join(SUPPORTED_ARCHS)}")
+    else:
+        for name in sorted(set(model.hf_override) - HF_KEYS[arch]):
+            what = f"not a field of the {arch} config"
+            problems.add(f"model.hf_override.{name}", model.hf_override[name], what, "check the spelling")
+    return {**base, **model.hf_override}
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def _check_shape(model: ModelConfig, hf: dict[str, Any], problems: Problems) -> None:
     for key in REQUIRED_HF_KEYS:
-        if key not in hf and not model.config_path:
-            problems.add(f"model.hf.{key}", None, "required", "set it in the model YAML or model.config_path")
+        if key not in hf and config_source(model) is None:
+            problems.add(f"model.hf.{key}", None, "required", "set it in the model YAML or model.init_from")
     for key in (*REQUIRED_HF_KEYS, *_OPTIONAL_INT_HF_KEYS):
         if hf.get(key) is not None and not _positive_int(hf[key]):
             problems.add(f"model.hf.{key}", hf[key], "must be a positive integer", "fix or remove it")

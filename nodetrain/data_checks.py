@@ -119,6 +119,8 @@ def open_splits(data_dir: str | Path, cfg: Config, num_replicas: int = 1):
             files); a split shorter than one batch (see the module docstring), naming the file.
     """
     t, m = cfg.train, cfg.pipeline.microbatches
+    if cfg.data.format == "records":
+        return _open_records(Path(data_dir), cfg, num_replicas)
     train = data.TokenDataset.open(data_dir, "train")
     val = data.TokenDataset.open(data_dir, "val")
     step_seqs = grad_accum_of(cfg, num_replicas) * m * t.micro_batch_size * num_replicas
@@ -127,6 +129,24 @@ def open_splits(data_dir: str | Path, cfg: Config, num_replicas: int = 1):
     if t.eval_every:
         fix = "a larger data.val_fraction, more text, or train.eval_every=0"
         _check_length(val, m * t.micro_batch_size, t.seq_len, "one evaluation batch", fix)
+    return train, val
+
+
+def _open_records(data_dir: Path, cfg: Config, num_replicas: int):
+    from nodetrain.sft import RecordsDataset
+
+    t, m = cfg.train, cfg.pipeline.microbatches
+    train, val = RecordsDataset.open(data_dir, "train"), RecordsDataset.open(data_dir, "val")
+    step_rows = grad_accum_of(cfg, num_replicas) * m * t.micro_batch_size * num_replicas
+    for ds, need, what in (
+        (train, step_rows, "one optimizer step"),
+        (val, m * t.micro_batch_size, "one eval"),
+    ):
+        if ds.num_rows < need and (ds is train or t.eval_every):
+            raise ValueError(
+                f"{ds.path} holds {ds.num_rows} packed rows, fewer than the {need} sequences of {what}; "
+                "fix: more records, a smaller batch, or data.packing=true"
+            )
     return train, val
 
 

@@ -302,22 +302,23 @@ class Engine:
                 seq += self.blocks if a.kind == "F" else self.blocks[::-1]
         return seq
 
-    def _run_round(self, actions, r: int, inputs, labels, loss_scale: float, train: bool) -> float:
+    def _run_round(self, actions, r: int, inputs, labels, loss_scale: float, train: bool, positions) -> float:
         m = self.cfg.pipeline.microbatches
         loss_sum = 0.0
         for a in actions:
             mb = r * m + a.mb
             lab = labels[mb].to(self.device) if self.runner.is_last else None
+            pos = None if positions is None else positions[mb].to(self.device)
             if a.kind == "F":
                 x = inputs[mb] if self.runner.is_first else self.p2p.recv_activation(mb)
-                out = self.runner.forward(mb, x.to(self.device), lab, keep=train)
+                out = self.runner.forward(mb, x.to(self.device), lab, keep=train, position_ids=pos)
                 if self.runner.is_last:
                     loss_sum += float(out)
                 else:
                     self.p2p.send_activation(mb, out)
             else:
                 g = None if self.runner.is_last else self.p2p.recv_grad(mb).to(self.device)
-                g_in = self.runner.backward(mb, g, lab, loss_scale)
+                g_in = self.runner.backward(mb, g, lab, loss_scale, position_ids=pos)
                 if not self.runner.is_first:
                     self.p2p.send_grad(mb, g_in)
         return loss_sum
@@ -332,7 +333,12 @@ class Engine:
             )
 
     def train_step(
-        self, step: int, inputs: torch.Tensor, labels: torch.Tensor, stop: bool = False
+        self,
+        step: int,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        stop: bool = False,
+        position_ids: torch.Tensor | None = None,
     ) -> StepResult:
         """One optimizer step over ``grad_accum × pipeline.microbatches`` micro-batches.
 
@@ -342,6 +348,8 @@ class Engine:
                 replicas (same on all ranks; each replica runs its N / replicas, see replicas.py).
             labels: [N, B, T] int64 next-token ids, -100 where no loss is taken.
             stop: this rank was asked to stop (a signal); shared with every rank in ``StepResult.stop``.
+            position_ids: [N, B, T] int64 positions of packed documents (restarting at 0 for each,
+                see nodetrain/packing.py), or None (0..T-1 in every row).
 
         Raises:
             ValueError: a batch of the wrong shape.
@@ -352,7 +360,7 @@ class Engine:
         m = self.cfg.pipeline.microbatches
         self._check_batch(inputs, labels, self.grad_accum * m * self.topo.num_replicas)
         tokens = int((labels != IGNORE_INDEX).sum())  # of the global batch: every replica scales by it
-        inputs, labels = self._replica_share(inputs, labels)
+        inputs, labels, positions = self._replica_share(inputs, labels, position_ids)
         lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
         actions = build_schedule(self.cfg.pipeline.schedule, self.num_stages, self.stage, m)
         self._step[0] = step
@@ -361,7 +369,7 @@ class Engine:
         self.p2p.reset_timer()
         loss_sum = 0.0
         for r in range(self.grad_accum):
-            loss_sum += self._run_round(actions, r, inputs, labels, 1.0 / max(tokens, 1), train=True)
+            loss_sum += self._run_round(actions, r, inputs, labels, 1.0 / max(tokens, 1), True, positions)
         self.updates.end_backward()
         self.window.flush()
         with timeline.phase("bubble"):
@@ -400,10 +408,10 @@ class Engine:
         optimizer state between steps (a checkpoint); a load of a unit always waits for it."""
         self.updates.wait_all()
 
-    def _replica_share(self, inputs: torch.Tensor, labels: torch.Tensor):
+    def _replica_share(self, inputs: torch.Tensor, labels: torch.Tensor, positions=None):
         """This replica's micro-batches of the global batch ([N, B, T] → [N/K, B, T]; see replicas.py)."""
         share = replica_slice(inputs.shape[0], self.topo.replica, self.topo.num_replicas)
-        return inputs[share], labels[share]
+        return inputs[share], labels[share], None if positions is None else positions[share]
 
     def _sum_tied_grads(self) -> None:
         """Tied embedding: stage 0 adds the last stage's gradient of the lm_head use to its own."""
@@ -417,17 +425,19 @@ class Engine:
             tied.zero_()
 
     @torch.no_grad()
-    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+    def eval_loss(
+        self, inputs: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> tuple[float, int]:
         """Forward-only pass over N micro-batches ([N, B, T] each); returns (mean loss, tokens),
         identical on every rank. The replicas share the N micro-batches. No gradients, no optimizer
         state is touched; dropout is off (eval mode) and no random numbers are drawn."""
         self._check_batch(inputs, labels, inputs.shape[0])
         tokens = int((labels != IGNORE_INDEX).sum())
-        inputs, labels = self._replica_share(inputs, labels)
+        inputs, labels, positions = self._replica_share(inputs, labels, position_ids)
         actions = [Action("F", i) for i in range(inputs.shape[0])]
         self.window.begin(self._load_sequence(actions, 1))
         with self.model.eval_mode():
-            loss_sum = self._run_round(actions, 0, inputs, labels, 1.0, train=False)
+            loss_sum = self._run_round(actions, 0, inputs, labels, 1.0, False, positions)
         self.window.flush()
         self.p2p.wait_sends()
         total = torch.tensor([loss_sum], dtype=torch.float64)

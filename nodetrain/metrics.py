@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import math
 import os
 import time
@@ -26,6 +27,8 @@ from typing import IO, Any
 from rich.console import Console
 
 __all__ = ["METRICS_FILE", "MetricsLogger", "eta_seconds", "format_progress"]
+
+log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 """Name of the per-run record file under the run directory."""
@@ -119,6 +122,9 @@ class MetricsLogger:
         tags, notes, entity: wandb run tags, free-text notes and entity ("" = the account's default).
         resume_id: continue the wandb run with this id (``resume="allow"``: created if it does not
             exist), e.g. the :attr:`run_id` kept in a checkpoint; None = a new run.
+        start_step: the step this launch starts after (a resume's checkpoint step; 0 = from
+            scratch): rows an earlier launch wrote for later steps (or, from scratch, any row) are
+            dropped, so the file holds one row per step; None = append to the file as it is.
     """
 
     def __init__(
@@ -137,6 +143,7 @@ class MetricsLogger:
         notes: str = "",
         entity: str = "",
         resume_id: str | None = None,
+        start_step: int | None = None,
     ) -> None:
         self.enabled = enabled
         self.total_steps = total_steps
@@ -154,6 +161,8 @@ class MetricsLogger:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / METRICS_FILE
+        if start_step is not None and self.path.is_file():
+            _truncate_after(self.path, start_step)
         self._file = self.path.open("a", encoding="utf-8")
         self._console = Console(highlight=False, soft_wrap=True)
         if use_wandb:
@@ -220,6 +229,25 @@ class MetricsLogger:
         tb: TracebackType | None,
     ) -> None:
         self.close(exit_code=0 if exc_type is None else 1)
+
+
+def _truncate_after(path: Path, start_step: int) -> None:
+    """Keep only rows of steps <= ``start_step`` (none when 0: a run from scratch logs step 0
+    again); rewritten atomically (temp file, rename)."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    keep = [ln for ln in lines if start_step > 0 and json.loads(ln).get("step", 0) <= start_step]
+    if len(keep) == len(lines):
+        return
+    where = f"the checkpoint of step {start_step}" if start_step else "scratch (step 0)"
+    log.warning(
+        "%s: this launch starts from %s; dropping %d row(s) an earlier launch wrote after it",
+        path,
+        where,
+        len(lines) - len(keep),
+    )
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def _init_wandb(run_dir: Path, config: dict[str, Any], **kwargs: Any) -> Any:

@@ -62,13 +62,21 @@ class StageRunner:
         self.is_last = self.blocks[-1] == len(model.units) - 1
         self._saved: dict[int, list] = {}  # mb -> [(block input, rng state)] per block
 
-    def forward(self, mb: int, x: torch.Tensor, labels: torch.Tensor | None, keep: bool = True):
+    def forward(
+        self,
+        mb: int,
+        x: torch.Tensor,
+        labels: torch.Tensor | None,
+        keep: bool = True,
+        position_ids: torch.Tensor | None = None,
+    ):
         """Forward micro-batch ``mb``.
 
         Args:
             x: first stage: input ids [B, T] int64; others: hidden [B, T, D] compute dtype.
             labels: last stage: [B, T] int64 next-token ids (-100 = ignore); else None.
             keep: save block inputs for a later :meth:`backward` (False for evaluation).
+            position_ids: [B, T] int64 (packed documents restart at 0), or None (0..T-1).
 
         Returns:
             hidden [B, T, D] to send on, or on the last stage the summed token loss (fp32 scalar).
@@ -78,7 +86,7 @@ class StageRunner:
             for block in self.blocks:
                 params = self.window.acquire(block)
                 if ctx is None and block != 0:
-                    ctx = self.model.context(x)
+                    ctx = self.model.context(x, position_ids)
                 rng = self._rng_state()
                 saved.append((x, rng))
                 x = self.model.forward_block(block, params, x, ctx)
@@ -87,7 +95,14 @@ class StageRunner:
             self._saved[mb] = saved
         return _cross_entropy_sum(x, labels) if self.is_last else x
 
-    def backward(self, mb: int, grad_out: torch.Tensor | None, labels=None, loss_scale: float = 1.0):
+    def backward(
+        self,
+        mb: int,
+        grad_out: torch.Tensor | None,
+        labels=None,
+        loss_scale: float = 1.0,
+        position_ids: torch.Tensor | None = None,
+    ):
         """Backward micro-batch ``mb``: recompute each block, offload its weight gradients.
 
         Args:
@@ -95,6 +110,7 @@ class StageRunner:
             labels: last stage: the same labels as in forward.
             loss_scale: last stage: 1 / (valid tokens of the whole step), so the summed gradient
                 is that of the token-weighted mean loss over all micro-batches.
+            position_ids: the same as in forward.
 
         Returns:
             gradient of the stage input [B, T, D], or None on the first stage.
@@ -105,7 +121,7 @@ class StageRunner:
             params = self.window.acquire(block)
             x, rng = saved.pop()
             if ctx is None and block != 0:
-                ctx = self.model.context(x)
+                ctx = self.model.context(x, position_ids)
             grad_out = self._backward_block(block, params, x, rng, ctx, grad_out, labels, loss_scale)
             self.window.release()
         return grad_out

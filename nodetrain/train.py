@@ -89,27 +89,31 @@ def _on_rank0(fn):
     return box[0]
 
 
-def _step_batch(ds: data.TokenDataset, cfg: Config, index: int, num_mb: int):
-    """[num_mb, B, T] inputs and labels of batch ``index`` (a pure function of seed and index)."""
+def _step_batch(ds, cfg: Config, index: int, num_mb: int):
+    """[num_mb, B, T] inputs, labels and position ids (None: 0..T-1) of batch ``index`` (a pure
+    function of seed and index); records data (``data.format=records``) has packed positions."""
     b, t = cfg.train.micro_batch_size, cfg.train.seq_len
-    x, y = data.batch(ds, cfg.seed, index, num_mb * b, t)
-    return x.view(num_mb, b, t), y.view(num_mb, b, t)
+    if isinstance(ds, data.TokenDataset):
+        x, y = data.batch(ds, cfg.seed, index, num_mb * b, t)
+        return x.view(num_mb, b, t), y.view(num_mb, b, t), None
+    return tuple(torch.from_numpy(a).view(num_mb, b, t) for a in ds.batch(cfg.seed, index, num_mb * b))
 
 
-def _evaluate(engine: Engine, val: data.TokenDataset, cfg: Config) -> float:
+def _evaluate(engine: Engine, val, cfg: Config) -> float:
     m, total, tokens = cfg.pipeline.microbatches, 0.0, 0
     for i in range(cfg.train.eval_batches):
-        x, y = _step_batch(val, cfg, i, m)
-        loss, n = engine.eval_loss(x, y)
+        x, y, pos = _step_batch(val, cfg, i, m)
+        loss, n = engine.eval_loss(x, y, pos)
         total, tokens = total + loss * n, tokens + n
     return total / max(tokens, 1)
 
 
 def _metrics_logger(
-    cfg: Config, job: Job, resolved: dict, enabled: bool, resume_id: str | None
+    cfg: Config, job: Job, resolved: dict, enabled: bool, resume_id: str | None, start_step: int
 ) -> MetricsLogger:
     """metrics.jsonl and the job's wandb run (named and grouped by the job, see jobs.py); a resumed
-    run continues the wandb run its checkpoint recorded unless ``logging.wandb_id`` names another."""
+    run continues the wandb run its checkpoint recorded unless ``logging.wandb_id`` names another.
+    Rows after ``start_step`` that an earlier launch wrote are dropped (one row per step)."""
     lc = cfg.logging
     return MetricsLogger(
         job.run_dir,
@@ -125,6 +129,7 @@ def _metrics_logger(
         notes=lc.notes,
         entity=lc.entity,
         resume_id=lc.wandb_id or resume_id,
+        start_step=start_step,
     )
 
 
@@ -143,14 +148,15 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
     rank, world_size, local_rank, device = _init_distributed(cfg.dist.timeout_s)
     topology, release = Topology.from_env(cfg.pipeline.stages), Release()
     data_cfg = run_data_config(cfg)  # model.init_from's tokenizer unless data.tokenizer is set
-    data_dir = Path(_on_rank0(lambda: str(data.prepare(data_cfg, cfg.seed))))
+    data_dir = Path(_on_rank0(lambda: str(data.prepare(data_cfg, cfg.seed, cfg.train.seq_len))))
     train_ds, val_ds = open_splits(data_dir, cfg, topology.num_replicas)
     init_rows = check_init_vocab(cfg.model, train_ds)  # an imported (maybe padded) embedding's rows
     model = HFModel(build_hf_config(cfg.model, vocab_size=init_rows or train_ds.vocab_size))
     check_vocab(model.config.vocab_size, train_ds)
     # refuse a store the node cannot hold (nodes are alike: node 0 answers for all)
     _on_rank0(lambda: preflight(cfg, model, topology.num_stages))
-    ckpt = Checkpointing(cfg, run_dir, resolved, model)  # resume or import is checked before the store exists
+    # resume or import is checked before the store exists; checkpoints carry the run's tokenizer
+    ckpt = Checkpointing(cfg, run_dir, resolved, model, data_dir, tokenizer_dir=data_cfg.tokenizer)
     engine = Engine(
         cfg,
         model,
@@ -164,7 +170,7 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
     )
     k = topology.num_replicas  # the global batch: every replica's micro-batches
     num_mb = grad_accum_of(cfg, k) * cfg.pipeline.microbatches * k
-    metrics = _metrics_logger(cfg, job, resolved, enabled=rank == 0, resume_id=ckpt.wandb_run_id)
+    metrics = _metrics_logger(cfg, job, resolved, rank == 0, ckpt.wandb_run_id, ckpt.start_step)
     ckpt.wandb_run_id = metrics.run_id or ckpt.wandb_run_id  # kept in trainer_state.json (rank 0)
     records, ok, signals, bad = [], False, StopRequest(), BadSteps(cfg.train.max_bad_steps)
     try:
@@ -174,8 +180,8 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
                 metrics.log({"step": 0, "val_loss": _evaluate(engine, val_ds, cfg)})
             for step in range(start, cfg.train.steps):
                 maybe_fail(cfg.test, rank, step + 1)  # test-only (test.fail_*)
-                x, y = _step_batch(train_ds, cfg, step, num_mb)
-                r = engine.train_step(step, x, y, stop=signals.requested)
+                x, y, pos = _step_batch(train_ds, cfg, step, num_mb)
+                r = engine.train_step(step, x, y, stop=signals.requested, position_ids=pos)
                 bad.count(r.skipped)
                 rec = {
                     "step": step + 1,

@@ -27,6 +27,7 @@ from nodetrain.config import (
     to_typed,
     validate,
 )
+from nodetrain.model import build_hf_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -239,24 +240,34 @@ def test_all_problems_are_gathered_in_one_error() -> None:
         assert "=" in line.split(":")[0] and ";" in line, f"not 'key=value: what; fix': {line}"
 
 
-def test_config_path_is_the_base_of_hf(tmp_path: Path) -> None:
+def test_config_dir_defines_the_model_and_hf_override_changes_it(tmp_path: Path) -> None:
+    """A config directory (model.config_path, or model.init_from alone) is the model: the model
+    group's arch and hf block are not used; model.hf_override is the one way to change a field."""
     (tmp_path / "config.json").write_text(
-        '{"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,'
-        ' "num_attention_heads": 4, "intermediate_size": 128, "max_position_embeddings": 64}'
+        '{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,'
+        ' "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,'
+        ' "max_position_embeddings": 64}'
     )
     cfg = _compose(["train.seq_len=64"])
-    cfg.model.config_path, cfg.model.hf = str(tmp_path), {}
+    assert cfg.model.hf["num_hidden_layers"] == 8, "the default group sets a shape that must not win"
+    cfg.model.init_from = str(tmp_path)
     validate(cfg, world_size=2)
     with pytest.raises(ConfigError, match=r"model\.hf\.num_hidden_layers=2"):
-        validate(cfg, world_size=3)
+        validate(cfg, world_size=3)  # 2 layers from config.json, not the group's 8
+    hf_config = build_hf_config(cfg.model, vocab_size=4096)
+    assert (hf_config.num_hidden_layers, hf_config.hidden_size) == (2, 64)
+    assert hf_config.vocab_size == 32000, "transformers' default, not the tokenizer's size"
     cfg.train.seq_len, cfg.model.arch = 128, "Qwen3ForCausalLM"
     with pytest.raises(ConfigError) as info:
         validate(cfg, world_size=2)
+    assert str(info.value).count("\n  - ") == 1, "model.arch is not used with a config directory"
     assert "train.seq_len=128: longer than model.hf.max_position_embeddings=64" in str(info.value)
-    assert "model.arch=Qwen3ForCausalLM" in str(info.value)
-    cfg.model.hf = {"max_position_embeddings": 128}  # hf overrides the file
-    cfg.model.arch = "LlamaForCausalLM"
+    cfg.model.hf_override = {"max_position_embeddings": 128}
     validate(cfg, world_size=2)
+    assert build_hf_config(cfg.model).max_position_embeddings == 128
+    cfg.model.hf_override = {"num_hidden_layer": 3}
+    with pytest.raises(ConfigError, match=r"model\.hf_override\.num_hidden_layer=3: not a field"):
+        validate(cfg, world_size=2)
 
 
 def test_batch_size_derives_grad_accum() -> None:

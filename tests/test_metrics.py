@@ -174,3 +174,23 @@ def test_wandb_disabled_mode_logs_records_only(tmp_path: Path, offline_wandb, mo
         m.log(_record(1))
     assert [json.loads(x)["step"] for x in (tmp_path / METRICS_FILE).read_text().splitlines()] == [1]
     assert not _offline_runs(tmp_path) and not list(tmp_path.glob("wandb/*run-*"))
+
+
+@pytest.mark.parametrize(("start_step", "kept"), [(None, [0, 1, 2, 3, 4, 5]), (3, [0, 1, 2, 3]), (0, [])])
+def test_a_resumed_launch_drops_the_rows_after_its_start(tmp_path: Path, start_step, kept) -> None:
+    """An earlier launch logged steps 0-5 and crashed; a launch resuming after step 3 keeps rows
+    0-3 (it logs 4, 5, ... again), one from scratch keeps none, and None appends as before."""
+    path = tmp_path / METRICS_FILE
+    path.write_text("".join(json.dumps(_record(s)) + "\n" for s in range(6)))
+    with MetricsLogger(
+        tmp_path,
+        {},
+        enabled=True,
+        use_wandb=False,
+        project="p",
+        run_name="r",
+        total_steps=9,
+        start_step=start_step,
+    ):
+        pass
+    assert [json.loads(ln)["step"] for ln in path.read_text().splitlines()] == kept

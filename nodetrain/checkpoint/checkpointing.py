@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from nodetrain.checkpoint import state as st
 from nodetrain.checkpoint.collective import broadcast_json
+from nodetrain.checkpoint.export import run_tokenizer
 from nodetrain.checkpoint.hf_import import check_model_dir, load_units
 from nodetrain.checkpoint.resume import (
     check_training_state,
@@ -56,14 +57,26 @@ class Checkpointing:
         run_dir: the run directory (``checkpoint.dir`` defaults to ``<run_dir>/checkpoints``).
         resolved: the resolved config as plain data (stored, hashed and compared on resume).
         model: the run's model.
+        data_dir: the prepared dataset, whose tokenizer every checkpoint carries (None: no tokenizer).
+        tokenizer_dir: the tokenizer directory the run uses (``data.tokenizer``, or ``model.init_from``'s
+            by default; see ``data_checks.run_data_config``): its special tokens and chat template.
 
     Raises:
         CheckpointError: ``checkpoint.resume`` names a bad checkpoint, or ``auto`` finds only bad ones.
         ValueError: ``model.init_from`` cannot initialise this model (every problem listed).
     """
 
-    def __init__(self, cfg: Config, run_dir: Path, resolved: dict[str, Any], model: HFModel):
-        self.cfg, self.model, self.resolved = cfg, model, resolved
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        resolved: dict[str, Any],
+        model: HFModel,
+        data_dir: Path | None = None,
+        tokenizer_dir: str = "",
+    ):
+        self.cfg, self.model, self.resolved, self.data_dir = cfg, model, resolved, data_dir
+        self.tokenizer_dir = tokenizer_dir
         c = cfg.checkpoint
         self.dir = Path(c.dir).expanduser() if c.dir else Path(run_dir) / "checkpoints"
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -72,7 +85,8 @@ class Checkpointing:
         self.start_step = int(self.state["step"]) if self.state else 0
         self._hf_index = None
         if self.path is None and cfg.model.init_from:
-            self._hf_index = check_model_dir(cfg.model.init_from, model)  # headers only, before allocation
+            overrides = set(cfg.model.hf_override)
+            self._hf_index = check_model_dir(cfg.model.init_from, model, overrides)  # headers only
         elif self.path is not None and cfg.model.init_from:
             log.info("resuming from %s: model.init_from=%s is not read", self.path, cfg.model.init_from)
         self.writer: CheckpointWriter | None = None
@@ -148,6 +162,10 @@ class Checkpointing:
             engine.units if engine.topo.replica == 0 else [],  # replicas hold the same weights: one writes
             engine.optimizer,
             self.group,
+            tokenizer=run_tokenizer(self.data_dir, self.tokenizer_dir)
+            if self.rank == 0 and self.data_dir is not None
+            else None,
+            source_dir=self.cfg.model.init_from,
         )
         if self.path is not None:
             restore_steps(self.path, engine.optimizer, engine.units)

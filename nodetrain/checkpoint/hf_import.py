@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from collections.abc import Collection
 from pathlib import Path
+
+from transformers import AutoConfig
 
 from nodetrain.checkpoint.tensors import TensorEntry, read_index, read_into
 from nodetrain.model import SUPPORTED_ARCHS, HFModel, Unit
@@ -22,20 +26,27 @@ __all__ = ["check_model_dir", "load_hf_weights", "load_units"]
 
 log = logging.getLogger(__name__)
 
-# Fields whose difference between the directory's config.json and the run's model changes the
-# math without changing any tensor shape: reported (a user may change them on purpose, e.g. rope
-# scaling for a longer context), not refused.
+# Fields whose difference between the directory's config (as transformers builds it, so every
+# dialect is compared in one form: legacy ``rope_scaling``/``rope_theta`` become ``rope_parameters``)
+# and the run's model changes the math without changing any tensor shape: an error, unless the
+# run changes the field on purpose with ``model.hf_override`` (then a warning).
 _MATH_KEYS = (
     "hidden_act",
     "rms_norm_eps",
     "rope_parameters",
-    "rope_theta",
     "rope_scaling",
     "sliding_window",
     "use_sliding_window",
+    "max_window_layers",
     "layer_types",
     "attention_dropout",
+    "attention_bias",
+    "mlp_bias",
+    "head_dim",
 )
+# Non-parameter buffers older checkpoints saved (Llama-2 era: one rotary ``inv_freq`` per layer);
+# transformers ignores them on load (``PreTrainedModel._adjust_missing_and_unexpected_keys``).
+_BUFFER_PATTERNS = (re.compile(r"rotary_emb\.inv_freq$"), re.compile(r"(^|\.)position_ids$"))
 
 
 def _read_config(model_dir: Path) -> dict:
@@ -56,17 +67,30 @@ def _check_arch(model_dir: Path, source: dict, model: HFModel) -> list[str]:
     if archs[0] not in SUPPORTED_ARCHS:
         return [f"architecture {archs[0]} is not supported; nodetrain trains {', '.join(SUPPORTED_ARCHS)}"]
     if arch not in archs:
-        return [f"config.json says {archs[0]} but model.arch={arch}; set model.config_path={model_dir}"]
+        return [
+            f"config.json says {archs[0]} but the run's model is model.arch={arch}; remove "
+            "model.config_path (model.init_from alone builds the directory's model)"
+        ]
     return []
 
 
-def _config_differences(source: dict, model: HFModel) -> list[str]:
-    ours = model.config.to_dict()
-    return [
-        f"{k}: {source[k]!r} in config.json, {ours.get(k)!r} in the run"
-        for k in _MATH_KEYS
-        if k in source and k in ours and source[k] != ours[k]
-    ]
+def _config_differences(model_dir: Path, model: HFModel, overrides: Collection[str]) -> tuple[list, list]:
+    """(problems, warnings): math fields where the directory's config and the run's model differ."""
+    theirs = AutoConfig.from_pretrained(model_dir).to_dict()
+    ours, problems, warnings = model.config.to_dict(), [], []
+    for k in _MATH_KEYS:
+        if k in theirs and k in ours and theirs[k] != ours[k]:
+            diff = f"{k}: {theirs[k]!r} in {model_dir}/config.json, {ours[k]!r} in the run"
+            if k in overrides:
+                warnings.append(diff + f" (model.hf_override.{k})")
+            else:
+                fix = "remove model.config_path, or set +model.hf_override.<key> to choose the run's value"
+                problems.append(f"{diff}: the weights were trained with the other value; {fix}")
+    return problems, warnings
+
+
+def _ignored_buffers(index: dict[str, TensorEntry]) -> set[str]:
+    return {n for n in index if any(p.search(n) for p in _BUFFER_PATTERNS)}
 
 
 def _check_tensors(index: dict[str, TensorEntry], model: HFModel, source: dict) -> list[str]:
@@ -81,36 +105,54 @@ def _check_tensors(index: dict[str, TensorEntry], model: HFModel, source: dict) 
             problems.append(f"{name}: dtype {entry.dtype} in {entry.file.name} is not a float dtype")
     # A tied checkpoint may still carry lm_head.weight (a copy of the embedding); transformers ignores it.
     ignored = {"lm_head.weight"} if model.tied and source.get("tie_word_embeddings") else set()
-    unexpected = sorted(set(index) - set(wanted) - ignored)
+    buffers = _ignored_buffers(index)
+    if buffers:
+        log.info(
+            "skipping %d non-parameter buffer(s) transformers also ignores, e.g. %s",
+            len(buffers),
+            min(buffers),
+        )
+    unexpected = sorted(set(index) - set(wanted) - ignored - buffers)
     problems += [f"unexpected tensor {n} (in {index[n].file.name})" for n in unexpected]
     if "lm_head.weight" in unexpected and model.tied:
-        problems.append("the model ties lm_head to the embedding; set model.hf.tie_word_embeddings=false")
+        problems.append(
+            "the model ties lm_head to the embedding; set +model.hf_override.tie_word_embeddings=false"
+        )
     elif "lm_head.weight" in wanted and "lm_head.weight" not in index and source.get("tie_word_embeddings"):
-        problems.append("the checkpoint ties lm_head to the embedding; set model.hf.tie_word_embeddings=true")
+        problems.append(
+            "the checkpoint ties lm_head to the embedding; set +model.hf_override.tie_word_embeddings=true"
+        )
     return problems
 
 
-def check_model_dir(model_dir: str | Path, model: HFModel) -> dict[str, TensorEntry]:
+def check_model_dir(
+    model_dir: str | Path, model: HFModel, overrides: Collection[str] = ()
+) -> dict[str, TensorEntry]:
     """Check a HF model directory against ``model`` from its ``config.json`` and file headers only.
 
     Args:
         model_dir: a ``save_pretrained`` directory (config.json + model.safetensors, or sharded
             ``*.safetensors`` with ``model.safetensors.index.json``), any float dtype.
         model: the run's model (its units say which tensors, with which shapes, are needed).
+        overrides: HF config fields the run changes on purpose (``model.hf_override``): a
+            difference in these is a warning, not a problem.
 
     Returns:
         HF tensor name -> where its bytes are, for :func:`load_hf_weights`.
 
     Raises:
         ValueError: listing every problem: unreadable config.json, an architecture that is not
-            supported or not ``model.arch``, missing or unexpected tensors, shape mismatches,
+            supported or not the run's, a math field (rope, norm eps, ...) that differs from the
+            run's model and is not in ``overrides``, missing or unexpected tensors (known
+            non-parameter buffers such as ``rotary_emb.inv_freq`` are skipped), shape mismatches,
             non-float tensors, truncated or corrupt files.
         FileNotFoundError: no safetensors weights in the directory.
     """
     model_dir = Path(model_dir).expanduser()
     source = _read_config(model_dir)
-    problems = _check_arch(model_dir, source, model)
+    problems, warnings = _check_arch(model_dir, source, model), []
     if not problems:
+        problems, warnings = _config_differences(model_dir, model, overrides)
         try:
             index = read_index(model_dir)
         except ValueError as e:
@@ -122,7 +164,7 @@ def check_model_dir(model_dir: str | Path, model: HFModel) -> dict[str, TensorEn
             f"model.init_from={str(model_dir)!r} cannot initialise this model "
             f"({len(problems)} problem(s)):\n  " + "\n  ".join(problems)
         )
-    for diff in _config_differences(source, model):
+    for diff in warnings:
         log.warning("model.init_from=%s: config differs from the run's model: %s", model_dir, diff)
     return index
 

@@ -2,8 +2,9 @@
 
 Owns: what each rank writes for the units it owns (per unit: ``model-*`` in the export dtype,
 ``master-*`` fp32 unless the export is fp32, ``optimizer-*`` with ``exp_avg``, ``exp_avg_sq`` and
-AdamW's update count, all keyed by HF tensor name), what rank 0 adds (``config.json`` and the
-three ``*.safetensors.index.json``), and the commit protocol. Does not own: when to save
+AdamW's update count, all keyed by HF tensor name), what rank 0 adds (``config.json``,
+``generation_config.json``, the tokenizer files (export.py) and the three
+``*.safetensors.index.json``), and the commit protocol. Does not own: when to save
 (checkpointing.py) or the trainer state's contents beyond files and RNG (the caller passes them).
 
 Protocol for step N (DESIGN invariant 6):
@@ -36,6 +37,7 @@ from safetensors.torch import save_file
 
 from nodetrain.checkpoint import state as st
 from nodetrain.checkpoint.collective import all_gather_json, broadcast_json
+from nodetrain.checkpoint.export import write_export_files
 from nodetrain.config import CheckpointConfig
 from nodetrain.model import HFModel, Unit
 from nodetrain.optim import StoreAdamW
@@ -76,6 +78,10 @@ class CheckpointWriter:
         units: the units this rank owns.
         optimizer: this rank's AdamW (its update counts are saved).
         group: a gloo process group of all ranks, used only by checkpointing.
+        tokenizer: the run's tokenizer (export.run_tokenizer), saved into every checkpoint by rank 0
+            with its bos/eos/pad ids in config.json and generation_config.json; None = none.
+        source_dir: the imported model directory (``model.init_from``), whose generation_config.json
+            is kept.
     """
 
     def __init__(
@@ -87,8 +93,11 @@ class CheckpointWriter:
         units: list[Unit],
         optimizer: StoreAdamW,
         group,
+        tokenizer=None,
+        source_dir: str = "",
     ):
         self.dir, self.cfg, self.model = Path(directory), cfg, model
+        self.tokenizer, self.source_dir = tokenizer, source_dir
         self.store, self.units, self.optimizer, self.group = store, units, optimizer, group
         self.rank = dist.get_rank()
         self.export_dtype = EXPORT_DTYPES[cfg.export_dtype]
@@ -267,11 +276,11 @@ class CheckpointWriter:
     def _write_shared(self, tmp: Path, manifest: dict) -> None:
         """config.json and the indexes (pure functions of the model: no rank needs another's)."""
         n = len(self.model.units)
-        hf = self.model.config.__class__.from_dict(self.model.config.to_dict())
-        hf.use_cache, hf.dtype = True, self.export_dtype
-        hf.to_json_file(tmp / "config.json")
-        _fsync(tmp / "config.json")
-        manifest["config.json"] = st.file_record(tmp / "config.json")
+        for path in write_export_files(
+            tmp, self.model.config, self.tokenizer, self.export_dtype, self.source_dir
+        ):
+            _fsync(path)
+            manifest[path.name] = st.file_record(path)
         kinds = [("model", self.export_dtype.itemsize, ("",))]
         if self.master_prefix == "master":
             kinds.append(("master", 4, ("",)))

@@ -11,6 +11,7 @@ Shapes: B = sequences in a micro-batch, T = tokens per sequence, D = hidden size
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,8 +25,11 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from nodetrain.config import ModelConfig
+from nodetrain.config_checks import config_source
 
 __all__ = ["SUPPORTED_ARCHS", "Param", "Unit", "Binding", "HFModel", "build_hf_config"]
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -95,27 +99,65 @@ class _Head(nn.Module):
 
 
 def build_hf_config(cfg: ModelConfig, vocab_size: int | None = None) -> PretrainedConfig:
-    """The HF config of ``cfg``: ``config_path`` (if any) overridden by ``cfg.hf``.
+    """The HF config of the run's model.
+
+    With a config directory (``model.config_path``, else ``model.init_from``) it is what
+    ``AutoConfig.from_pretrained`` builds from that directory (every config dialect transformers
+    reads, its architecture and its ``vocab_size``: a padded embedding keeps its rows), with
+    ``model.hf_override`` on top; ``model.arch`` and ``model.hf`` are then not used. Without one it
+    is ``model.arch`` with the fields of ``model.hf``.
 
     Args:
         cfg: the model section of the run config.
-        vocab_size: the tokenizer's vocabulary size, used when ``cfg.hf`` sets none.
+        vocab_size: the tokenizer's vocabulary size, used only without a config directory and when
+            ``cfg.hf`` sets none.
 
     Raises:
-        ValueError: unsupported ``model.arch``.
+        ValueError: unsupported ``model.arch``, or a config directory of an unsupported architecture.
     """
-    if cfg.arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"model.arch={cfg.arch!r} is not supported; use one of {sorted(SUPPORTED_ARCHS)}")
-    fields = dict(cfg.hf)
-    if vocab_size is not None and "vocab_size" not in fields:
-        fields["vocab_size"] = vocab_size
-    if cfg.config_path:
-        hf = AutoConfig.from_pretrained(Path(cfg.config_path).expanduser(), **fields)
+    source = config_source(cfg)
+    if source is not None:
+        hf = AutoConfig.from_pretrained(source, **cfg.hf_override)
+        arch = (hf.architectures or [None])[0]
+        if arch not in SUPPORTED_ARCHS:
+            raise ValueError(
+                f"{source}: architectures={hf.architectures} is not supported; nodetrain trains "
+                f"{', '.join(SUPPORTED_ARCHS)}"
+            )
+        _log_config_source(cfg, source, hf)
     else:
+        if cfg.arch not in SUPPORTED_ARCHS:
+            raise ValueError(
+                f"model.arch={cfg.arch!r} is not supported; use one of {sorted(SUPPORTED_ARCHS)}"
+            )
+        fields = dict(cfg.hf)
+        if vocab_size is not None and "vocab_size" not in fields:
+            fields["vocab_size"] = vocab_size
         hf = AutoConfig.for_model(SUPPORTED_ARCHS[cfg.arch], **fields)
-    hf.architectures = [cfg.arch]
+        hf.architectures = [cfg.arch]
     hf.use_cache = False
     return hf
+
+
+def _log_config_source(cfg: ModelConfig, source: Path, hf: PretrainedConfig) -> None:
+    log.info(
+        "model: %s from %s (%d layers, hidden %d, vocab %d)",
+        hf.architectures[0],
+        source,
+        hf.num_hidden_layers,
+        hf.hidden_size,
+        hf.vocab_size,
+    )
+    if cfg.hf:
+        log.info(
+            "model.hf of model=%s (%s) is not used: the model is %s's config.json; change a field of it "
+            "with +model.hf_override.<key>=<value>",
+            cfg.name,
+            ", ".join(sorted(cfg.hf)),
+            source,
+        )
+    for key, value in cfg.hf_override.items():
+        log.warning("model.hf_override.%s=%r replaces the value in %s's config.json", key, value, source)
 
 
 def _layout(index: int, name: str, named: list[tuple[str, str, torch.Tensor]]) -> Unit:
@@ -212,16 +254,23 @@ class HFModel:
 
     # ---- compute ---------------------------------------------------------------------------
 
-    def context(self, h: torch.Tensor) -> dict:
+    def context(self, h: torch.Tensor, position_ids: torch.Tensor | None = None) -> dict:
         """Per micro-batch inputs every decoder layer needs: rotary (cos, sin), position ids, masks.
 
         Args:
             h: [B, T, D] hidden states (any dtype/device); only shape, dtype and device are used.
+            position_ids: [B, T] int64 on h's device, or None (0..T-1 in every row). Packed rows
+                restart at 0 for each document; transformers' mask functions then detect the
+                packing (``find_packed_sequence_indices``) and make the causal mask block-diagonal,
+                so no token attends across a document boundary.
         """
         device = h.device
         if device not in self._rotary:
             self._rotary[device] = type(self._meta.model.rotary_emb)(self.config).to(device)
-        pos = torch.arange(h.shape[1], device=device).unsqueeze(0)  # [1, T]
+        if position_ids is None:
+            pos = torch.arange(h.shape[1], device=device).unsqueeze(0)  # [1, T]
+        else:
+            pos = position_ids.to(device)  # [B, T]
         cos_sin = self._rotary[device](h, pos)
         kwargs = dict(config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
         masks = {"full_attention": create_causal_mask(**kwargs)}

@@ -1,0 +1,105 @@
+"""What makes a checkpoint usable on its own: the tokenizer it was trained with and its special ids.
+
+Owns: building the run's tokenizer as a ``transformers`` fast tokenizer (the prepared dataset's
+``tokenizer.json``, with the special tokens and chat template of the tokenizer directory it came
+from when that is a Hugging Face directory), the bos/eos/pad ids written into ``config.json`` and
+``generation_config.json``, and writing those files plus the tokenizer files into a checkpoint
+directory. Does not own: the weights (writer.py) or when a checkpoint is written (checkpointing.py).
+
+    tok = run_tokenizer(data_dir, cfg.data.tokenizer)         # once, rank 0
+    write_export_files(step_dir, hf_config, tok, init_from)   # per checkpoint: config + tokenizer
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerFast
+
+__all__ = ["run_tokenizer", "special_token_ids", "write_export_files"]
+
+_SPECIAL = ("bos", "eos", "pad")
+
+
+def run_tokenizer(data_dir: str | Path, tokenizer_dir: str | Path = "") -> PreTrainedTokenizerFast:
+    """The tokenizer a run trains with, as a ``transformers`` fast tokenizer.
+
+    Args:
+        data_dir: the prepared dataset (its ``tokenizer.json`` defines the ids; ``meta.json``'s
+            ``eot_id`` is the token that separates documents).
+        tokenizer_dir: ``data.tokenizer``; when it holds a ``tokenizer_config.json`` (a Hugging
+            Face directory) its special tokens and chat template are kept.
+
+    Returns:
+        A tokenizer whose eos is the document separator unless the HF directory names one, and
+        whose bos and pad default to that eos (GPT-2's convention) for a trained BPE.
+
+    Raises:
+        FileNotFoundError: ``data_dir`` lacks ``tokenizer.json`` or ``meta.json``.
+    """
+    data_dir = Path(data_dir)
+    if tokenizer_dir and (Path(tokenizer_dir).expanduser() / "tokenizer_config.json").is_file():
+        tok = AutoTokenizer.from_pretrained(Path(tokenizer_dir).expanduser())
+        if tok.eos_token is None:
+            tok.eos_token = _eot_token(tok, data_dir)
+        return tok
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(data_dir / "tokenizer.json"))
+    eot = _eot_token(tok, data_dir)
+    tok.add_special_tokens({"bos_token": eot, "eos_token": eot, "pad_token": eot})
+    return tok
+
+
+def _eot_token(tok: PreTrainedTokenizerFast, data_dir: Path) -> str:
+    eot_id = json.loads((data_dir / "meta.json").read_text())["eot_id"]
+    return tok.convert_ids_to_tokens(eot_id)
+
+
+def special_token_ids(tok: PreTrainedTokenizerFast, hf_config: PretrainedConfig) -> dict[str, int | None]:
+    """``{bos,eos,pad}_token_id`` for the exported config: the tokenizer's ids; where the tokenizer
+    has none, an imported config's own value (a model built from scratch has none to keep)."""
+    imported = bool(getattr(hf_config, "name_or_path", ""))
+    ids = {}
+    for name in _SPECIAL:
+        token_id = getattr(tok, f"{name}_token_id")
+        if token_id is None and imported:
+            token_id = getattr(hf_config, f"{name}_token_id", None)
+        ids[f"{name}_token_id"] = token_id
+    return ids
+
+
+def write_export_files(
+    directory: Path,
+    hf_config: PretrainedConfig,
+    tok: PreTrainedTokenizerFast | None,
+    dtype,
+    source_dir: str | Path = "",
+) -> list[Path]:
+    """Write ``config.json``, ``generation_config.json`` and the tokenizer files into ``directory``.
+
+    Args:
+        directory: the checkpoint directory being written.
+        hf_config: the run's model config (not modified).
+        tok: the run's tokenizer (None: config only, with the config's own special ids).
+        dtype: the export dtype (``torch.dtype``), recorded as ``config.json``'s ``dtype``.
+        source_dir: the imported model directory (``model.init_from``); its
+            ``generation_config.json`` (sampling defaults, several eos ids) is kept when present.
+
+    Returns:
+        The files written (for the checkpoint's manifest).
+    """
+    written = [directory / "config.json", directory / "generation_config.json"]
+    hf = hf_config.__class__.from_dict(hf_config.to_dict())
+    hf.use_cache, hf.dtype = True, dtype
+    if tok is not None:
+        for key, value in special_token_ids(tok, hf_config).items():
+            setattr(hf, key, value)
+        written += [Path(f) for f in tok.save_pretrained(directory) if Path(f).is_file()]
+    hf.to_json_file(directory / "config.json")
+    source = Path(source_dir).expanduser() / "generation_config.json" if source_dir else None
+    if source is not None and source.is_file():
+        generation = GenerationConfig.from_pretrained(source.parent)
+    else:
+        generation = GenerationConfig.from_model_config(hf)
+    generation.save_pretrained(directory)
+    return sorted(set(written))

@@ -1,0 +1,123 @@
+"""A checkpoint directory is usable on its own: ``AutoTokenizer`` + ``AutoModelForCausalLM`` +
+``generate`` with nothing else, stopping on the run's end-of-text id (issue 10, item 4); and after
+a crash and ``checkpoint.resume=auto``, metrics.jsonl holds one row per step (item 5).
+
+The reference is ``transformers`` loading the directory; the eos check makes ``<|endoftext|>``
+(id 0 in our BPE) the greedy choice, so generation must stop after one token — with Llama's
+default eos id 2 (the byte token ``"``) it would run to ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from conftest import SONNET, TINY_RUN, job_env, torchrun_cmd
+
+from nodetrain import data
+from nodetrain.checkpoint.export import run_tokenizer, write_export_files
+from nodetrain.config import DataConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TINY = dict(
+    hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64
+)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("export")
+    (d / "sonnet.txt").write_text(SONNET * 50)
+    return data.prepare(DataConfig(source=str(d / "sonnet.txt"), dir=str(d / "prepared"), vocab_size=300))
+
+
+def _emit(token_id: int):
+    """A logits processor that makes ``token_id`` the only choice: [B, V] scores -> [B, V]."""
+
+    def process(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        forced = torch.full_like(scores, -float("inf"))
+        forced[:, token_id] = 0.0
+        return forced
+
+    return transformers.LogitsProcessorList([process])
+
+
+def assert_generates_until_eos(step_dir: Path, eot_id: int) -> None:
+    """Load ``step_dir`` with transformers alone, check its special ids, and generate greedily while
+    forcing the document separator: generation must stop after exactly that one token (with a
+    wrong eos it would emit it until ``max_new_tokens``)."""
+    tok = transformers.AutoTokenizer.from_pretrained(step_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(step_dir, dtype=torch.float32)
+    assert tok.eos_token_id == eot_id == model.config.eos_token_id == model.generation_config.eos_token_id
+    assert model.config.bos_token_id == tok.bos_token_id and model.config.pad_token_id == tok.pad_token_id
+    prompt = tok("Shall I compare thee", return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=8, do_sample=False, logits_processor=_emit(eot_id + 1))
+        assert out.shape[1] == prompt.input_ids.shape[1] + 8, "no eos: runs to max_new_tokens"
+        out = model.generate(**prompt, max_new_tokens=8, do_sample=False, logits_processor=_emit(eot_id))
+    assert out[0, prompt.input_ids.shape[1] :].tolist() == [eot_id], "generation stops on the run's eos"
+
+
+def test_export_carries_trained_bpe_and_its_eos(tmp_path: Path, prepared: Path) -> None:
+    eot_id = json.loads((prepared / "meta.json").read_text())["eot_id"]
+    assert eot_id == 0
+    config = transformers.LlamaConfig(**TINY, vocab_size=300)  # bos 1 / eos 2: bytes '"' and '!' here
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    (tmp_path / "config.json").unlink()
+    written = write_export_files(tmp_path, config, run_tokenizer(prepared), torch.float32)
+    names = {p.name for p in written}
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert_generates_until_eos(tmp_path, eot_id)
+
+
+def test_export_keeps_a_hf_tokenizer_s_chat_template(tmp_path: Path, prepared: Path) -> None:
+    """A ``data.tokenizer`` that is a HF directory: its chat template and eos travel with the export."""
+    hf_tok = run_tokenizer(prepared)
+    hf_tok.chat_template = "{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    hf_tok.save_pretrained(tmp_path / "tok")
+    config = transformers.Qwen3Config(**TINY, vocab_size=300, head_dim=16)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(tmp_path / "step")
+    write_export_files(tmp_path / "step", config, run_tokenizer(prepared, tmp_path / "tok"), torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "step")
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "hi<|endoftext|>"
+    assert_generates_until_eos(tmp_path / "step", 0)
+
+
+def test_crash_resume_keeps_one_row_per_step_and_exports_usable_checkpoints(tmp_path: Path, corpus) -> None:
+    """2 ranks: checkpoint at step 2, rank 0 fails at the start of step 4 (rows 1-3 written);
+    ``checkpoint.resume=auto`` into the same directory runs 3-5. metrics.jsonl then holds steps
+    1..5 once each, and step-5 loads and generates with transformers alone."""
+    run = tmp_path / "run"
+    base = [*TINY_RUN, *corpus, "logging.wandb=false", f"store.dir={tmp_path}", "train.eval_every=0"]
+    base += ["train.steps=5", "checkpoint.every=2", "train.dtype=float32", f"hydra.run.dir={run}"]
+    base += ["checkpoint.async_write=false"]  # step-2 is committed at step 3, before the failure
+    crash = subprocess.run(
+        torchrun_cmd(2, "-m", "nodetrain.train", *base, "test.fail_rank=0", "test.fail_step=4"),
+        cwd=ROOT,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert crash.returncode != 0
+    steps = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3], "the crashed launch logged step 3 after the step-2 checkpoint"
+    resume = subprocess.run(
+        torchrun_cmd(2, "-m", "nodetrain.train", *base, "checkpoint.resume=auto"),
+        cwd=ROOT,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert resume.returncode == 0, (resume.stdout + resume.stderr)[-6000:]
+    steps = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5]
+    assert "starts from the checkpoint of step 2; dropping 1 row(s)" in (run / "rank0.log").read_text()
+    eot_id = json.loads((Path(corpus[1].split("=", 1)[1]) / "meta.json").read_text())["eot_id"]
+    assert_generates_until_eos(run / "checkpoints" / "step-5", eot_id)

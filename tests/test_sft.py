@@ -1,0 +1,245 @@
+"""Instruction data and packing (issue 10, "Instruction and real data").
+
+* Packing: a packed batch through nodetrain's blocks (position ids restarting per document, the
+  layer templates called with ``functional_call``) gives the summed loss and the gradients of the
+  same documents run one by one through ``transformers`` (fp32, 1e-5).
+* Loss masks: ``prompt``/``completion`` and chat ``messages`` (rendered with the tokenizer's own
+  template) put labels only on completion / assistant tokens, checked against the text.
+* A chat-SFT run (tiny Qwen3 with a chat template, 2 stages, ``data.format=records``, packed): the
+  step-1 loss equals transformers' loss with the same labels on each document of the step's rows
+  run alone (1e-5). (transformers 5.24's ``forward(position_ids=packed)`` detects packing only
+  without a KV cache, i.e. with ``use_cache=False``; with the saved config's ``use_cache=True`` it
+  attends across documents — 5.7393 here against 5.7469 for the documents alone.)
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from conftest import SONNET, job_env, torchrun_cmd
+
+from nodetrain import data
+from nodetrain.checkpoint.export import run_tokenizer
+from nodetrain.config import DataConfig
+from nodetrain.model import HFModel
+from nodetrain.packing import IGNORE_INDEX, pack, pairs
+from nodetrain.sft import RecordsDataset, load_records, tokenize_record
+
+ROOT = Path(__file__).resolve().parents[1]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN = dict(
+    vocab_size=320,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    tie_word_embeddings=True,
+)
+CHATS = [
+    [
+        {"role": "system", "content": "You answer in verse."},
+        {"role": "user", "content": "Compare me to a day."},
+        {"role": "assistant", "content": "Thou art more lovely and more temperate."},
+        {"role": "user", "content": "And the wind?"},
+        {"role": "assistant", "content": "Rough winds do shake the darling buds of May."},
+    ],
+    [
+        {"role": "user", "content": "How long is summer?"},
+        {"role": "assistant", "content": "Summer's lease hath all too short a date."},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen3 (320 rows) saved with its tokenizer: our BPE + ChatML tokens and template."""
+    d = tmp_path_factory.mktemp("sft")
+    (d / "sonnet.txt").write_text(SONNET * 50)
+    prepared = data.prepare(DataConfig(source=str(d / "sonnet.txt"), dir=str(d / "prepared"), vocab_size=300))
+    tok = run_tokenizer(prepared)
+    tok.add_special_tokens(
+        {"additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "eos_token": "<|im_end|>"}
+    )
+    tok.chat_template = CHATML
+    torch.manual_seed(7)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN)).save_pretrained(d / "hf")
+    tok.save_pretrained(d / "hf")
+    return d / "hf"
+
+
+def _docs(lengths: list[int], vocab: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        mask = rng.random(n) < 0.7
+        out.append(pairs(rng.integers(0, vocab, n), mask))
+    return out
+
+
+def _blocks_loss(model: HFModel, params: dict[str, torch.Tensor], x, y, pos) -> torch.Tensor:
+    """Summed token loss of [B, T] rows through every block with HF-named ``params`` bound."""
+    h = x
+    for i in range(len(model.units)):
+        bound = {}
+        for b in model.bindings[i]:
+            unit = model.units[b.unit]
+            name = next(p.hf_name for p in unit.params if p.offset == b.offset)
+            bound[b.local_name] = params[name]
+        ctx = model.context(h, pos) if 0 < i < len(model.units) - 1 else None
+        h = model.forward_block(i, bound, h, ctx)
+    return F.cross_entropy(h.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def test_packed_rows_equal_the_documents_one_by_one() -> None:
+    config = transformers.Qwen3Config(**QWEN, architectures=["Qwen3ForCausalLM"])
+    torch.manual_seed(0)
+    ref = transformers.Qwen3ForCausalLM(config).float()
+    docs = _docs([9, 5, 14, 3, 12, 7], 320, seed=1)
+    rows = pack(docs, 24, pad_id=0)
+    assert rows.num_rows == 3 and (rows.position_ids[:, 0] == 0).all()
+    model = HFModel(config)
+    params = {k: v.detach().clone().requires_grad_(True) for k, v in ref.state_dict().items()}
+    x, y, pos = (torch.from_numpy(a) for a in (rows.input_ids, rows.labels, rows.position_ids))
+    got = _blocks_loss(model, params, x, y, pos)
+    got.backward()
+
+    want = 0
+    for inputs, labels in docs:  # each document alone, positions 0..n-1, no packing
+        logits = ref(input_ids=torch.from_numpy(inputs)[None]).logits[0]  # [n, V]
+        want = want + F.cross_entropy(
+            logits, torch.from_numpy(labels), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    named = dict(ref.named_parameters())
+    for name, p in params.items():
+        if name in named:
+            torch.testing.assert_close(p.grad, named[name].grad, rtol=1e-5, atol=1e-5, msg=name)
+    with torch.no_grad():  # the same rows without the restarting positions attend across documents
+        crossed = _blocks_loss(model, params, x, y, None)
+    assert abs(float(crossed) - want.item()) > 1e-3
+
+
+def test_unpacked_rows_hold_one_document_each() -> None:
+    docs = _docs([9, 5, 30], 50, seed=2)
+    rows = pack(docs, 16, pad_id=3, packing=False)
+    assert rows.num_rows == 3 and rows.num_truncated == 1
+    assert rows.input_ids[1, 4:].tolist() == [3] * 12 and (rows.labels[1, 4:] == IGNORE_INDEX).all()
+    assert rows.position_ids[0].tolist() == [*range(8), *range(8)]
+
+
+def test_records_read_from_jsonl_parquet_and_a_datasets_directory(tmp_path: Path) -> None:
+    import datasets
+
+    records = [{"prompt": "Shall I", "completion": f" compare {i}"} for i in range(3)]
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    ds = datasets.Dataset.from_list(records)
+    ds.to_parquet(str(tmp_path / "r.parquet"))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    for source in ("r.jsonl", "r.parquet", "saved"):
+        assert load_records(tmp_path / source).to_list() == records, source
+    with pytest.raises(ValueError, match=r"data\.source=.*r\.csv.*not a records file"):
+        load_records(tmp_path / "r.csv")
+
+
+def test_loss_masks_cover_completions_and_assistant_turns(model_dir: Path) -> None:
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    ids, mask = tokenize_record({"prompt": "Shall I compare", "completion": " thee"}, tok)
+    assert tok.decode([i for i, m in zip(ids, mask, strict=True) if m]) == " thee<|im_end|>"
+    assert tok.decode([i for i, m in zip(ids, mask, strict=True) if not m]) == "Shall I compare"
+    ids, mask = tokenize_record({"messages": CHATS[0]}, tok)
+    assert tok.decode(ids) == tok.apply_chat_template(CHATS[0], tokenize=False)
+    targets = tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
+    want = "".join(m["content"] + "<|im_end|>\n" for m in CHATS[0] if m["role"] == "assistant")
+    assert targets == want
+    ids, mask = tokenize_record({"text": "Shall I"}, tok, add_bos=True)
+    assert ids[0] == tok.bos_token_id and ids[-1] == tok.eos_token_id and all(mask)
+
+
+def test_generation_markers_give_the_same_mask(model_dir: Path) -> None:
+    """A template with {% generation %} markers: transformers' assistant mask, equal to the spans
+    the prefix rule finds for ChatML (marked: assistant content and its end-of-turn)."""
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    want = tokenize_record({"messages": CHATS[0]}, tok)
+    tok.chat_template = CHATML.replace(
+        "{{ m['content'] }}<|im_end|>\n",
+        "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>\n{% endgeneration %}"
+        "{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}",
+    )
+    assert "generation" in tok.chat_template
+    assert tokenize_record({"messages": CHATS[0]}, tok) == want
+
+
+def test_a_template_that_re_renders_the_last_turn_masks_assistant_content(model_dir: Path) -> None:
+    """Qwen3-style: the last assistant turn gets an empty think block, so a conversation is not
+    the prefix of its continuation; every assistant content and its end-of-turn is still marked."""
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = CHATML.replace(
+        "{{ m['content'] }}",
+        "{% if m['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}",
+    )
+    ids, mask = tokenize_record({"messages": CHATS[0]}, tok)
+    assert "<think>" in tok.decode(ids)
+    targets = tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
+    assert targets == "".join(m["content"] + "<|im_end|>" for m in CHATS[0] if m["role"] == "assistant")
+
+
+def test_chat_sft_step1_loss_equals_transformers(tmp_path: Path, model_dir: Path) -> None:
+    records = [{"messages": c} for c in CHATS] * 6 + [
+        {"prompt": "Shall I", "completion": " compare thee"}
+    ] * 4
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run, prepared = tmp_path / "run", tmp_path / "rows"
+    overrides = ["model=qwen3_tiny", f"model.init_from={model_dir}", f"data.tokenizer={model_dir}"]
+    overrides += ["data.format=records", f"data.source={tmp_path / 'chat.jsonl'}", f"data.dir={prepared}"]
+    overrides += [
+        "data.val_fraction=0.2",
+        "train.seq_len=256",
+        "train.micro_batch_size=1",
+        "pipeline.microbatches=2",
+    ]
+    overrides += [
+        "train.steps=1",
+        "train.eval_every=0",
+        "train.dtype=float32",
+        "logging.wandb=false",
+        "seed=0",
+    ]
+    overrides += [f"store.dir={tmp_path}", f"hydra.run.dir={run}"]
+    cmd = torchrun_cmd(2, "-m", "nodetrain.train", *overrides)
+    proc = subprocess.run(cmd, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    got = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+
+    (rows_dir,) = prepared.glob("chat-records-*")  # its own directory under data.dir
+    rows = RecordsDataset.open(rows_dir, "train")
+    x, y, pos = (torch.from_numpy(a) for a in rows.batch(0, 0, 2))  # step 0: 2 rows of 256
+    assert (y == IGNORE_INDEX).float().mean() > 0.3, "prompts and padding take no loss"
+    assert ((pos[:, 1:] == 0).sum(1) >= 2).all(), "each row packs several documents"
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    total = 0.0
+    with torch.no_grad():  # every document of the packed rows alone, as transformers runs it
+        for r in range(2):
+            starts = [*(pos[r] == 0).nonzero().flatten().tolist(), pos.shape[1]]
+            for a, b in itertools.pairwise(starts):
+                logits = ref(input_ids=x[r : r + 1, a:b]).logits[0]  # [n, 320]
+                total += F.cross_entropy(logits, y[r, a:b], ignore_index=IGNORE_INDEX, reduction="sum").item()
+    want = total / int((y != IGNORE_INDEX).sum())
+    assert got == pytest.approx(want, rel=1e-5, abs=0)
+    step = run / "checkpoints" / "step-1"
+    tok = transformers.AutoTokenizer.from_pretrained(step)
+    assert tok.chat_template == CHATML and tok.eos_token == "<|im_end|>"
+    assert json.loads((step / "config.json").read_text())["eos_token_id"] == tok.eos_token_id
