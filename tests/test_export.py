@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import SONNET, TINY_RUN, job_env, torchrun_cmd
+from conftest import SONNET, TINY_RUN, job_env, prepared_dir, torchrun_cmd
 
 from nodetrain import data
 from nodetrain.checkpoint.export import run_tokenizer, write_export_files
@@ -119,5 +119,5 @@ def test_crash_resume_keeps_one_row_per_step_and_exports_usable_checkpoints(tmp_
     steps = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5]
     assert "starts from the checkpoint of step 2; dropping 1 row(s)" in (run / "rank0.log").read_text()
-    eot_id = json.loads((Path(corpus[1].split("=", 1)[1]) / "meta.json").read_text())["eot_id"]
+    eot_id = json.loads((prepared_dir(corpus[1].split("=", 1)[1]) / "meta.json").read_text())["eot_id"]
     assert_generates_until_eos(run / "checkpoints" / "step-5", eot_id)

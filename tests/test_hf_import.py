@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import TINY_RUN, job_env, torchrun_cmd
+from conftest import TINY_RUN, job_env, prepared_dir, torchrun_cmd
 from safetensors.torch import load_file, save_file
 
 from nodetrain import data
@@ -155,13 +155,14 @@ def test_one_key_import_trains_transformers_model(tmp_path: Path, corpus: list[s
     run = tmp_path / "run"
     overrides = [*TINY_RUN, *corpus, "train.dtype=float32", "train.steps=1", "train.eval_every=0", "seed=0"]
     overrides += ["logging.wandb=false", f"store.dir={tmp_path}", f"model.init_from={tmp_path / 'hf'}"]
+    overrides += ["data.tokenizer=bpe"]  # the directory holds no tokenizer: a BPE on purpose (issue 15)
     cmd = torchrun_cmd(2, "-m", "nodetrain.train", f"hydra.run.dir={run}", *overrides)
     proc = subprocess.run(cmd, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     got = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
     assert "model.hf of model=llama_10m" in (run / "rank0.log").read_text(), "the unused group is logged"
 
-    prepared = Path(corpus[1].split("=", 1)[1])
+    prepared = prepared_dir(corpus[1].split("=", 1)[1])
     x, y = data.batch(data.TokenDataset.open(prepared, "train"), 0, 0, 4, 16)  # step 0, seed 0
     with torch.no_grad():
         logits = _reference(tmp_path / "hf")(input_ids=x).logits  # [4, 16, 320]
