@@ -41,12 +41,13 @@ import torch
 import torch.distributed as dist
 
 from nodetrain.breakdown import StepBreakdown, flops_per_token, measured_peak_flops
+from nodetrain.comm import Comm
 from nodetrain.config import Config, grad_accum_of
 from nodetrain.faults import poison_grads
 from nodetrain.model import HFModel
 from nodetrain.optim import StoreAdamW, clip_coef, lr_at
 from nodetrain.overlap import UnitUpdates, fair_share_threads, update_mode
-from nodetrain.pipeline import P2P, Action, build_schedule, partition
+from nodetrain.pipeline import P2P, Action, build_schedule, p2p_groups, partition
 from nodetrain.replicas import ReplicaGradSum, Topology, node_group, replica_slice
 from nodetrain.residency import resident_blocks
 from nodetrain.stage import IGNORE_INDEX, StageRunner
@@ -145,8 +146,11 @@ class Engine:
         self._init_weights(init_from)
         self._tied_across = model.tied and topo.num_stages > 1
         self.optimizer = StoreAdamW(self.store, self.units, cfg.optim)
-        staging = device if dist.get_backend() == "nccl" else None
-        self.grad_sum = ReplicaGradSum(topo, cfg.dist.timeout_s, staging=staging)
+        self.comm = Comm(device)
+        # Two communicators for the cross-replica sums: the optimizer thread's (in-backward) and the
+        # training thread's; NCCL forbids concurrent use of one from two threads (replicas.py).
+        self.grad_sum = ReplicaGradSum(topo, cfg.dist.timeout_s, self.comm)
+        self.grad_sum_optim = ReplicaGradSum(topo, cfg.dist.timeout_s, self.comm, kind="stage_optim")
         self._step = [0]  # the step being run, read by the NaN injection (on the optimizer thread too)
         self._poison = _nan_injection(cfg.test, self.store, self.units[-1].index, self._step)
         self.updates = self._make_updates(device)
@@ -163,8 +167,7 @@ class Engine:
         self.window.gate, self.window.on_offloaded = self.updates.gate, self.updates.offloaded
         self.runner = StageRunner(model, self.blocks, self.window, self.dtype)
         shape = (cfg.train.micro_batch_size, cfg.train.seq_len, model.config.hidden_size)
-        p2p_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
-        self.p2p = P2P(topo.stage, topo.num_stages, shape, self.dtype, p2p_device, topo.pipeline_ranks)
+        self.p2p = P2P(topo.stage, topo.num_stages, shape, self.dtype, self.comm, topo.pipeline_ranks)
         self.breakdown = self._make_breakdown()
         self.window.timeline = self.p2p.timeline = self.breakdown.timeline
         log.info(
@@ -195,7 +198,7 @@ class Engine:
             threads=cfg.optim.threads or fair_share_threads(),
             delay_s=cfg.optim.test_delay_s,
             defer=not cfg.optim.update_in_backward,
-            grad_sum=self.grad_sum,  # in-backward: each unit's cross-replica sum, on the optimizer thread
+            grad_sum=self.grad_sum_optim,  # in-backward: each unit's replica sum, on the optimizer thread
             on_final=self._poison,
             device=device,
         )
@@ -302,22 +305,22 @@ class Engine:
 
     def _run_round(self, actions, r: int, inputs, labels, loss_scale: float, train: bool) -> float:
         m = self.cfg.pipeline.microbatches
-        loss_sum = 0.0
-        for a in actions:
-            mb = r * m + a.mb
+        base = r * m
+        groups = p2p_groups(actions, self.stage, self.num_stages)  # paired send/recv: NCCL-safe order
+        loss_sum, out = 0.0, None
+        for a, group in zip(actions, groups, strict=False):
+            got = self.p2p.exchange(group, out, base)
+            mb = base + a.mb
             lab = labels[mb].to(self.device) if self.runner.is_last else None
             if a.kind == "F":
-                x = inputs[mb] if self.runner.is_first else self.p2p.recv_activation(mb)
+                x = inputs[mb] if self.runner.is_first else got
                 out = self.runner.forward(mb, x.to(self.device), lab, keep=train)
                 if self.runner.is_last:
                     loss_sum += float(out)
-                else:
-                    self.p2p.send_activation(mb, out)
             else:
-                g = None if self.runner.is_last else self.p2p.recv_grad(mb).to(self.device)
-                g_in = self.runner.backward(mb, g, lab, loss_scale)
-                if not self.runner.is_first:
-                    self.p2p.send_grad(mb, g_in)
+                g = None if self.runner.is_last else got.to(self.device)
+                out = self.runner.backward(mb, g, lab, loss_scale)
+        self.p2p.exchange(groups[-1], out, base)
         return loss_sum
 
     def _check_batch(self, inputs: torch.Tensor, labels: torch.Tensor, num_mb: int) -> None:
@@ -366,11 +369,12 @@ class Engine:
             self.p2p.wait_sends()
         grad_sq = self._settle_grads()
         with timeline.phase("optim"):
-            totals = torch.tensor([grad_sq, loss_sum, float(stop)], dtype=torch.float64)
+            totals = self.comm.tensor([grad_sq, loss_sum, float(stop)])  # on the group's device
         with timeline.phase("bubble"):
-            dist.all_reduce(totals)  # NaN/inf on any stage makes the sums non-finite on every stage
-        grad_norm = math.sqrt(float(totals[0]))
-        skipped = not math.isfinite(float(totals[0]) + float(totals[1]))
+            self.comm.all_reduce(totals)  # NaN/inf on any stage makes the sums non-finite on every stage
+        grad_sq_all, loss_all, stop_all = totals.tolist()  # one device → host copy
+        grad_norm = math.sqrt(grad_sq_all)
+        skipped = not math.isfinite(grad_sq_all + loss_all)
         with timeline.phase("optim"):  # the run's last step leaves the store final
             if skipped:
                 self._skip_step(step)
@@ -386,10 +390,10 @@ class Engine:
         busy["num_updates_in_backward"] = self.updates.take_in_backward_count()
         busy["cpu_s"] = time.process_time() - cpu0
         record = self.breakdown.stage_record(now - t0, inputs.numel(), phases, busy)
-        loss = float(totals[1]) / max(tokens, 1)
+        loss = loss_all / max(tokens, 1)
         stall_s, p2p_wait_s = self.window.stall_s, self.p2p.wait_s
         res = StepResult(step, loss, grad_norm, lr, tokens, now - t0, stall_s, p2p_wait_s, phases["optim_s"])
-        res.skipped, res.stop = skipped, float(totals[2]) > 0
+        res.skipped, res.stop = skipped, stop_all > 0
         res.breakdown = self.breakdown.gather(record)
         return res
 
@@ -428,8 +432,8 @@ class Engine:
             loss_sum = self._run_round(actions, 0, inputs, labels, 1.0, train=False)
         self.window.flush()
         self.p2p.wait_sends()
-        total = torch.tensor([loss_sum], dtype=torch.float64)
-        dist.all_reduce(total)
+        total = self.comm.tensor([loss_sum])
+        self.comm.all_reduce(total)
         return float(total[0]) / max(tokens, 1), tokens
 
     def close(self) -> None:
