@@ -46,10 +46,16 @@ class _CopyWorker:
 
     A job first waits for its gate (host futures), then, with a stream, for the compute queued
     before it was submitted, and runs to completion before the next (``busy_s`` counts only the
-    copy). Without a stream a job runs as it is (the D2H jobs wait for their own copy's event)."""
+    copy). Without a stream a job runs as it is (the D2H jobs wait for their own copy's event).
+    On a CUDA ``device`` the thread first selects it: a thread's current device starts as GPU 0,
+    and a CUDA call there (an event wait, a stream context) would create a context on GPU 0 in
+    every rank's process."""
 
-    def __init__(self, name: str, stream: torch.cuda.Stream | None, delay_s: float):
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    def __init__(self, name: str, stream: torch.cuda.Stream | None, delay_s: float, device=None):
+        device = torch.device(device) if device is not None else None
+        cuda = device is not None and device.type == "cuda"
+        init, args = (torch.cuda.set_device, (device,)) if cuda else (None, ())
+        self._pool = ThreadPoolExecutor(1, name, initializer=init, initargs=args)
         self._stream = stream
         self._delay_s = delay_s
         self.busy_s = 0.0
@@ -131,8 +137,8 @@ class Window:
         self._check_targets()
         self._written: set[int] = set()  # data_ptr of accumulators offloaded into since begin()
         h2d_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._h2d = _CopyWorker("h2d", h2d_stream, delay_s)
-        self._d2h = _CopyWorker("d2h", None, delay_s)  # its copies run on the staging's stream
+        self._h2d = _CopyWorker("h2d", h2d_stream, delay_s, self.device)
+        self._d2h = _CopyWorker("d2h", None, delay_s, self.device)  # copies on the staging's stream
         self._staging = GradStaging(slots, max(self._numel(i) for i in blocks), dtype, self.device)
         self._num_offloads = 0
         self.gate = None
