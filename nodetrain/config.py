@@ -110,8 +110,9 @@ class TrainConfig:
     pipeline.microbatches × nodes, and grad_accum becomes batch_size / (micro_batch_size ×
     pipeline.microbatches × nodes) (see ``grad_accum_of``), so adding nodes keeps the global batch."""
     dtype: str = "bfloat16"
-    """Compute dtype of the streamed transfer copy and the device math: bfloat16 | float16 | float32.
-    Master weights and optimizer state are always fp32."""
+    """Compute dtype of the streamed transfer copy and the device math: bfloat16 | float32.
+    Master weights and optimizer state are always fp32. float16 is refused (no loss scaler: its
+    gradients of a token-mean loss underflow)."""
     eval_every: int = 50
     """Evaluate validation loss every this many steps (and at the last step); 0 = never. Evaluation
     runs in eval mode (dropout off) and draws no random numbers, so it leaves training unchanged."""

@@ -169,6 +169,7 @@ INVALID = [
     (["train.batch_size=24"], 2, ["train.batch_size"]),
     (["train.batch_size=32", "train.grad_accum=3"], 2, ["train.grad_accum", "train.batch_size"]),
     (["train.dtype=fp8"], 2, ["train.dtype"]),
+    (["train.dtype=float16"], 2, ["train.dtype", "loss scaler", "bfloat16"]),
     (["train.steps=0"], 2, ["train.steps"]),
     (["train.eval_every=-1"], 2, ["train.eval_every"]),
     (["train.eval_batches=0"], 2, ["train.eval_batches"]),
