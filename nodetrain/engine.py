@@ -144,6 +144,8 @@ class Engine:
         self.units = [model.units[i] for i in self.blocks]
         self.store = self._open_store(topo.local_rank, run_id)
         self._init_weights(init_from)
+        if device.type == "cuda":  # only the transfer copies this rank's H2D copies read
+            self.store.pin({b.unit for i in self.blocks for b in model.bindings[i]})
         self._tied_across = model.tied and topo.num_stages > 1
         self.optimizer = StoreAdamW(self.store, self.units, cfg.optim)
         self.comm = Comm(device)
@@ -439,3 +441,4 @@ class Engine:
     def close(self) -> None:
         self.updates.close()
         self.window.close()
+        self.store.unpin()

@@ -49,6 +49,7 @@ def test_window_copies_on_side_streams_and_stay_current(shm_dir) -> None:
     bindings = [(Binding("w", i, 0, (64, 64)),) for i in range(3)]
     store = HostStore.create(StoreLayout(numels, torch.bfloat16), shm_dir, "gpu-window")
     store.unlink()
+    store.pin([0, 1, 2])
     window = Window(store, bindings, [0, 1, 2], [0, 1, 2], 2, torch.device("cuda"), delay_s=0.01)
     try:
         compute = torch.cuda.current_stream()
@@ -73,6 +74,8 @@ def test_window_copies_on_side_streams_and_stay_current(shm_dir) -> None:
         assert stats["h2d_busy_s"] > 0 and stats["h2d_bytes"] == 2 * 6 * 4096 * 2
     finally:
         window.close()
+        store.unpin()
+    assert not store.compute(0).is_pinned()
 
 
 SLEEP_CYCLES = 20_000_000
