@@ -144,9 +144,9 @@ def replica_engine(monkeypatch, tmp_path):
     of 2 replicas: the replica groups are stubs (``group:<kind>``) whose all-reduce is recorded
     (with the calling thread) and does nothing."""
     import torch.distributed as dist
-    from bench._engine import base_config, init_single_process, model_config
 
     import nodetrain.engine as engine_mod
+    from bench._engine import base_config, init_single_process, model_config
     from nodetrain.model import HFModel, build_hf_config
 
     init_single_process()
