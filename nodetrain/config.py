@@ -124,8 +124,9 @@ class TrainConfig:
     count untouched, gradients dropped) and counted as ``bad_steps`` in the metrics."""
     peak_flops: float = 0.0
     """Peak FLOP/s of one compute device in ``dtype``, the denominator of MFU (metrics key ``mfu``).
-    0 = measure a dense matmul on the device once at start-up (on CPU the only option that means
-    anything; on a GPU set the datasheet figure, e.g. 989e12 for an H100 SXM in bf16)."""
+    0 = the datasheet peak of the hardware profile whose ``device_names`` has this GPU's name (the
+    selected ``hardware`` first, then every profile in conf/hardware/), else a dense matmul measured
+    once at start-up (the CPU case; it reads ~25% above a datasheet MFU). The log says which."""
 
 
 @dataclass
@@ -289,6 +290,9 @@ class HardwareConfig:
     ``host_memory_bandwidth_gbps``, see costs.py)."""
     gpus_per_node: int = MISSING
     """GPUs of the node; 0 = no accelerator (stages are CPU processes)."""
+    device_names: list[str] = field(default_factory=list)
+    """``torch.cuda.get_device_name()`` of the profile's GPU (case-insensitive, exact): a run on such
+    a GPU measures MFU against this profile's ``peak_flops`` (see ``breakdown.select_peak_flops``)."""
     source: str = ""
     """Where each number comes from (datasheet names/URLs, or the measuring script)."""
 

@@ -40,7 +40,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nodetrain.breakdown import StepBreakdown, flops_per_token, measured_peak_flops
+from nodetrain.breakdown import (
+    StepBreakdown,
+    flops_per_token,
+    hardware_profiles,
+    measured_peak_flops,
+    select_peak_flops,
+)
 from nodetrain.comm import Comm
 from nodetrain.config import Config, grad_accum_of
 from nodetrain.faults import poison_grads
@@ -156,6 +162,7 @@ class Engine:
         self._step = [0]  # the step being run, read by the NaN injection (on the optimizer thread too)
         self._poison = _nan_injection(cfg.test, self.store, self.units[-1].index, self._step)
         self.updates = self._make_updates(device)
+        self._peak = self._peak_flops()  # before the residency budget reads free device memory
         self.window = Window(
             self.store,
             model.bindings,
@@ -164,7 +171,9 @@ class Engine:
             cfg.stream.slots,
             device,
             cfg.stream.test_copy_delay_s,
-            resident=resident_blocks(cfg, model, self.blocks, topo.stage, topo.num_stages, device),
+            resident=resident_blocks(
+                cfg, model, self.blocks, topo.stage, topo.num_stages, device, self.grad_accum
+            ),
         )
         self.window.gate, self.window.on_offloaded = self.updates.gate, self.updates.offloaded
         self.runner = StageRunner(model, self.blocks, self.window, self.dtype)
@@ -211,10 +220,9 @@ class Engine:
         n = sum(self.model.block_cost(i) for i in self.blocks)
         layers = sum(1 for i in self.blocks if 0 < i <= self.model.num_layers)
         per_token = flops_per_token(self.model.config, n, layers, self.cfg.train.seq_len)
-        peak = self.cfg.train.peak_flops or measured_peak_flops(
-            str(self.device), self.dtype, torch.get_num_threads()
-        )
+        peak, source = self._peak
         static = {
+            "peak_flops_source": source,
             "window_bytes": self.window.nbytes,
             "resident_bytes": self.window.resident_nbytes,
             "num_resident": len(self.window.resident),
@@ -224,6 +232,21 @@ class Engine:
         return StepBreakdown(self.device, per_token, peak, static, self.topo.num_stages)
 
     # ---- set-up ------------------------------------------------------------------------------
+
+    def _peak_flops(self) -> tuple[float, str]:
+        """MFU's denominator (``breakdown.select_peak_flops``), logged with its source. A measured
+        matmul's device memory goes back to the driver before the residency budget is read."""
+        cuda = self.device.type == "cuda"
+        name = torch.cuda.get_device_name(self.device) if cuda else None
+        peak, source = select_peak_flops(
+            self.cfg.train.peak_flops, name, self.cfg.hardware, hardware_profiles()
+        )
+        if peak is None:
+            peak = measured_peak_flops(str(self.device), self.dtype, torch.get_num_threads())
+            if cuda:
+                torch.cuda.empty_cache()
+        log.info("MFU against %.1f TFLOP/s per device: %s", peak / 1e12, source)
+        return peak, source
 
     def _open_store(self, local_rank: int, run_id: str) -> HostStore:
         layout = StoreLayout(
