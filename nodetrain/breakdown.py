@@ -304,4 +304,6 @@ def combine_stages(records: list[dict], num_stages: int | None = None) -> dict:
     out["window_bytes"] = max(r["window_bytes"] for r in records)
     out["num_resident"] = total("num_resident")
     out["store_bytes"] = records[0]["store_bytes"]
+    if "peak_flops_source" in records[0]:  # what ``mfu`` is measured against (select_peak_flops)
+        out["peak_flops_source"] = records[0]["peak_flops_source"]
     return out

@@ -215,6 +215,10 @@ class DistConfig:
     """Seconds any collective or point-to-point receive may wait before it fails (> 0), passed to
     ``init_process_group(timeout=...)``; bounds every wait on a rank that hangs. It must exceed the
     longest legitimate wait: rank 0 preparing the dataset, a stage's share of a step."""
+    backend: str = ""
+    """Process group backend: "" = NCCL when CUDA is available, else gloo; "gloo" on a GPU node
+    runs the collectives and P2P through host memory, which lets several ranks share one GPU
+    (NCCL refuses two ranks on one device; ``bench/gpu_check.sh``'s 2-rank check)."""
 
 
 @dataclass

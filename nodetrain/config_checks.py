@@ -187,6 +187,7 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("plan.days", lambda v: v >= 0, "must be >= 0", "use 0 for no deadline"),
     ("hardware.matmul_efficiency", lambda v: 0 < v <= 1, "must be in (0, 1]", "the default is 0.6"),
     ("dist.timeout_s", lambda v: v > 0, "must be > 0", "the default is 1800"),
+    ("dist.backend", lambda v: v in ("", "nccl", "gloo"), "not one of '', nccl, gloo", "use '' (automatic)"),
     ("test.fail_mode", lambda v: v in FAIL_MODES, f"not one of {', '.join(FAIL_MODES)}", "test-only"),
     ("seed", lambda v: v >= 0, "must be >= 0", "use any non-negative integer"),
 ]

@@ -209,6 +209,7 @@ INVALID = [
     (["model.init_from=/nonexistent/hf"], 2, ["model.init_from", "save_pretrained"]),
     (["train.max_bad_steps=0"], 2, ["train.max_bad_steps"]),
     (["dist.timeout_s=0"], 2, ["dist.timeout_s"]),
+    (["dist.backend=mpi"], 2, ["dist.backend", "gloo"]),
     (["checkpoint.on_signal=ignore"], 2, ["checkpoint.on_signal"]),
     (["data.jsonl_field="], 2, ["data.jsonl_field"]),
     (["data.tokenizer=/nonexistent/tokenizer"], 2, ["data.tokenizer"]),
