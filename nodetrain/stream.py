@@ -77,7 +77,7 @@ class _CopyWorker:
             fn()
             self.busy_s += time.perf_counter() - t0
             return None
-        ready.synchronize()
+        _wait_for_compute(ready)
         t0 = time.perf_counter()
         with torch.cuda.stream(self._stream):
             fn()
@@ -92,6 +92,13 @@ class _CopyWorker:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _wait_for_compute(ready: torch.cuda.Event) -> None:
+    """The slot-reuse wait: block the copy worker until the compute queued before its job was
+    submitted (the kernels still reading the slot the copy overwrites) has finished. A hook point:
+    tests/test_gpu.py removes it to show that its check catches a missing wait."""
+    ready.synchronize()
 
 
 def _wait(fut: Future) -> None:
