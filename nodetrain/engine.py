@@ -333,7 +333,7 @@ class Engine:
         base = r * m
         groups = p2p_groups(actions, self.stage, self.num_stages)  # paired send/recv: NCCL-safe order
         loss_sum, out = 0.0, None
-        for a, group in zip(actions, groups, strict=False):
+        for a, group in zip(actions, groups[:-1], strict=True):
             got = self.p2p.exchange(group, out, base)
             mb = base + a.mb
             lab = labels[mb].to(self.device) if self.runner.is_last else None

@@ -187,12 +187,21 @@ def test_unknown_schedule_is_refused() -> None:
 
 
 def _unpaired_groups(actions: list[Action], stage: int, num_stages: int) -> list[tuple[Transfer, ...]]:
-    """The engine's P2P before issue 13 (the mutant): a blocking ``recv`` before each action that
-    needs one, an ``isend`` on its own after each action that produces one."""
-    groups = []
+    """The engine's P2P before issue 13 (the mutant), as its ``_run_round`` did it: a blocking
+    ``recv`` before each action that needs one, an ``isend`` on its own after each action that
+    produces one."""
+    first, last, groups = stage == 0, stage == num_stages - 1, []
     for a in actions:
-        before, after = p2p_groups([a], stage, num_stages)  # (recv it needs,) and (send it makes,)
-        groups += [g for g in (before, after) if g]
+        if a.kind == "F":
+            if not first:
+                groups.append((Transfer("recv", "act", a.mb, stage - 1),))
+            if not last:
+                groups.append((Transfer("send", "act", a.mb, stage + 1),))
+        else:
+            if not last:
+                groups.append((Transfer("recv", "grad", a.mb, stage + 1),))
+            if not first:
+                groups.append((Transfer("send", "grad", a.mb, stage - 1),))
     return groups
 
 
