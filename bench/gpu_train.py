@@ -102,7 +102,8 @@ def train(name: str, overrides: list[str], out: Path, timeout_s: float) -> list[
         f"--master_port={_free_port()}",
     ]
     cmd += ["-m", "nodetrain.train", f"hydra.run.dir={run_dir}", *overrides]
-    env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=str(ROOT))
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keep /tmp/site
+    env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=path)
     print("+", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout_s, text=True, capture_output=True)
     (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
