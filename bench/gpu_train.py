@@ -9,9 +9,10 @@ and $TMPDIR, and the model is shortened layer by layer if neither, or the free m
 with ``torchrun --nproc_per_node 1 -m nodetrain.train`` on the Shakespeare text, bf16, seq 4096,
 for a few steps: first with every unit streaming (``stream.device_budget=0``), then, if time is
 left, with the automatic residency. From each run's ``metrics.jsonl`` it writes
-``<out>/<run>.json``: median step time, TFLOP/s, MFU (over ``--peak-flops``, default the H200's
-989 TFLOP/s dense bf16, NVIDIA H200 datasheet), H2D/D2H GB/s, stall % and the last step's whole
-breakdown, and ``<out>/summary.json`` with all runs.
+``<out>/<run>.json``: median step time, TFLOP/s, MFU (against the datasheet peak of the hardware
+profile naming the GPU, e.g. 989.4 TFLOP/s dense bf16 for an H200, or ``--peak-flops``; the
+source is ``peak_flops_source``), H2D/D2H GB/s, stall % and the last step's whole breakdown, and
+``<out>/summary.json`` with all runs.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from nodetrain.breakdown import PHASES  # noqa: E402
 
-H200_BF16_FLOPS = 989e12  # dense; the datasheet's 1,979 TFLOPS is with 2:4 sparsity
 DRY_RUN_HF = {
     "hidden_size": 256,
     "intermediate_size": 512,
@@ -102,7 +102,8 @@ def train(name: str, overrides: list[str], out: Path, timeout_s: float) -> list[
         f"--master_port={_free_port()}",
     ]
     cmd += ["-m", "nodetrain.train", f"hydra.run.dir={run_dir}", *overrides]
-    env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=str(ROOT))
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keep /tmp/site
+    env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=path)
     print("+", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout_s, text=True, capture_output=True)
     (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
@@ -131,6 +132,7 @@ def summarise(records: list[dict], skip: int) -> dict:
         "d2h_gbps": med("d2h_gbps"),
         "stall_pct": 100 * med("stall_s") / med("step_s"),
         "shares_pct": {k: 100 * med(f"{k}_s") / med("step_s") for k in PHASES},
+        "peak_flops_source": records[-1].get("peak_flops_source"),
         "loss_first_last": [records[0]["loss"], records[-1]["loss"]],
         "last_step": records[-1],
     }
@@ -142,7 +144,7 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="CPU, a tiny shape, 2 steps, one run")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--budget-s", type=float, default=330, help="wall seconds for all runs")
-    ap.add_argument("--peak-flops", type=float, default=H200_BF16_FLOPS)
+    ap.add_argument("--peak-flops", type=float, default=0.0, help="0: the GPU's datasheet (conf/hardware)")
     ap.add_argument(
         "--store-dir", action="append", help="candidate store directories (default /dev/shm, $TMPDIR)"
     )
@@ -175,7 +177,7 @@ def main() -> None:
         shutil.copyfile(ROOT / "README.md", corpus)
         common += [f"model.hf.{k}={v}" for k, v in DRY_RUN_HF.items()]
         common += [f"data.source={corpus}", "data.vocab_size=300"]
-    else:
+    elif args.peak_flops:
         common += [f"train.peak_flops={args.peak_flops}"]
     summary = {
         "model": "llama3_2_3b",
@@ -184,7 +186,7 @@ def main() -> None:
         "store_bytes": nbytes,
         "store_dir": store_dir,
         "tokens_per_step": seq * mb * m,
-        "peak_flops": None if args.dry_run else args.peak_flops,
+        "peak_flops": args.peak_flops or None,
         "runs": {},
     }
     runs = [("streamed", ["stream.device_budget=0"], 0), ("auto_residency", [], 150)]

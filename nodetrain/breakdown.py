@@ -2,7 +2,8 @@
 
 Owns: attributing every moment of a rank's training thread during a step to one phase, the model
 FLOPs of a stage (PaLM, arXiv:2204.02311 App. B), the peak FLOP/s MFU is measured against (a
-configured figure, or a matmul measured once per process), and turning one step's numbers of every
+configured figure, the datasheet of the hardware profile naming the GPU, or a matmul measured
+once per process: ``select_peak_flops``), and turning one step's numbers of every
 stage into one flat record on rank 0. Does not own: the waits themselves (stream.py, pipeline.py,
 engine.py enter the phases), or writing records (metrics.py).
 
@@ -25,6 +26,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +38,8 @@ __all__ = [
     "NULL_TIMELINE",
     "flops_per_token",
     "measured_peak_flops",
+    "select_peak_flops",
+    "hardware_profiles",
     "StepBreakdown",
     "combine_stages",
 ]
@@ -151,6 +155,48 @@ def measured_peak_flops(device: str, dtype: torch.dtype, threads: int) -> float:
     return 2.0 * n**3 / best
 
 
+HARDWARE_DIR = Path(__file__).resolve().parents[1] / "conf" / "hardware"
+"""The shipped hardware profiles (``conf/hardware/*.yaml``)."""
+
+
+def hardware_profiles(directory: Path = HARDWARE_DIR) -> list[Any]:
+    """Every profile in ``directory`` (name order), as OmegaConf objects with ``name``,
+    ``peak_flops`` and ``device_names``; [] when the directory is missing."""
+    from omegaconf import OmegaConf  # the engine imports this module; keep omegaconf out of its path
+
+    return [OmegaConf.load(f) for f in sorted(Path(directory).glob("*.yaml"))]
+
+
+def select_peak_flops(
+    configured: float, device_name: str | None, active, profiles
+) -> tuple[float | None, str]:
+    """MFU's denominator and where it comes from (pure; the engine logs the source).
+
+    Order: ``train.peak_flops`` when > 0; else the datasheet ``peak_flops`` of the selected hardware
+    profile ``active``, then of the first of ``profiles``, whose ``device_names`` holds
+    ``device_name`` (case-insensitive, exact); else ``None``: measure a matmul (a CPU, or a GPU no
+    profile names). Datasheet is the convention Megatron-LM and PaLM (arXiv:2204.02311) report.
+
+    Args:
+        configured: ``train.peak_flops`` (FLOP/s; 0 = automatic).
+        device_name: ``torch.cuda.get_device_name()``, or None on a CPU.
+        active: the run's ``cfg.hardware``; profiles: :func:`hardware_profiles`.
+
+    Returns:
+        (FLOP/s or None, a one-line source for the log and the breakdown).
+    """
+    if configured > 0:
+        return configured, f"train.peak_flops={configured:.4g}"
+    if device_name:
+        want = device_name.strip().lower()
+        for prof in [active, *profiles]:
+            names = [n.strip().lower() for n in (getattr(prof, "device_names", None) or [])]
+            if want in names:
+                return float(prof.peak_flops), f"datasheet of hardware={prof.name} ({device_name})"
+        return None, f"measured matmul (no conf/hardware profile lists {device_name!r} in device_names)"
+    return None, "measured matmul (CPU)"
+
+
 def _rate(num: float, den: float) -> float:
     return num / den if den > 0 else 0.0
 
@@ -258,4 +304,6 @@ def combine_stages(records: list[dict], num_stages: int | None = None) -> dict:
     out["window_bytes"] = max(r["window_bytes"] for r in records)
     out["num_resident"] = total("num_resident")
     out["store_bytes"] = records[0]["store_bytes"]
+    if "peak_flops_source" in records[0]:  # what ``mfu`` is measured against (select_peak_flops)
+        out["peak_flops_source"] = records[0]["peak_flops_source"]
     return out

@@ -136,8 +136,9 @@ class TrainConfig:
     pipeline.microbatches × nodes, and grad_accum becomes batch_size / (micro_batch_size ×
     pipeline.microbatches × nodes) (see ``grad_accum_of``), so adding nodes keeps the global batch."""
     dtype: str = "bfloat16"
-    """Compute dtype of the streamed transfer copy and the device math: bfloat16 | float16 | float32.
-    Master weights and optimizer state are always fp32."""
+    """Compute dtype of the streamed transfer copy and the device math: bfloat16 | float32.
+    Master weights and optimizer state are always fp32. float16 is refused (no loss scaler: its
+    gradients of a token-mean loss underflow)."""
     eval_every: int = 50
     """Evaluate validation loss every this many steps (and at the last step); 0 = never. Evaluation
     runs in eval mode (dropout off) and draws no random numbers, so it leaves training unchanged."""
@@ -149,8 +150,9 @@ class TrainConfig:
     count untouched, gradients dropped) and counted as ``bad_steps`` in the metrics."""
     peak_flops: float = 0.0
     """Peak FLOP/s of one compute device in ``dtype``, the denominator of MFU (metrics key ``mfu``).
-    0 = measure a dense matmul on the device once at start-up (on CPU the only option that means
-    anything; on a GPU set the datasheet figure, e.g. 989e12 for an H100 SXM in bf16)."""
+    0 = the datasheet peak of the hardware profile whose ``device_names`` has this GPU's name (the
+    selected ``hardware`` first, then every profile in conf/hardware/), else a dense matmul measured
+    once at start-up (the CPU case; it reads ~25% above a datasheet MFU). The log says which."""
 
 
 @dataclass
@@ -239,6 +241,10 @@ class DistConfig:
     """Seconds any collective or point-to-point receive may wait before it fails (> 0), passed to
     ``init_process_group(timeout=...)``; bounds every wait on a rank that hangs. It must exceed the
     longest legitimate wait: rank 0 preparing the dataset, a stage's share of a step."""
+    backend: str = ""
+    """Process group backend: "" = NCCL when CUDA is available, else gloo; "gloo" on a GPU node
+    runs the collectives and P2P through host memory, which lets several ranks share one GPU
+    (NCCL refuses two ranks on one device; ``bench/gpu_check.sh``'s 2-rank check)."""
 
 
 @dataclass
@@ -314,6 +320,9 @@ class HardwareConfig:
     ``host_memory_bandwidth_gbps``, see costs.py)."""
     gpus_per_node: int = MISSING
     """GPUs of the node; 0 = no accelerator (stages are CPU processes)."""
+    device_names: list[str] = field(default_factory=list)
+    """``torch.cuda.get_device_name()`` of the profile's GPU (case-insensitive, exact): a run on such
+    a GPU measures MFU against this profile's ``peak_flops`` (see ``breakdown.select_peak_flops``)."""
     source: str = ""
     """Where each number comes from (datasheet names/URLs, or the measuring script)."""
 

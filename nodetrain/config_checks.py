@@ -125,6 +125,13 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("train.batch_size", lambda v: v >= 0, "must be >= 0", "use 0 to derive it from the other sizes"),
     ("train.seq_len", lambda v: v >= 2, "must be >= 2", "a sequence needs an input and a target token"),
     ("train.dtype", lambda v: v in DTYPES, f"not one of {', '.join(DTYPES)}", "pick one of those"),
+    (
+        "train.dtype",
+        lambda v: v != "float16",
+        "cannot train: the loss is scaled by 1/(tokens in the step) and there is no loss scaler, so "
+        "fp16 gradients underflow to zero",
+        "use bfloat16 (fp32's range, same memory) or float32",
+    ),
     ("train.eval_every", lambda v: v >= 0, "must be >= 0", "use 0 to never evaluate"),
     ("train.eval_batches", lambda v: v >= 1, "must be >= 1", "evaluate at least one batch"),
     ("train.max_bad_steps", lambda v: v >= 1, "must be >= 1", "the default is 5"),
@@ -184,6 +191,7 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("plan.days", lambda v: v >= 0, "must be >= 0", "use 0 for no deadline"),
     ("hardware.matmul_efficiency", lambda v: 0 < v <= 1, "must be in (0, 1]", "the default is 0.6"),
     ("dist.timeout_s", lambda v: v > 0, "must be > 0", "the default is 1800"),
+    ("dist.backend", lambda v: v in ("", "nccl", "gloo"), "not one of '', nccl, gloo", "use '' (automatic)"),
     ("test.fail_mode", lambda v: v in FAIL_MODES, f"not one of {', '.join(FAIL_MODES)}", "test-only"),
     ("seed", lambda v: v >= 0, "must be >= 0", "use any non-negative integer"),
 ]

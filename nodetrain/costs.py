@@ -26,6 +26,7 @@ __all__ = [
     "shape_of",
     "store_layout",
     "field_bytes",
+    "pin_overhead_bytes",
     "StageMemory",
     "stage_memory",
     "model_flops",
@@ -99,6 +100,18 @@ def field_bytes(layout: StoreLayout) -> dict[str, int]:
     for (off, name), (nxt, _) in zip(starts, [*starts[1:], (layout.nbytes, "")], strict=True):
         out[name] = out.get(name, 0) + nxt - off
     return out
+
+
+PIN_BYTES_PER_PAGE = 16
+"""Host bytes the CUDA driver and kernel keep per registered 4 KiB page (its GPU-visible mapping and
+the pin bookkeeping); an assumption, ~0.4% of the registered bytes."""
+
+
+def pin_overhead_bytes(compute_bytes: int) -> int:
+    """Host bytes of page-locking the store's transfer copies on a GPU node (``HostStore.pin``):
+    every rank registers only the units it loads, so over the node the transfer copy
+    (``field_bytes(layout)["compute"]``) is registered about once (the tied embedding twice)."""
+    return compute_bytes // 4096 * PIN_BYTES_PER_PAGE
 
 
 # ----------------------------------------------------------------------------- device memory

@@ -40,13 +40,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nodetrain.breakdown import StepBreakdown, flops_per_token, measured_peak_flops
+from nodetrain.breakdown import (
+    StepBreakdown,
+    flops_per_token,
+    hardware_profiles,
+    measured_peak_flops,
+    select_peak_flops,
+)
+from nodetrain.comm import Comm
 from nodetrain.config import Config, grad_accum_of
 from nodetrain.faults import poison_grads
 from nodetrain.model import HFModel
 from nodetrain.optim import StoreAdamW, clip_coef, lr_at
 from nodetrain.overlap import UnitUpdates, fair_share_threads, update_mode
-from nodetrain.pipeline import P2P, Action, build_schedule, partition
+from nodetrain.pipeline import P2P, Action, build_schedule, p2p_groups, partition
 from nodetrain.replicas import ReplicaGradSum, Topology, node_group, replica_slice
 from nodetrain.residency import resident_blocks
 from nodetrain.stage import IGNORE_INDEX, StageRunner
@@ -143,13 +150,19 @@ class Engine:
         self.units = [model.units[i] for i in self.blocks]
         self.store = self._open_store(topo.local_rank, run_id)
         self._init_weights(init_from)
+        if device.type == "cuda":  # only the transfer copies this rank's H2D copies read
+            self.store.pin({b.unit for i in self.blocks for b in model.bindings[i]})
         self._tied_across = model.tied and topo.num_stages > 1
         self.optimizer = StoreAdamW(self.store, self.units, cfg.optim)
-        staging = device if dist.get_backend() == "nccl" else None
-        self.grad_sum = ReplicaGradSum(topo, cfg.dist.timeout_s, staging=staging)
+        self.comm = Comm(device)
+        # Two communicators for the cross-replica sums: the optimizer thread's (in-backward) and the
+        # training thread's; NCCL forbids concurrent use of one from two threads (replicas.py).
+        self.grad_sum = ReplicaGradSum(topo, cfg.dist.timeout_s, self.comm)
+        self.grad_sum_optim = ReplicaGradSum(topo, cfg.dist.timeout_s, self.comm, kind="stage_optim")
         self._step = [0]  # the step being run, read by the NaN injection (on the optimizer thread too)
         self._poison = _nan_injection(cfg.test, self.store, self.units[-1].index, self._step)
         self.updates = self._make_updates(device)
+        self._peak = self._peak_flops()  # before the residency budget reads free device memory
         self.window = Window(
             self.store,
             model.bindings,
@@ -158,13 +171,14 @@ class Engine:
             cfg.stream.slots,
             device,
             cfg.stream.test_copy_delay_s,
-            resident=resident_blocks(cfg, model, self.blocks, topo.stage, topo.num_stages, device),
+            resident=resident_blocks(
+                cfg, model, self.blocks, topo.stage, topo.num_stages, device, self.grad_accum
+            ),
         )
         self.window.gate, self.window.on_offloaded = self.updates.gate, self.updates.offloaded
         self.runner = StageRunner(model, self.blocks, self.window, self.dtype)
         shape = (cfg.train.micro_batch_size, cfg.train.seq_len, model.config.hidden_size)
-        p2p_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
-        self.p2p = P2P(topo.stage, topo.num_stages, shape, self.dtype, p2p_device, topo.pipeline_ranks)
+        self.p2p = P2P(topo.stage, topo.num_stages, shape, self.dtype, self.comm, topo.pipeline_ranks)
         self.breakdown = self._make_breakdown()
         self.window.timeline = self.p2p.timeline = self.breakdown.timeline
         log.info(
@@ -197,7 +211,7 @@ class Engine:
             threads=cfg.optim.threads or fair_share_threads(),
             delay_s=cfg.optim.test_delay_s,
             defer=not cfg.optim.update_in_backward,
-            grad_sum=self.grad_sum,  # in-backward: each unit's cross-replica sum, on the optimizer thread
+            grad_sum=self.grad_sum_optim,  # in-backward: each unit's replica sum, on the optimizer thread
             on_final=self._poison,
             device=device,
         )
@@ -208,10 +222,9 @@ class Engine:
         n = sum(self.model.block_cost(i) for i in self.blocks)
         layers = sum(1 for i in self.blocks if 0 < i <= self.model.num_layers)
         per_token = flops_per_token(self.model.config, n, layers, self.cfg.train.seq_len)
-        peak = self.cfg.train.peak_flops or measured_peak_flops(
-            str(self.device), self.dtype, torch.get_num_threads()
-        )
+        peak, source = self._peak
         static = {
+            "peak_flops_source": source,
             "window_bytes": self.window.nbytes,
             "resident_bytes": self.window.resident_nbytes,
             "num_resident": len(self.window.resident),
@@ -221,6 +234,21 @@ class Engine:
         return StepBreakdown(self.device, per_token, peak, static, self.topo.num_stages)
 
     # ---- set-up ------------------------------------------------------------------------------
+
+    def _peak_flops(self) -> tuple[float, str]:
+        """MFU's denominator (``breakdown.select_peak_flops``), logged with its source. A measured
+        matmul's device memory goes back to the driver before the residency budget is read."""
+        cuda = self.device.type == "cuda"
+        name = torch.cuda.get_device_name(self.device) if cuda else None
+        peak, source = select_peak_flops(
+            self.cfg.train.peak_flops, name, self.cfg.hardware, hardware_profiles()
+        )
+        if peak is None:
+            peak = measured_peak_flops(str(self.device), self.dtype, torch.get_num_threads())
+            if cuda:
+                torch.cuda.empty_cache()
+        log.info("MFU against %.1f TFLOP/s per device: %s", peak / 1e12, source)
+        return peak, source
 
     def _open_store(self, local_rank: int, run_id: str) -> HostStore:
         layout = StoreLayout(
@@ -304,23 +332,23 @@ class Engine:
 
     def _run_round(self, actions, r: int, inputs, labels, loss_scale: float, train: bool, positions) -> float:
         m = self.cfg.pipeline.microbatches
-        loss_sum = 0.0
-        for a in actions:
-            mb = r * m + a.mb
+        base = r * m
+        groups = p2p_groups(actions, self.stage, self.num_stages)  # paired send/recv: NCCL-safe order
+        loss_sum, out = 0.0, None
+        for a, group in zip(actions, groups[:-1], strict=True):
+            got = self.p2p.exchange(group, out, base)
+            mb = base + a.mb
             lab = labels[mb].to(self.device) if self.runner.is_last else None
             pos = None if positions is None else positions[mb].to(self.device)
             if a.kind == "F":
-                x = inputs[mb] if self.runner.is_first else self.p2p.recv_activation(mb)
+                x = inputs[mb] if self.runner.is_first else got
                 out = self.runner.forward(mb, x.to(self.device), lab, keep=train, position_ids=pos)
                 if self.runner.is_last:
                     loss_sum += float(out)
-                else:
-                    self.p2p.send_activation(mb, out)
             else:
-                g = None if self.runner.is_last else self.p2p.recv_grad(mb).to(self.device)
-                g_in = self.runner.backward(mb, g, lab, loss_scale, position_ids=pos)
-                if not self.runner.is_first:
-                    self.p2p.send_grad(mb, g_in)
+                g = None if self.runner.is_last else got.to(self.device)
+                out = self.runner.backward(mb, g, lab, loss_scale, position_ids=pos)
+        self.p2p.exchange(groups[-1], out, base)
         return loss_sum
 
     def _check_batch(self, inputs: torch.Tensor, labels: torch.Tensor, num_mb: int) -> None:
@@ -376,11 +404,12 @@ class Engine:
             self.p2p.wait_sends()
         grad_sq = self._settle_grads()
         with timeline.phase("optim"):
-            totals = torch.tensor([grad_sq, loss_sum, float(stop)], dtype=torch.float64)
+            totals = self.comm.tensor([grad_sq, loss_sum, float(stop)])  # on the group's device
         with timeline.phase("bubble"):
-            dist.all_reduce(totals)  # NaN/inf on any stage makes the sums non-finite on every stage
-        grad_norm = math.sqrt(float(totals[0]))
-        skipped = not math.isfinite(float(totals[0]) + float(totals[1]))
+            self.comm.all_reduce(totals)  # NaN/inf on any stage makes the sums non-finite on every stage
+        grad_sq_all, loss_all, stop_all = totals.tolist()  # one device → host copy
+        grad_norm = math.sqrt(grad_sq_all)
+        skipped = not math.isfinite(grad_sq_all + loss_all)
         with timeline.phase("optim"):  # the run's last step leaves the store final
             if skipped:
                 self._skip_step(step)
@@ -396,10 +425,10 @@ class Engine:
         busy["num_updates_in_backward"] = self.updates.take_in_backward_count()
         busy["cpu_s"] = time.process_time() - cpu0
         record = self.breakdown.stage_record(now - t0, inputs.numel(), phases, busy)
-        loss = float(totals[1]) / max(tokens, 1)
+        loss = loss_all / max(tokens, 1)
         stall_s, p2p_wait_s = self.window.stall_s, self.p2p.wait_s
         res = StepResult(step, loss, grad_norm, lr, tokens, now - t0, stall_s, p2p_wait_s, phases["optim_s"])
-        res.skipped, res.stop = skipped, float(totals[2]) > 0
+        res.skipped, res.stop = skipped, stop_all > 0
         res.breakdown = self.breakdown.gather(record)
         return res
 
@@ -440,10 +469,11 @@ class Engine:
             loss_sum = self._run_round(actions, 0, inputs, labels, 1.0, False, positions)
         self.window.flush()
         self.p2p.wait_sends()
-        total = torch.tensor([loss_sum], dtype=torch.float64)
-        dist.all_reduce(total)
+        total = self.comm.tensor([loss_sum])
+        self.comm.all_reduce(total)
         return float(total[0]) / max(tokens, 1), tokens
 
     def close(self) -> None:
         self.updates.close()
         self.window.close()
+        self.store.unpin()

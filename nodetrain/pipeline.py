@@ -1,7 +1,8 @@
 """Pipeline parallelism: which stage owns which units, in what order a stage works, and P2P.
 
 Owns: the partition of units over stages (pure), the schedules as lists of actions (pure), and
-the point-to-point transfer of activations and their gradients between neighbouring stages.
+the point-to-point transfer of activations and their gradients between neighbouring stages, as
+groups of paired send/receive that cannot deadlock under NCCL's in-order semantics (p2p_groups).
 Does not own: what a forward or backward of a micro-batch does (stage.py).
 
 Schedules (M micro-batches, S stages):
@@ -18,13 +19,24 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from nodetrain.breakdown import NULL_TIMELINE
+from nodetrain.comm import Comm, P2POp
 
-__all__ = ["Action", "partition", "build_schedule", "P2P", "SCHEDULES"]
+__all__ = ["Action", "Transfer", "partition", "build_schedule", "p2p_groups", "P2P", "SCHEDULES"]
 
 SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One P2P half: ``op`` "send"/"recv" of ``what`` ("act" forward, "grad" backward) of
+    micro-batch ``mb`` with neighbouring stage ``peer``."""
+
+    op: str
+    what: str
+    mb: int
+    peer: int
 
 
 @dataclass(frozen=True)
@@ -91,62 +103,116 @@ def build_schedule(kind: str, num_stages: int, stage: int, num_microbatches: int
     return actions
 
 
-class P2P:
-    """Activations forward (stage s → s+1) and their gradients backward (s+1 → s).
+def _recv_of(a: Action, stage: int, num_stages: int) -> Transfer | None:
+    """The receive ``a`` waits for: a forward the previous stage's activation, a backward the next
+    stage's gradient (none on the first / last stage)."""
+    if a.kind == "F":
+        return Transfer("recv", "act", a.mb, stage - 1) if stage > 0 else None
+    return Transfer("recv", "grad", a.mb, stage + 1) if stage < num_stages - 1 else None
 
-    Sends are asynchronous (``isend``) so neighbouring stages never block on each other. A handle
-    holds its tensor until the send completes; completed handles are dropped at each new send, so
-    the activations of micro-batches already received downstream are freed during the step, and
-    :meth:`wait_sends` waits for the rest. Tags separate micro-batches and directions.
+
+def _send_of(a: Action, stage: int, num_stages: int) -> Transfer | None:
+    """What ``a`` produces for a neighbour: a forward's activation, a backward's input gradient."""
+    if a.kind == "F":
+        return Transfer("send", "act", a.mb, stage + 1) if stage < num_stages - 1 else None
+    return Transfer("send", "grad", a.mb, stage - 1) if stage > 0 else None
+
+
+def p2p_groups(actions: list[Action], stage: int, num_stages: int) -> list[tuple[Transfer, ...]]:
+    """The P2P of ``stage`` for ``actions``, as groups each posted together (one ``batch_isend_irecv``).
+
+    Group ``k < len(actions)`` is posted just before action ``k``: the send of action ``k - 1``'s
+    output and the receive action ``k`` needs. The last group sends the last action's output.
+    Pairing a send with the next receive is Megatron-LM's ``send_forward_recv_backward`` /
+    ``send_backward_recv_forward`` (arXiv:2104.04473) generalised to every action: NCCL runs a
+    rank pair's operations in the order they were posted and ignores tags, so a send posted on
+    its own before a receive from the same peer deadlocks in 1F1B's steady state (both stages
+    send first); posted as one group, the two complete together. tests/test_pipeline.py checks
+    every schedule, 2-8 stages, against a model of those semantics.
+
+    Returns:
+        ``len(actions) + 1`` tuples of :class:`Transfer` (each may be empty).
+    """
+    groups, pending = [], None
+    for a in actions:
+        need = _recv_of(a, stage, num_stages)
+        groups.append(tuple(t for t in (pending, need) if t is not None))
+        pending = _send_of(a, stage, num_stages)
+    groups.append(() if pending is None else (pending,))
+    return groups
+
+
+class P2P:
+    """Activations forward (stage s → s+1) and their gradients backward (s+1 → s), in paired groups.
+
+    Each group of :func:`p2p_groups` is posted together through :meth:`Comm.batch_p2p`. A group
+    with a receive is waited for (its data is needed next, in the ``bubble`` phase); a group of
+    sends only is kept until it completes: completed sends are dropped at each new group, so the
+    activations already received downstream are freed during the step, and :meth:`wait_sends`
+    waits for the rest. Tags (``2·mb`` activations, ``2·mb + 1`` gradients) match messages on gloo.
 
     Args:
         stage, num_stages: this rank's stage and the pipeline depth.
-        shape: [B, T, D] of an activation; dtype/device: compute dtype and transfer device
-            (CPU for gloo; the CUDA device for NCCL).
+        shape: [B, T, D] of an activation; dtype: the compute dtype.
+        comm: the rank's :class:`~nodetrain.comm.Comm` (transfers on ``comm.device_of()``: the CPU
+            for gloo, the CUDA device for NCCL).
         ranks: global rank of each stage of this pipeline (a replica, see replicas.py); default
             ``range(num_stages)`` (rank = stage).
     """
 
-    def __init__(
-        self, stage: int, num_stages: int, shape, dtype: torch.dtype, device: torch.device, ranks=None
-    ):
+    def __init__(self, stage: int, num_stages: int, shape, dtype: torch.dtype, comm: Comm, ranks=None):
         self.stage, self.num_stages = stage, num_stages
         self.ranks = list(range(num_stages)) if ranks is None else list(ranks)
-        self.shape, self.dtype, self.device = tuple(shape), dtype, device
+        self.shape, self.dtype, self.comm = tuple(shape), dtype, comm
+        self.device = comm.device_of()
         self._sends: list = []
         self.timeline = NULL_TIMELINE
         """Receives enter its ``bubble`` phase (set by the engine, see breakdown.py)."""
         self.wait_s = 0.0
         """Seconds spent blocked in receives (bubble + P2P) since :meth:`reset_timer`."""
 
-    def _recv(self, src: int, tag: int) -> torch.Tensor:
-        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+    def exchange(
+        self, group: tuple[Transfer, ...], out: torch.Tensor | None, mb_base: int
+    ) -> torch.Tensor | None:
+        """Post one group of :func:`p2p_groups`; returns the received tensor, if the group receives.
+
+        Args:
+            group: the transfers (micro-batch numbers within the round).
+            out: the previous action's output to send ([B, T, D] compute dtype, any device).
+            mb_base: index of the round's first micro-batch (tags are per step).
+
+        Returns:
+            [B, T, D] in the compute dtype on ``self.device``, or None.
+        """
+        if not group:
+            return None
+        ops, buf = [], None
+        for t in group:
+            tag = 2 * (mb_base + t.mb) + (t.what == "grad")
+            if t.op == "send":
+                ops.append(P2POp("send", out.to(self.device).contiguous(), self.ranks[t.peer], tag))
+            else:
+                buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                ops.append(P2POp("recv", buf, self.ranks[t.peer], tag))
+        works = self.comm.batch_p2p(ops)
+        if buf is None:
+            self._keep(works)
+            return None
         t0 = time.perf_counter()
         with self.timeline.phase("bubble"):
-            dist.recv(buf, src=src, tag=tag)
+            for w in works:
+                w.wait()
         self.wait_s += time.perf_counter() - t0
         return buf
 
-    def _keep(self, work) -> None:
+    def _keep(self, works: list) -> None:
         pending = []
         for w in self._sends:
             if w.is_completed():
                 w.wait()  # returns at once; raises the error of a failed send
             else:
                 pending.append(w)
-        self._sends = [*pending, work]
-
-    def send_activation(self, mb: int, h: torch.Tensor) -> None:
-        self._keep(dist.isend(h.contiguous(), dst=self.ranks[self.stage + 1], tag=2 * mb))
-
-    def recv_activation(self, mb: int) -> torch.Tensor:
-        return self._recv(self.ranks[self.stage - 1], 2 * mb)
-
-    def send_grad(self, mb: int, g: torch.Tensor) -> None:
-        self._keep(dist.isend(g.contiguous(), dst=self.ranks[self.stage - 1], tag=2 * mb + 1))
-
-    def recv_grad(self, mb: int) -> torch.Tensor:
-        return self._recv(self.ranks[self.stage + 1], 2 * mb + 1)
+        self._sends = [*pending, *works]
 
     def wait_sends(self) -> None:
         for work in self._sends:

@@ -29,6 +29,7 @@ from nodetrain.costs import (
     StageMemory,
     StepTime,
     field_bytes,
+    pin_overhead_bytes,
     shape_of,
     stage_memory,
     step_time,
@@ -111,6 +112,9 @@ def preflight(cfg: Config, model: HFModel, world_size: int) -> int:
     shape = shape_of(model)
     nbytes = store_layout(shape, getattr(torch, cfg.train.dtype)).nbytes
     overhead = int(cfg.plan.rank_overhead_gb * GB)
+    if torch.cuda.is_available():  # each rank page-locks the transfer copies it loads (HostStore.pin)
+        compute = field_bytes(store_layout(shape, getattr(torch, cfg.train.dtype)))["compute"]
+        overhead += pin_overhead_bytes(compute) // world_size
     available, free = psutil.virtual_memory().available, shutil.disk_usage(store_dir).free
     problems = host_problems(nbytes, world_size, overhead, available, free, store_dir)
     if problems:
@@ -140,7 +144,8 @@ class _Node:
     store_bytes: int
     fields: dict[str, int]
     overhead_bytes: int
-    """All ranks' overhead beyond the store (``S × plan.rank_overhead_gb``)."""
+    """All ranks' overhead beyond the store (``S × plan.rank_overhead_gb``, plus on a GPU profile the
+    page-locking of the transfer copies, ``costs.pin_overhead_bytes``)."""
     host_bytes: int
     device_limit_bytes: int
     """Device memory one stage may use; 0 on a CPU profile (the stages then live in host memory)."""
@@ -283,7 +288,8 @@ def _node(cfg: Config, shape: ModelShape, num_stages: int) -> _Node:
         itemsize=dtype.itemsize,
         store_bytes=layout.nbytes,
         fields=field_bytes(layout),
-        overhead_bytes=int(num_stages * cfg.plan.rank_overhead_gb * GB),
+        overhead_bytes=int(num_stages * cfg.plan.rank_overhead_gb * GB)
+        + (pin_overhead_bytes(field_bytes(layout)["compute"]) if hw.gpus_per_node else 0),
         host_bytes=int(hw.host_memory_gb * GB),
         device_limit_bytes=device_limit,
     )

@@ -42,6 +42,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from nodetrain.comm import Comm
+
 __all__ = ["Topology", "replica_slice", "node_group", "stage_group", "ReplicaGradSum"]
 
 
@@ -176,7 +178,7 @@ def node_group(topo: Topology, timeout_s: float) -> dist.ProcessGroup | None:
     return _subgroup("node", topo, members, timeout_s)
 
 
-def stage_group(topo: Topology, timeout_s: float) -> dist.ProcessGroup | None:
+def stage_group(topo: Topology, timeout_s: float, kind: str = "stage") -> dist.ProcessGroup | None:
     """The ranks owning the same stage, one per node; ``None`` for one replica (nothing to sum).
 
     Collective: every rank of the world must call it, in the same order as :func:`node_group`.
@@ -184,9 +186,10 @@ def stage_group(topo: Topology, timeout_s: float) -> dist.ProcessGroup | None:
     Args:
         topo: this rank's topology.
         timeout_s: seconds a collective in the group may wait before it fails (``dist.timeout_s``).
+        kind: a cache key: each kind is a separate set of communicators over the same ranks.
     """
     members = [[topo.rank_of(r, s) for r in range(topo.num_replicas)] for s in range(topo.num_stages)]
-    return _subgroup("stage", topo, members, timeout_s)
+    return _subgroup(kind, topo, members, timeout_s)
 
 
 class ReplicaGradSum:
@@ -200,19 +203,30 @@ class ReplicaGradSum:
     Args:
         topo: this rank's topology.
         timeout_s: seconds the all-reduce may wait for the other replicas (``dist.timeout_s``).
-        staging: device of the staging buffer; ``None`` reduces the host buffers in place (gloo).
+        comm: the rank's :class:`~nodetrain.comm.Comm` (checks every all-reduce's device); default
+            a CPU one.
+        staging: device of the staging buffer; default: the group's device when that is not the
+            CPU (NCCL), else ``None``, which reduces the host buffers in place (gloo).
         chunk_numel: elements per staged chunk (default 16 Mi = 64 MiB of fp32).
+        kind: names the stage group; a different ``kind`` gets a communicator of its own (the
+            optimizer thread's "stage_optim": NCCL documents concurrent use of one communicator
+            from two threads as a deadlock hazard). Created in the same order on every rank.
     """
 
     def __init__(
         self,
         topo: Topology,
         timeout_s: float,
+        comm: Comm | None = None,
         staging: torch.device | None = None,
         chunk_numel: int = 1 << 24,
+        kind: str = "stage",
     ):
         self.num_replicas = topo.num_replicas
-        self.group = stage_group(topo, timeout_s)
+        self.group = stage_group(topo, timeout_s, kind)
+        self._comm = comm or Comm(torch.device("cpu"))
+        if staging is None and self.num_replicas > 1 and self._comm.device_of(self.group).type != "cpu":
+            staging = self._comm.device_of(self.group)
         self._staging = staging
         self._chunk_numel = chunk_numel
         self._buffer: torch.Tensor | None = None
@@ -228,7 +242,7 @@ class ReplicaGradSum:
             return
         for g in grads:
             if self._staging is None:
-                dist.all_reduce(g, group=self.group)
+                self._comm.all_reduce(g, self.group)
             else:
                 self._staged(g)
 
@@ -239,5 +253,5 @@ class ReplicaGradSum:
             part = g[lo : lo + self._chunk_numel]
             buf = self._buffer[: part.numel()]
             buf.copy_(part, non_blocking=True)
-            dist.all_reduce(buf, group=self.group)
+            self._comm.all_reduce(buf, self.group)
             part.copy_(buf)  # blocking D2H: the buffer is reused by the next chunk

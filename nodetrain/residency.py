@@ -15,7 +15,15 @@ import logging
 
 import torch
 
-__all__ = ["resident_blocks", "choose_resident", "auto_device_budget", "activation_bytes", "MARGIN_BYTES"]
+from nodetrain.costs import shape_of, stage_memory
+
+__all__ = [
+    "resident_blocks",
+    "choose_resident",
+    "auto_device_budget",
+    "stage_activation_bytes",
+    "MARGIN_BYTES",
+]
 
 log = logging.getLogger(__name__)
 
@@ -38,34 +46,52 @@ def choose_resident(block_bytes: dict[int, int], budget: int) -> list[int]:
     return chosen
 
 
-def activation_bytes(hf_config, micro_batch_size: int, seq_len: int, itemsize: int, num_blocks: int,
-                     in_flight: int, last_stage: bool) -> int:  # fmt: skip
-    """Rough device bytes of activations: what the automatic budget keeps free for them.
-
-    Saved block inputs of the micro-batches in flight (``in_flight × num_blocks × B·T·D``), one
-    block's recompute + backward working set (``B·T·(16·D + 4·I)`` elements, attention by SDPA
-    without a T×T matrix) and, on the last stage, the fp32 logits with their gradient and softmax
-    (``3 × B·T·V × 4`` bytes); everything × 2 for allocator fragmentation.
-    """
-    b_t = micro_batch_size * seq_len
-    d, inter, vocab = hf_config.hidden_size, hf_config.intermediate_size, hf_config.vocab_size
-    saved = in_flight * num_blocks * b_t * d * itemsize
-    working = b_t * (16 * d + 4 * inter) * itemsize
-    logits = 3 * b_t * vocab * 4 if last_stage else 0
-    return 2 * (saved + working + logits)
+def stage_activation_bytes(cfg, model, blocks, stage: int, num_stages: int, grad_accum: int, device) -> int:
+    """Peak activation bytes of this stage: the planner's model (``costs.stage_memory``: saved
+    block inputs of the micro-batches in flight, P2P buffers, one block's recompute + backward and
+    the gradients queued for D2H), so the budget and ``python -m nodetrain.plan`` agree."""
+    t = cfg.train
+    mem = stage_memory(
+        shape_of(model),
+        range(blocks[0], blocks[-1] + 1),
+        stage,
+        num_stages,
+        b=t.micro_batch_size,
+        t=t.seq_len,
+        m=cfg.pipeline.microbatches,
+        g=grad_accum,
+        schedule=cfg.pipeline.schedule,
+        slots=cfg.stream.slots,
+        itemsize=torch.empty(0, dtype=getattr(torch, t.dtype)).element_size(),
+        on_cpu=torch.device(device).type != "cuda",
+    )
+    return mem.activation_bytes
 
 
 def auto_device_budget(device: torch.device, activations: int, window_bytes: int) -> int:
-    """``stream.device_budget=-1``: on CUDA the free device memory minus the window's slots, the
-    activations and :data:`MARGIN_BYTES`; on CPU 0 (the "device" is host memory, streaming is what
-    the CPU path exists to exercise)."""
+    """``stream.device_budget=-1``: on CUDA the free device memory (read now: call it after the
+    process group, the peak measurement and their cached blocks are settled) minus the window's
+    slots, the activations and :data:`MARGIN_BYTES` (logged); on CPU 0 (the "device" is host
+    memory, streaming is what the CPU path exists to exercise)."""
     if device.type != "cuda":
         return 0
     free, _ = torch.cuda.mem_get_info(device)
-    return max(0, free - window_bytes - activations - MARGIN_BYTES)
+    budget = max(0, free - window_bytes - activations - MARGIN_BYTES)
+    log.info(
+        "automatic device budget: %.2f GB free - %.2f GB window - %.2f GB activations - %.2f GB margin "
+        "(allocator, NCCL, cuBLAS) = %.2f GB",
+        free / 1e9,
+        window_bytes / 1e9,
+        activations / 1e9,
+        MARGIN_BYTES / 1e9,
+        budget / 1e9,
+    )
+    return budget
 
 
-def resident_blocks(cfg, model, blocks, stage: int, num_stages: int, device) -> list[int]:
+def resident_blocks(
+    cfg, model, blocks, stage: int, num_stages: int, device, grad_accum: int = 1
+) -> list[int]:
     """The blocks of this stage to keep resident under ``cfg.stream.device_budget`` (see module doc).
 
     Args:
@@ -74,18 +100,13 @@ def resident_blocks(cfg, model, blocks, stage: int, num_stages: int, device) -> 
         blocks: this stage's blocks.
         stage, num_stages: this rank's place in the pipeline (its activations in flight).
         device: the compute device.
+        grad_accum: rounds per step (the P2P buffers of the activation model).
     """
     itemsize = torch.empty(0, dtype=getattr(torch, cfg.train.dtype)).element_size()
     block_bytes = {i: sum(b.numel for b in model.bindings[i]) * itemsize for i in blocks}
     budget = cfg.stream.device_budget
     if budget < 0:
-        m = cfg.pipeline.microbatches
-        in_flight = m if cfg.pipeline.schedule == "gpipe" else min(num_stages - stage, m)
-        last = stage == num_stages - 1
-        t = cfg.train
-        acts = activation_bytes(
-            model.config, t.micro_batch_size, t.seq_len, itemsize, len(blocks), in_flight, last
-        )
+        acts = stage_activation_bytes(cfg, model, blocks, stage, num_stages, grad_accum, device)
         budget = auto_device_budget(torch.device(device), acts, cfg.stream.slots * max(block_bytes.values()))
     chosen = choose_resident(block_bytes, budget)
     log.info(

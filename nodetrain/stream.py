@@ -46,10 +46,16 @@ class _CopyWorker:
 
     A job first waits for its gate (host futures), then, with a stream, for the compute queued
     before it was submitted, and runs to completion before the next (``busy_s`` counts only the
-    copy). Without a stream a job runs as it is (the D2H jobs wait for their own copy's event)."""
+    copy). Without a stream a job runs as it is (the D2H jobs wait for their own copy's event).
+    On a CUDA ``device`` the thread first selects it: a thread's current device starts as GPU 0,
+    and a CUDA call there (an event wait, a stream context) would create a context on GPU 0 in
+    every rank's process."""
 
-    def __init__(self, name: str, stream: torch.cuda.Stream | None, delay_s: float):
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    def __init__(self, name: str, stream: torch.cuda.Stream | None, delay_s: float, device=None):
+        device = torch.device(device) if device is not None else None
+        cuda = device is not None and device.type == "cuda"
+        init, args = (torch.cuda.set_device, (device,)) if cuda else (None, ())
+        self._pool = ThreadPoolExecutor(1, name, initializer=init, initargs=args)
         self._stream = stream
         self._delay_s = delay_s
         self.busy_s = 0.0
@@ -71,7 +77,7 @@ class _CopyWorker:
             fn()
             self.busy_s += time.perf_counter() - t0
             return None
-        ready.synchronize()
+        _wait_for_compute(ready)
         t0 = time.perf_counter()
         with torch.cuda.stream(self._stream):
             fn()
@@ -86,6 +92,13 @@ class _CopyWorker:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _wait_for_compute(ready: torch.cuda.Event) -> None:
+    """The slot-reuse wait: block the copy worker until the compute queued before its job was
+    submitted (the kernels still reading the slot the copy overwrites) has finished. A hook point:
+    tests/test_gpu.py removes it to show that its check catches a missing wait."""
+    ready.synchronize()
 
 
 def _wait(fut: Future) -> None:
@@ -131,8 +144,8 @@ class Window:
         self._check_targets()
         self._written: set[int] = set()  # data_ptr of accumulators offloaded into since begin()
         h2d_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._h2d = _CopyWorker("h2d", h2d_stream, delay_s)
-        self._d2h = _CopyWorker("d2h", None, delay_s)  # its copies run on the staging's stream
+        self._h2d = _CopyWorker("h2d", h2d_stream, delay_s, self.device)
+        self._d2h = _CopyWorker("d2h", None, delay_s, self.device)  # copies on the staging's stream
         self._staging = GradStaging(slots, max(self._numel(i) for i in blocks), dtype, self.device)
         self._num_offloads = 0
         self.gate = None

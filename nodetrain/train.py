@@ -51,15 +51,28 @@ __all__ = ["main", "run"]
 log = logging.getLogger("nodetrain")
 
 
-def _init_distributed(timeout_s: float) -> tuple[int, int, int, torch.device]:
-    """Init the process group once per process (a multirun reuses it); gloo on CPU, NCCL on GPU.
-    No collective or receive waits longer than ``timeout_s`` (``dist.timeout_s``)."""
+def _init_distributed(timeout_s: float, backend: str = "") -> tuple[int, int, int, torch.device]:
+    """Init the process group once per process (a multirun reuses it); gloo on CPU, NCCL on GPU
+    unless ``backend`` (``dist.backend``) says gloo. No collective or receive waits longer than
+    ``timeout_s`` (``dist.timeout_s``).
+
+    Raises:
+        ValueError: NCCL with more ranks on the node than GPUs, or NCCL without CUDA.
+    """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
+    cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if cuda else "gloo")
+    if backend == "nccl" and (not cuda or local_rank >= torch.cuda.device_count()):
+        have = torch.cuda.device_count() if cuda else 0
+        raise ValueError(
+            f"dist.backend=nccl needs one GPU per rank: LOCAL_RANK={local_rank}, {have} GPU(s); start at "
+            "most that many ranks per node, or set dist.backend=gloo to share GPUs"
+        )
+    if cuda:  # with gloo, ranks may share a GPU: rank i uses GPU i mod count
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     else:
-        device, backend = torch.device("cpu"), "gloo"
+        device = torch.device("cpu")
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python -m nodetrain.train`: a one-stage pipeline
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -67,7 +80,7 @@ def _init_distributed(timeout_s: float) -> tuple[int, int, int, torch.device]:
         dist.init_process_group(
             backend, device_id=device if backend == "nccl" else None, timeout=timedelta(seconds=timeout_s)
         )
-        log.info("process group: %s, world size %d", backend, dist.get_world_size())
+        log.info("process group: %s, world size %d, device %s", backend, dist.get_world_size(), device)
     else:
         log.info("process group: reused (%s, world size %d)", dist.get_backend(), dist.get_world_size())
     return dist.get_rank(), dist.get_world_size(), local_rank, device
@@ -145,7 +158,7 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
     """
     job = job or Job.plain(run_dir, cfg.logging)
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
-    rank, world_size, local_rank, device = _init_distributed(cfg.dist.timeout_s)
+    rank, world_size, local_rank, device = _init_distributed(cfg.dist.timeout_s, cfg.dist.backend)
     topology, release = Topology.from_env(cfg.pipeline.stages), Release()
     data_cfg = run_data_config(cfg)  # model.init_from's tokenizer unless data.tokenizer is set
     data_dir = Path(_on_rank0(lambda: str(data.prepare(data_cfg, cfg.seed, cfg.train.seq_len))))

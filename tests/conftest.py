@@ -58,12 +58,13 @@ def free_port() -> int:
 
 
 def job_env(**extra: str) -> dict[str, str]:
-    """The environment of a launched job: this checkout on ``PYTHONPATH``, one OpenMP thread per
-    rank (the machine is shared), no network (HF hub offline, wandb disabled), quiet transformers;
-    ``extra`` is set last (e.g. ``WANDB_MODE="offline"``)."""
+    """The environment of a launched job: this checkout first on ``PYTHONPATH`` (what it held stays:
+    the GPU test machine's wheels in /tmp/site), one OpenMP thread per rank (the machine is shared),
+    no network (HF hub offline, wandb disabled), quiet transformers; ``extra`` is set last (e.g.
+    ``WANDB_MODE="offline"``)."""
     env = dict(
         os.environ,
-        PYTHONPATH=str(ROOT),
+        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
         OMP_NUM_THREADS="1",
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_VERBOSITY="error",

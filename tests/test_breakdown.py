@@ -217,3 +217,25 @@ def test_two_stage_breakdown_sums_to_step_time_and_counts_bytes(tmp_path, shm_di
             assert bd["stage0/optim_s"] >= OPTIM_DELAY_S, bd
         assert bd["mfu"] > 0 and bd["step_s"] == max(bd["stage0/step_s"], bd["stage1/step_s"])
     assert steps[0]["breakdown"]["store_bytes"] >= 18 * sum(numel.values())
+
+
+def test_peak_flops_source_prefers_config_then_datasheet_then_measurement() -> None:
+    """MFU's denominator (issue 13, item 6): train.peak_flops, else the datasheet of the profile
+    naming the GPU (the selected one first, then every shipped one), else a measured matmul."""
+    from nodetrain.breakdown import hardware_profiles, select_peak_flops
+
+    profiles = hardware_profiles()
+    by_name = {p.name: p for p in profiles}
+    assert {"h200", "h100_sxm", "a100_80gb", "cpu"} <= set(by_name)
+    cpu = by_name["cpu"]
+    assert select_peak_flops(5e14, "NVIDIA H200", cpu, profiles) == (5e14, "train.peak_flops=5e+14")
+    peak, source = select_peak_flops(0.0, "NVIDIA H200", cpu, profiles)  # hardware=cpu left as default
+    assert peak == 989.4e12 and "datasheet of hardware=h200 " in source
+    peak, source = select_peak_flops(0.0, "nvidia a100-sxm4-80gb", cpu, profiles)
+    assert peak == 312e12 and "a100_80gb" in source
+    peak, source = select_peak_flops(0.0, "NVIDIA H200", by_name["h200_1gpu"], profiles)
+    assert "hardware=h200_1gpu" in source  # the selected profile wins when it names the GPU
+    assert select_peak_flops(0.0, "NVIDIA H200 NVL", cpu, profiles)[0] is None  # not the SXM part
+    peak, source = select_peak_flops(0.0, "NVIDIA B200", cpu, profiles)
+    assert peak is None and "measured matmul" in source and "NVIDIA B200" in source
+    assert select_peak_flops(0.0, None, cpu, profiles) == (None, "measured matmul (CPU)")

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from datetime import datetime
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from test_parity import ATOL_WEIGHT, OPTIM, RTOL, lr_schedule
 
 from nodetrain import data
 from nodetrain.checkpoint import state as st
+from nodetrain.comm import Comm
 from nodetrain.config import Config, DataConfig, FaultInjectionConfig, ModelConfig
 from nodetrain.data_checks import check_vocab, open_splits
 from nodetrain.faults import BadSteps, NonFiniteError, StopRequest, maybe_fail, poison_grads
@@ -137,12 +139,13 @@ class _Work:
 
 def test_p2p_drops_completed_sends_as_it_goes() -> None:
     """A completed send's handle (and the activation it holds) is let go at the next send."""
-    p2p = P2P(0, 2, (1, 2, 4), torch.float32, torch.device("cpu"))
+    gloo = types.SimpleNamespace(get_backend=lambda group=None: "gloo")
+    p2p = P2P(0, 2, (1, 2, 4), torch.float32, Comm(torch.device("cpu"), dist=gloo))
     pending, done = _Work(False), _Work(True)
-    p2p._keep(pending)
-    p2p._keep(done)
+    p2p._keep([pending])
+    p2p._keep([done])
     assert p2p._sends == [pending, done]
-    p2p._keep(_Work(False))
+    p2p._keep([_Work(False)])
     assert done not in p2p._sends and pending in p2p._sends and done.waited, "a failed send must raise"
 
 

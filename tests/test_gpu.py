@@ -8,6 +8,8 @@ Skipped without CUDA. ``bench/gpu_check.sh`` runs them on a lent GPU machine:
 - gradients leave through page-locked staging buffers and are accumulated only after their copy
   landed (the D2H stream and the compute stream slowed with GPU sleeps: a missing event wait would
   accumulate stale staging contents, and the companion test shows that it does);
+- a slot is reloaded only after the compute reading it finished, with no host sync before
+  ``release()`` (a GPU sleep delays the reads; the companion test removes the wait and sees it fail);
 - the CUDA timeline attributes a host-side wait to its phase and the phases sum to the step;
 - the measured matmul peak is a plausible GPU figure.
 """
@@ -20,6 +22,7 @@ import pytest
 import torch
 
 import nodetrain.staging as staging
+import nodetrain.stream as stream
 from nodetrain.breakdown import Timeline, measured_peak_flops
 from nodetrain.model import Binding
 from nodetrain.store import HostStore, StoreLayout
@@ -49,6 +52,7 @@ def test_window_copies_on_side_streams_and_stay_current(shm_dir) -> None:
     bindings = [(Binding("w", i, 0, (64, 64)),) for i in range(3)]
     store = HostStore.create(StoreLayout(numels, torch.bfloat16), shm_dir, "gpu-window")
     store.unlink()
+    store.pin([0, 1, 2])
     window = Window(store, bindings, [0, 1, 2], [0, 1, 2], 2, torch.device("cuda"), delay_s=0.01)
     try:
         compute = torch.cuda.current_stream()
@@ -73,6 +77,49 @@ def test_window_copies_on_side_streams_and_stay_current(shm_dir) -> None:
         assert stats["h2d_busy_s"] > 0 and stats["h2d_bytes"] == 2 * 6 * 4096 * 2
     finally:
         window.close()
+        store.unpin()
+    assert not store.compute(0).is_pinned()
+
+
+def _read_slots_late(shm_dir) -> tuple[list[torch.Tensor], list[float]]:
+    """Stream blocks 0, 1, 2 twice through ONE slot; each use reads its slot only after a GPU sleep
+    on the compute stream, and the host never synchronises before ``release()`` (which issues the
+    next load into that same slot). Returns the sums read (device tensors) and the expected ones."""
+    numel = 1 << 20
+    store = HostStore.create(StoreLayout((numel,) * 3, torch.float32), shm_dir, "gpu-reuse")
+    store.unlink()
+    store.pin([0, 1, 2])
+    for u in range(3):
+        store.compute(u).fill_(float(u + 1))
+    bindings = [(Binding("w", u, 0, (numel,)),) for u in range(3)]
+    window = Window(store, bindings, [0, 1, 2], [0, 1, 2], 1, torch.device("cuda"))
+    sequence, sums = [0, 1, 2, 0, 1, 2], []
+    try:
+        window.begin(sequence)
+        for block in sequence:
+            w = window.acquire(block)["w"]
+            torch.cuda._sleep(SLEEP_CYCLES)  # the read below runs ~10 ms after the host moved on
+            sums.append(w.sum())
+            window.release()  # no .item(), no synchronize: the next load must wait for the read itself
+        window.flush()
+        torch.cuda.synchronize()
+    finally:
+        window.close()
+        store.unpin()
+    return sums, [float((b + 1) * numel) for b in sequence]
+
+
+def test_slot_is_reloaded_only_after_its_reads(shm_dir) -> None:
+    sums, expected = _read_slots_late(shm_dir)
+    assert [float(s) for s in sums] == expected
+
+
+def test_a_missing_slot_reuse_wait_would_be_caught(shm_dir, monkeypatch) -> None:
+    """The check above can fail: without the copy worker's wait for the compute queued before
+    ``release()``, the next block's copy lands in the slot while the late read is still queued."""
+    monkeypatch.setattr(stream, "_wait_for_compute", lambda ready: None)
+    sums, expected = _read_slots_late(shm_dir)
+    assert [float(s) for s in sums] != expected
 
 
 SLEEP_CYCLES = 20_000_000

@@ -1,9 +1,10 @@
 """``bench/gpu_check.sh``: its syntax, its usage errors, and its dry run on CPU end to end.
 
 The dry run goes through the same steps as on a GPU machine (``pytest -m gpu``, which skips here,
-the copy bandwidths of ``bench/copy_bandwidth.py`` on the CPU, then a streamed
-``torchrun -m nodetrain.train`` of a tiny Llama-3.2-3B-like shape) and must leave the JSON files
-the GPU run leaves, with the fields the closing note reports.
+the copy bandwidths of ``bench/copy_bandwidth.py`` on the CPU, the 2-rank vs 1-rank loss check of
+``bench/gpu_two_rank.py`` on gloo, then a streamed ``torchrun -m nodetrain.train`` of a tiny
+Llama-3.2-3B-like shape) and must leave the JSON files the GPU run leaves, with the fields the
+closing note reports, in one ``check.json``.
 """
 
 from __future__ import annotations
@@ -33,8 +34,17 @@ def test_dry_run_writes_the_results(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     check = json.loads((out / "check.json").read_text())
-    assert check["dry_run"] and check["gpu_tests_rc"] == 0 and check["train_rc"] == 0
-    assert check["copy_rc"] == 0
+    assert check["dry_run"] and check["passed"] and check["gpu"] is None
+    steps = check["steps"]
+    assert set(steps) == {"gpu_tests", "copy_bandwidth", "two_rank", "train"}
+    assert all(s["passed"] and s["rc"] == 0 and s["s"] >= 0 for s in steps.values()), steps
+    assert steps["gpu_tests"]["tests"] == steps["gpu_tests"]["skipped"] > 0  # no CUDA here
+    assert steps["copy_bandwidth"]["h2d_store_gbps"] > 0
+    assert 0 <= steps["two_rank"]["max_abs_diff"] <= 1e-5 and "gloo" in steps["two_rank"]["backend_2rank"]
+    streamed = steps["train"]["streamed"]
+    assert streamed["mfu"] > 0 and streamed["peak_flops_source"] == "measured matmul (CPU)"
+    two = json.loads((out / "two_rank" / "two_rank.json").read_text())
+    assert len(two["losses_1rank"]) == len(two["losses_2rank"]) == 5
     copies = json.loads((out / "copy_bandwidth.json").read_text())
     keys = ("h2d_store_gbps", "h2d_pageable_gbps", "d2h_staging_gbps", "d2h_pageable_gbps", "offload_gbps")
     for key in keys:

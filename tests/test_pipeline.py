@@ -1,9 +1,14 @@
-"""Pure pipeline logic: the stage partition and the schedules (milliseconds, no torch.distributed).
+"""Pure pipeline logic: the stage partition, the schedules and their P2P (milliseconds, no torch.distributed).
 
 ``partition`` is checked against brute force over every set of cuts; ``build_schedule`` by
-simulating all stages' action lists together with the engine's communication semantics (sends
-never block, a forward waits for the previous stage's activation, a backward for the next
-stage's gradient), which must finish without deadlock for every depth and micro-batch count.
+simulating all stages' action lists together with their data dependencies (a forward waits for
+the previous stage's activation, a backward for the next stage's gradient); ``p2p_groups`` by
+simulating every stage's P2P with NCCL's semantics (``_simulate_nccl``: tags ignored, a rank
+pair's operations run in posting order in one queue shared by both directions, a send completes
+only when the peer's matching receive is at the head of its queue, a batched group is posted
+together), which must finish without deadlock and deliver every message to its own receive for
+every depth, micro-batch count and schedule, and must reject the engine's order before issue 13
+(isend after each action, a blocking recv before the next: ``_unpaired_groups``, kept as the mutant).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import random
 
 import pytest
 
-from nodetrain.pipeline import Action, build_schedule, partition
+from nodetrain.pipeline import Action, Transfer, build_schedule, p2p_groups, partition
 
 SCHEDULE_KINDS = ("gpipe", "1f1b")
 SHAPES = [(s, m) for s in range(1, 9) for m in range(1, 13)]  # (stages, micro-batches)
@@ -176,3 +181,155 @@ def test_1f1b_uses_less_activation_memory_than_gpipe_when_deep() -> None:
 def test_unknown_schedule_is_refused() -> None:
     with pytest.raises(ValueError, match="schedule"):
         build_schedule("zero-bubble", 2, 0, 4)
+
+
+# ----------------------------------------------------------------------------- P2P under NCCL semantics
+
+
+def _unpaired_groups(actions: list[Action], stage: int, num_stages: int) -> list[tuple[Transfer, ...]]:
+    """The engine's P2P before issue 13 (the mutant), as its ``_run_round`` did it: a blocking
+    ``recv`` before each action that needs one, an ``isend`` on its own after each action that
+    produces one."""
+    first, last, groups = stage == 0, stage == num_stages - 1, []
+    for a in actions:
+        if a.kind == "F":
+            if not first:
+                groups.append((Transfer("recv", "act", a.mb, stage - 1),))
+            if not last:
+                groups.append((Transfer("send", "act", a.mb, stage + 1),))
+        else:
+            if not last:
+                groups.append((Transfer("recv", "grad", a.mb, stage + 1),))
+            if not first:
+                groups.append((Transfer("send", "grad", a.mb, stage - 1),))
+    return groups
+
+
+def _simulate_nccl(programs: list[list[tuple[Transfer, ...]]], fifo: str = "pair") -> int:
+    """Run every stage's P2P groups (posting order) under NCCL's semantics; returns the matches.
+
+    A stage posts its groups in order; after posting a group with a receive it blocks until the
+    whole group completed (the engine needs the data), a group of sends does not block. Each
+    ``fifo`` key holds the posted groups in order: ``"pair"`` one queue per (rank, peer), shared by
+    both directions (NCCL's P2P communicator of a rank pair, tags ignored); ``"rank"`` one queue per
+    rank (``batch_isend_irecv``'s use of the group's communicator: one stream for every peer). An
+    operation can complete only when its group is at the head of its queue and the peer's head
+    group holds the opposite operation towards it; the first such operation is its match (no
+    tags), so a send matched with a different message's receive is an error. A group leaves its
+    queues when all its operations completed.
+
+    Raises:
+        AssertionError: a deadlock, or a send matched with the receive of another message.
+    """
+    num = len(programs)
+    key = (lambda a, b: (a, b)) if fifo == "pair" else (lambda a, b: (a,))
+    queues: dict[tuple, list[tuple[int, int]]] = {}
+    left = {(s, k): set(range(len(g))) for s in range(num) for k, g in enumerate(programs[s])}
+    pos, matches = [0] * num, 0
+
+    def head_ops(s: int, peer: int):
+        q = queues.get(key(s, peer), [])
+        if not q:
+            return []
+        gs, gk = q[0]
+        return [(i, t) for i, t in enumerate(programs[gs][gk]) if i in left[(gs, gk)] and t.peer == peer]
+
+    def retire(s: int, k: int) -> None:
+        if not left[(s, k)]:
+            for q in queues.values():
+                if q and q[0] == (s, k):
+                    q.pop(0)
+
+    while True:
+        progressed = False
+        for s in range(num):  # post until a group with a receive is outstanding
+            while pos[s] < len(programs[s]):
+                k = pos[s]
+                if k > 0 and any(t.op == "recv" for t in programs[s][k - 1]) and left[(s, k - 1)]:
+                    break
+                for t in programs[s][k]:
+                    q = queues.setdefault(key(s, t.peer), [])
+                    if (s, k) not in q:
+                        q.append((s, k))
+                pos[s] += 1
+                progressed = True
+        for s in range(num):
+            for peer in (s - 1, s + 1):
+                for i, t in head_ops(s, peer):
+                    if t.op != "send":
+                        continue
+                    recvs = [(j, r) for j, r in head_ops(peer, s) if r.op == "recv"]
+                    if not recvs:
+                        continue
+                    j, r = recvs[0]
+                    assert (r.what, r.mb) == (t.what, t.mb), (
+                        f"stage {s}'s send {t} landed in stage {peer}'s {r}"
+                    )
+                    gs, gr = queues[key(s, peer)][0], queues[key(peer, s)][0]
+                    left[gs].discard(i)
+                    left[gr].discard(j)
+                    retire(*gs)
+                    retire(*gr)
+                    matches += 1
+                    progressed = True
+        if not progressed:
+            break
+    stuck = {s: programs[s][k] for (s, k), ops in sorted(left.items()) if ops}
+    assert not stuck and pos == [len(p) for p in programs], f"deadlock: groups never completed: {stuck}"
+    return matches
+
+
+def _programs(kind: str, num_stages: int, m: int, groups_of=p2p_groups) -> list[list[tuple[Transfer, ...]]]:
+    return [groups_of(build_schedule(kind, num_stages, s, m), s, num_stages) for s in range(num_stages)]
+
+
+@pytest.mark.parametrize("fifo", ["pair", "rank"])
+@pytest.mark.parametrize("kind", SCHEDULE_KINDS)
+def test_paired_p2p_completes_under_nccl_semantics(kind: str, fifo: str) -> None:
+    for num_stages in range(2, 9):
+        for m in range(1, 13):
+            matches = _simulate_nccl(_programs(kind, num_stages, m), fifo)
+            assert matches == 2 * (num_stages - 1) * m, (kind, num_stages, m)  # every act and grad
+
+
+@pytest.mark.parametrize("fifo", ["pair", "rank"])
+def test_forward_only_evaluation_p2p_completes(fifo: str) -> None:
+    for num_stages in range(2, 9):
+        for n in range(1, 9):
+            forwards = [Action("F", i) for i in range(n)]
+            programs = [p2p_groups(forwards, s, num_stages) for s in range(num_stages)]
+            assert _simulate_nccl(programs, fifo) == (num_stages - 1) * n
+
+
+def test_unpaired_send_then_recv_deadlocks_1f1b_under_nccl() -> None:
+    """The order before issue 13 (isend, then a blocking recv from the same peer) deadlocks in
+    1F1B's steady state: stage 0 sends act(1) before receiving grad(0), stage 1 sends grad(0)
+    before receiving act(1), and neither send's receive reaches the head of its queue."""
+    with pytest.raises(AssertionError, match="deadlock"):
+        _simulate_nccl(_programs("1f1b", 2, 2, _unpaired_groups))
+    for num_stages in range(2, 9):  # every depth with a steady state (M ≥ 2) deadlocks
+        with pytest.raises(AssertionError, match="deadlock"):
+            _simulate_nccl(_programs("1f1b", num_stages, num_stages, _unpaired_groups))
+
+
+def test_nccl_simulation_catches_a_message_landing_in_the_wrong_receive() -> None:
+    # stage 1 receives mb 1 first: without tags, mb 0's activation would land there
+    programs = [
+        [(Transfer("send", "act", 0, 1),), (Transfer("send", "act", 1, 1),)],
+        [(Transfer("recv", "act", 1, 0),), (Transfer("recv", "act", 0, 0),)],
+    ]
+    with pytest.raises(AssertionError, match="landed in"):
+        _simulate_nccl(programs)
+
+
+def test_p2p_groups_pair_each_send_with_the_next_receive() -> None:
+    # stage 0 of 2, 1F1B, M=2: F0 F1 B0 B1 → send act0 alone, then (send act1, recv grad0) together
+    groups = p2p_groups(build_schedule("1f1b", 2, 0, 2), 0, 2)
+    assert groups == [
+        (),
+        (Transfer("send", "act", 0, 1),),
+        (Transfer("send", "act", 1, 1), Transfer("recv", "grad", 0, 1)),
+        (Transfer("recv", "grad", 1, 1),),
+        (),
+    ]
+    assert p2p_groups(build_schedule("gpipe", 1, 0, 3), 0, 1) == [()] * 7  # one stage: no P2P

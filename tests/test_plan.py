@@ -383,3 +383,19 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_gpu_profile_counts_page_locking_the_transfer_copies() -> None:
+    """On a GPU profile the host need adds 16 B per 4 KiB page of the transfer copy (each rank
+    page-locks the units it loads, HostStore.pin); a CPU profile pins nothing."""
+    gpu = make_plan(_config_a())
+    cfg = _config_a()
+    cfg.hardware = _hardware(gpus_per_node=0, device_memory_gb=0.0)
+    cpu = make_plan(cfg)
+    compute = gpu.fields["compute"]
+    assert compute == _align(A_EMBED * 2) + 2 * _align(A_LAYER * 2) + _align(A_HEAD * 2) == 58 * 4096
+    staging = sum(s.staging_bytes for s in gpu.stages)
+    assert gpu.host_need_bytes == gpu.store_bytes + 2 * 0.5 * 1e9 + compute // 4096 * 16 + staging
+    assert cpu.host_need_bytes - cpu.store_bytes - 2 * 0.5 * 1e9 - staging == sum(
+        s.window_bytes + s.activation_bytes for s in cpu.stages
+    )

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 import nodetrain.stream as stream
 from nodetrain.model import Binding
-from nodetrain.residency import activation_bytes, auto_device_budget, choose_resident
+from nodetrain.residency import MARGIN_BYTES, auto_device_budget, choose_resident, stage_activation_bytes
 from nodetrain.store import HostStore, StoreLayout
 from nodetrain.stream import Window
 
@@ -37,12 +36,25 @@ def test_choose_resident_is_first_fit_in_block_order() -> None:
     assert choose_resident(sizes, 210) == [0, 1, 2, 3]
 
 
-def test_activation_estimate_and_cpu_budget() -> None:
-    hf = LlamaConfig(hidden_size=64, intermediate_size=128, vocab_size=256)
-    # B=2, T=16, bf16, 3 blocks, 2 micro-batches in flight, last stage:
-    # 2 × (2·3·32·64·2 + 32·(16·64 + 4·128)·2 + 3·32·256·4) = 2 × (24576 + 98304 + 98304)
-    assert activation_bytes(hf, 2, 16, 2, 3, 2, True) == 442368
-    assert activation_bytes(hf, 2, 16, 2, 3, 2, False) == 2 * (24576 + 98304)
+def test_budget_uses_the_planners_activation_model(monkeypatch, caplog) -> None:
+    """The automatic budget's activations are ``costs.stage_memory``'s, stage by stage equal to what
+    ``python -m nodetrain.plan`` prints for the same config (config A of test_plan.py, on a GPU
+    profile); the budget is free − window − activations − margin, with the margin logged."""
+    from test_plan import _config_a
+
+    from nodetrain.model import HFModel, build_hf_config
+    from nodetrain.plan import make_plan
+
+    cfg = _config_a()
+    plan, model = make_plan(cfg), HFModel(build_hf_config(cfg.model))
+    cuda = torch.device("cuda", 0)
+    for st in plan.stages:
+        acts = stage_activation_bytes(cfg, model, st.blocks, st.stage, 2, 1, cuda)
+        assert acts == st.activation_bytes > 0, st
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * 2**30, 80 * 2**30))
+    with caplog.at_level("INFO", logger="nodetrain.residency"):
+        assert auto_device_budget(cuda, 3 << 30, 1 << 30) == (10 - 3 - 1) * 2**30 - MARGIN_BYTES
+    assert "margin" in caplog.text and "2.15 GB margin" in caplog.text
     assert auto_device_budget(torch.device("cpu"), 0, 0) == 0
 
 

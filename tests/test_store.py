@@ -246,3 +246,48 @@ def test_four_ranks_map_one_store_and_keep_no_private_copy(tmp_path: Path, shm_d
 
     leftovers = [p.name for p in Path("/dev/shm").rglob("*") if run_id in p.name]
     assert not leftovers, f"store files left after the job: {leftovers}"
+
+
+class RecordedCudart:
+    """``torch.cuda.cudart()`` stand-in: records (un)registrations; ``fail_at`` makes the n-th
+    registration return CUDA error 2 (cudaErrorMemoryAllocation)."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.calls, self.fail_at = [], fail_at
+
+    def cudaHostRegister(self, addr: int, size: int, flags: int) -> int:
+        self.calls.append(("register", addr, size, flags))
+        return 2 if self.fail_at == sum(c[0] == "register" for c in self.calls) else 0
+
+    def cudaHostUnregister(self, addr: int) -> int:
+        self.calls.append(("unregister", addr))
+        return 0
+
+
+def test_pin_registers_only_the_given_units_transfer_copies_and_releases_them(shm_dir, monkeypatch) -> None:
+    cudart = RecordedCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    layout = StoreLayout((5000, 300, 7000), torch.bfloat16)
+    store = HostStore.create(layout, shm_dir, "pin")
+    store.unlink()
+    assert cudart.calls == []  # mapping a store registers nothing
+    store.pin([2, 1, 2])
+    want = [(store.compute(u).data_ptr(), -(-store.compute(u).numel() * 2 // 4096) * 4096) for u in (1, 2)]
+    assert [c[1:3] for c in cudart.calls] == want and all(c[0] == "register" for c in cudart.calls)
+    assert store.pinned_nbytes == 4096 + 16384 < layout.nbytes / 10  # not the store, not unit 0
+    assert all(addr % 4096 == 0 for addr, _ in want)
+    store.unpin()
+    store.unpin()  # idempotent
+    assert sorted(c[1] for c in cudart.calls if c[0] == "unregister") == sorted(a for a, _ in want)
+    assert store.pinned_nbytes == 0
+
+
+def test_pin_failure_raises_and_releases_what_it_registered(shm_dir, monkeypatch) -> None:
+    cudart = RecordedCudart(fail_at=2)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    store = HostStore.create(StoreLayout((5000, 300, 7000), torch.bfloat16), shm_dir, "pin-fail")
+    store.unlink()
+    with pytest.raises(RuntimeError, match=r"cudaHostRegister of unit 1.*CUDA error 2.*ulimit -l"):
+        store.pin([0, 1, 2])
+    assert [c[0] for c in cudart.calls] == ["register", "register", "unregister"]
+    assert cudart.calls[2][1] == store.compute(0).data_ptr() and store.pinned_nbytes == 0

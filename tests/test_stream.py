@@ -204,3 +204,26 @@ def test_first_offload_of_a_sequence_overwrites_the_accumulator(make_store) -> N
         assert torch.equal(store.grad(1), flat(g3))
     finally:
         window.close()
+
+
+def test_copy_workers_select_the_rank_device_on_their_thread(monkeypatch) -> None:
+    """A CUDA copy worker calls ``torch.cuda.set_device(<rank device>)`` on its own thread before any
+    job (recorded: no CUDA here); a CPU one does not touch CUDA."""
+    import threading
+
+    calls = []
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda d: calls.append((threading.current_thread().name, d))
+    )
+    for name in ("h2d", "d2h"):
+        worker = stream._CopyWorker(name, None, 0.0, torch.device("cuda", 3))
+        assert worker.submit(threading.current_thread).result() is None
+        worker.shutdown()
+    assert [(n.split("_")[0], d) for n, d in calls] == [
+        ("h2d", torch.device("cuda", 3)),
+        ("d2h", torch.device("cuda", 3)),
+    ]
+    cpu = stream._CopyWorker("h2d", None, 0.0, torch.device("cpu"))
+    cpu.submit(lambda: None).result()
+    cpu.shutdown()
+    assert len(calls) == 2
