@@ -149,9 +149,10 @@ _PEER_FAILED = re.compile(r"(closed|reset) by peer|Broken pipe|Connection refuse
 """Communication errors that only say another rank went away (gloo and NCCL wording)."""
 
 
-def record_failure(exc: BaseException) -> None:
-    """Write ``exc`` and its traceback to torchrun's error file (``TORCHELASTIC_ERROR_FILE``; nothing
-    outside torchrun), which torchrun's failure summary prints, naming the earliest as root cause.
+def record_failure(exc: BaseException, callstack: str | None = None) -> None:
+    """Write ``exc`` and its traceback (or ``callstack`` in its place) to torchrun's error file
+    (``TORCHELASTIC_ERROR_FILE``; nothing outside torchrun), which torchrun's failure summary prints,
+    naming the earliest as root cause.
 
     torchrun orders failures by whole seconds, and the ranks that lose their connection to a failed
     rank fail within milliseconds of it. Such a consequence is stamped one second later so that the
@@ -161,7 +162,7 @@ def record_failure(exc: BaseException) -> None:
     if not path:
         return
     stamp = int(time.time()) + (1 if _PEER_FAILED.search(str(exc)) else 0)
-    callstack = "".join(traceback.format_exception(exc))
+    callstack = callstack or "".join(traceback.format_exception(exc))
     data = {
         "message": {
             "message": f"{type(exc).__name__}: {exc}",

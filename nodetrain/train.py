@@ -37,10 +37,11 @@ from omegaconf import DictConfig, OmegaConf
 from nodetrain import data
 from nodetrain.checkpoint import Checkpointing
 from nodetrain.config import Config, grad_accum_of, register_configs, to_typed, validate
+from nodetrain.config_checks import DataError
 from nodetrain.data_checks import check_vocab, open_splits
 from nodetrain.engine import Engine
 from nodetrain.faults import BadSteps, StopRequest, maybe_fail
-from nodetrain.jobs import Job, Release, current_job, fail_fast
+from nodetrain.jobs import REFUSALS, Job, Release, current_job, fail_fast, refusals_of
 from nodetrain.metrics import MetricsLogger
 from nodetrain.model import HFModel, build_hf_config
 from nodetrain.plan import preflight
@@ -74,16 +75,20 @@ def _init_distributed(timeout_s: float) -> tuple[int, int, int, torch.device]:
 
 
 def _on_rank0(fn):
-    """Run ``fn`` on rank 0 only; every rank gets its result, or raises its error."""
-    box, error = [None, None], None
+    """Run ``fn`` on rank 0 only; every rank gets its result, or raises its error (a refusal as the
+    same refusal, see jobs.REFUSALS)."""
+    box, error = [None, None, None], None
     if dist.get_rank() == 0:
         try:
             box[0] = fn()
         except Exception as e:  # shared below so that no rank waits forever for rank 0
             error, box[1] = e, f"{type(e).__name__}: {e}"
+            box[2] = next((i for i, kind in enumerate(REFUSALS) if isinstance(e, kind)), None)
     dist.broadcast_object_list(box, src=0)
     if error is not None:
         raise error
+    if box[2] is not None:
+        raise REFUSALS[box[2]](box[1].split(": ", 1)[1])
     if box[1] is not None:
         raise RuntimeError(f"rank 0 failed: {box[1]}")
     return box[0]
@@ -142,10 +147,12 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     rank, world_size, local_rank, device = _init_distributed(cfg.dist.timeout_s)
     topology, release = Topology.from_env(cfg.pipeline.stages), Release()
-    data_dir = Path(_on_rank0(lambda: str(data.prepare(cfg.data, cfg.seed))))
-    train_ds, val_ds = open_splits(data_dir, cfg, topology.num_replicas)
-    model = HFModel(build_hf_config(cfg.model, vocab_size=train_ds.vocab_size))
-    check_vocab(model.config.vocab_size, train_ds)
+    data_refusals = refusals_of((ValueError, OSError), DataError)  # the data's problems are the user's
+    data_dir = Path(_on_rank0(lambda: str(data_refusals(data.prepare)(cfg.data, cfg.seed))))
+    with refusals_of((ValueError, OSError), DataError):
+        train_ds, val_ds = open_splits(data_dir, cfg, topology.num_replicas)
+        model = HFModel(build_hf_config(cfg.model, vocab_size=train_ds.vocab_size))
+        check_vocab(model.config.vocab_size, train_ds)
     # refuse a store the node cannot hold (nodes are alike: node 0 answers for all)
     _on_rank0(lambda: preflight(cfg, model, topology.num_stages))
     ckpt = Checkpointing(cfg, run_dir, resolved, model)  # resume or import is checked before the store exists
