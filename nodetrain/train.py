@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nodetrain import data
 from nodetrain.checkpoint import Checkpointing
+from nodetrain.checkpoint.state import config_hash
 from nodetrain.config import Config, grad_accum_of, register_configs, to_typed, validate
 from nodetrain.config_checks import DataError
 from nodetrain.data_checks import check_vocab, open_splits
@@ -44,6 +45,7 @@ from nodetrain.faults import BadSteps, StopRequest, maybe_fail
 from nodetrain.jobs import REFUSALS, Job, Release, current_job, fail_fast, refusals_of
 from nodetrain.metrics import MetricsLogger
 from nodetrain.model import HFModel, build_hf_config
+from nodetrain.outputs import RunOutputs, check_space, checkpoint_bytes, checkpoint_dir
 from nodetrain.plan import preflight
 from nodetrain.replicas import Topology
 
@@ -52,15 +54,19 @@ __all__ = ["main", "run"]
 log = logging.getLogger("nodetrain")
 
 
+def _device() -> torch.device:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _init_distributed(timeout_s: float) -> tuple[int, int, int, torch.device]:
     """Init the process group once per process (a multirun reuses it); gloo on CPU, NCCL on GPU.
     No collective or receive waits longer than ``timeout_s`` (``dist.timeout_s``)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
+    device = _device()
+    if device.type == "cuda":
         torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python -m nodetrain.train`: a one-stage pipeline
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -145,7 +151,20 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
     """
     job = job or Job.plain(run_dir, cfg.logging)
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
-    rank, world_size, local_rank, device = _init_distributed(cfg.dist.timeout_s)
+    _init_distributed(cfg.dist.timeout_s)
+    c = cfg.checkpoint
+    outputs = RunOutputs(run_dir, checkpoint_dir(cfg, run_dir), c.resume, config_hash(resolved))
+    search = c.resume == "auto" and not c.dir  # continue the newest run of this config (outputs.py)
+    ckpt_dir = Path(_on_rank0(lambda: outputs.acquire(resolved, search)))  # locks held by rank 0
+    try:
+        return _run(cfg, run_dir, resolved, job, ckpt_dir)
+    finally:
+        outputs.release()
+
+
+def _run(cfg: Config, run_dir: Path, resolved: dict, job: Job, ckpt_dir: Path) -> list[dict]:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    local_rank, device = int(os.environ.get("LOCAL_RANK", "0")), _device()
     topology, release = Topology.from_env(cfg.pipeline.stages), Release()
     data_refusals = refusals_of((ValueError, OSError), DataError)  # the data's problems are the user's
     data_dir = Path(_on_rank0(lambda: str(data_refusals(data.prepare)(cfg.data, cfg.seed))))
@@ -155,7 +174,11 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
         check_vocab(model.config.vocab_size, train_ds)
     # refuse a store the node cannot hold (nodes are alike: node 0 answers for all)
     _on_rank0(lambda: preflight(cfg, model, topology.num_stages))
-    ckpt = Checkpointing(cfg, run_dir, resolved, model)  # resume or import is checked before the store exists
+    # a checkpoint must fit before the store exists, not at the first save after hours of training
+    _on_rank0(
+        lambda: check_space(ckpt_dir, checkpoint_bytes(model, cfg.checkpoint.export_dtype), "checkpoint.dir")
+    )
+    ckpt = Checkpointing(cfg, run_dir, resolved, model, ckpt_dir)  # resume/import checked before the store
     engine = Engine(
         cfg,
         model,

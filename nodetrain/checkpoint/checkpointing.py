@@ -56,16 +56,26 @@ class Checkpointing:
         run_dir: the run directory (``checkpoint.dir`` defaults to ``<run_dir>/checkpoints``).
         resolved: the resolved config as plain data (stored, hashed and compared on resume).
         model: the run's model.
+        ckpt_dir: where checkpoints are read and written (default ``checkpoint.dir``, else
+            ``<run_dir>/checkpoints``; outputs.py finds another run's for ``resume=auto``).
 
     Raises:
         CheckpointError: ``checkpoint.resume`` names a bad checkpoint, or ``auto`` finds only bad ones.
         ValueError: ``model.init_from`` cannot initialise this model (every problem listed).
     """
 
-    def __init__(self, cfg: Config, run_dir: Path, resolved: dict[str, Any], model: HFModel):
-        self.cfg, self.model, self.resolved = cfg, model, resolved
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        resolved: dict[str, Any],
+        model: HFModel,
+        ckpt_dir: Path | None = None,
+    ):
+        self.cfg, self.model, self.resolved, self.run_dir = cfg, model, resolved, Path(run_dir)
         c = cfg.checkpoint
-        self.dir = Path(c.dir).expanduser() if c.dir else Path(run_dir) / "checkpoints"
+        self.dir = Path(c.dir).expanduser() if c.dir else self.run_dir / "checkpoints"
+        self.dir = Path(ckpt_dir) if ckpt_dir is not None else self.dir
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.dist.timeout_s))
         self.path, self.state = self._choose()
@@ -211,6 +221,7 @@ class Checkpointing:
             },
             "config": self.resolved,
             "config_hash": st.config_hash(self.resolved),
+            "run_dir": str(self.run_dir),  # named when another run would overwrite this one (outputs.py)
             "stages": [
                 {
                     "stage": s,
