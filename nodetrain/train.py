@@ -41,7 +41,7 @@ from nodetrain.config import Config, grad_accum_of, register_configs, to_typed, 
 from nodetrain.config_checks import DataError
 from nodetrain.data_checks import check_vocab, open_splits
 from nodetrain.engine import Engine
-from nodetrain.faults import BadSteps, StopRequest, maybe_fail
+from nodetrain.faults import BadSteps, StopRequest, maybe_fail, stop_with_launcher
 from nodetrain.jobs import REFUSALS, Job, Release, current_job, fail_fast, refusals_of
 from nodetrain.metrics import MetricsLogger
 from nodetrain.model import HFModel, build_hf_config
@@ -268,6 +268,7 @@ def _write_plots(run_dir: Path) -> None:
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(dict_cfg: DictConfig) -> None:
     """Hydra entry: converts the composed config once and runs training in the shared run dir."""
+    stop_with_launcher()  # kill -9 of torchrun: the kernel sends this rank SIGTERM (faults.py)
     with fail_fast():  # under torchrun: the traceback in the log and torchrun's summary, then exit 1
         cfg = to_typed(dict_cfg)
         job = current_job(cfg.logging)
