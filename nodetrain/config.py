@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -23,6 +24,7 @@ from omegaconf.errors import MissingMandatoryValue
 from nodetrain.config_checks import HF_KEYS, SUPPORTED_ARCHS, ConfigError, check_unknown_keys, validate
 
 __all__ = [
+    "CONFIG_DIR",
     "HF_KEYS",
     "SUPPORTED_ARCHS",
     "Config",
@@ -46,6 +48,18 @@ __all__ = [
     "to_typed",
     "validate",
 ]
+
+
+def _config_dir() -> Path:
+    """``nodetrain/conf`` of an installed package (``pip install .`` ships ``conf/`` there, as Hydra
+    apps ship their configs), else ``conf/`` of the source checkout (editable install, PYTHONPATH)."""
+    here = Path(__file__).resolve().parent
+    installed = here / "conf"
+    return installed if (installed / "config.yaml").is_file() else here.parent / "conf"
+
+
+CONFIG_DIR = _config_dir()
+"""The directory Hydra composes ``config.yaml`` and ``plan.yaml`` from (absolute)."""
 
 
 @dataclass

@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 from nodetrain import data
 from nodetrain.checkpoint import Checkpointing
 from nodetrain.checkpoint.state import config_hash
-from nodetrain.config import Config, grad_accum_of, register_configs, to_typed, validate
+from nodetrain.config import CONFIG_DIR, Config, grad_accum_of, register_configs, to_typed, validate
 from nodetrain.config_checks import DataError
 from nodetrain.data_checks import check_vocab, open_splits
 from nodetrain.engine import Engine
@@ -265,7 +265,7 @@ def _write_plots(run_dir: Path) -> None:
         log.exception("writing the plots of %s failed; redraw with python -m nodetrain.plots", run_dir)
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
 def main(dict_cfg: DictConfig) -> None:
     """Hydra entry: converts the composed config once and runs training in the shared run dir."""
     stop_with_launcher()  # kill -9 of torchrun: the kernel sends this rank SIGTERM (faults.py)
