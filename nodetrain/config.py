@@ -338,12 +338,15 @@ class CheckpointConfig:
     """Complete checkpoints kept in ``dir`` (the newest ones, >= 0); older ones are deleted after each
     save; 0 = keep all."""
     dir: str = ""
-    """Directory of the ``step-N`` checkpoints; empty = ``<run dir>/checkpoints``."""
+    """Directory of the ``step-N`` checkpoints; empty = ``<run dir>/checkpoints``. The run locks it
+    for its life and refuses it when it holds another run's checkpoints that it does not resume, or
+    lacks the free space for one checkpoint (nodetrain/outputs.py)."""
     resume: str = ""
     """What to start from: empty = a fresh run (``model.init_from`` or random init); ``auto`` = the
-    newest complete checkpoint in ``dir`` (a fresh run when there is none; a corrupted one is skipped
-    with a warning); or the path of one ``step-N`` directory (refused if incomplete or corrupted).
-    To continue a run in its own directory, also pass ``hydra.run.dir=<that run dir>``."""
+    newest complete checkpoint in ``dir`` — or, with ``dir`` empty and none in this run's directory,
+    in the newest run under the runs root with this config hash, which the run then continues
+    (nodetrain/outputs.py); a fresh run with a WARNING when there is none; a corrupted one is skipped
+    with a warning; or the path of one ``step-N`` directory (refused if incomplete or corrupted)."""
     export_dtype: str = "bfloat16"
     """Dtype of the exported HF model files: bfloat16 | float16 | float32. With float32 the model
     files are the fp32 master weights themselves and no separate ``master-*`` files are written."""
@@ -360,7 +363,8 @@ class CheckpointConfig:
     on_signal: str = "save"
     """What SIGINT/SIGTERM (Ctrl-C, a scheduler's pre-emption) do during training: every rank stops
     after the same step, then ``save`` writes a checkpoint of that step first, ``exit`` does not.
-    The rank exits with 128 + the signal number either way; resume with ``checkpoint.resume=auto``."""
+    Each rank exits with 128 + the signal number either way (torchrun itself exits 1); resume with
+    ``checkpoint.resume=auto``."""
 
 
 @dataclass
