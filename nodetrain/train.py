@@ -23,9 +23,11 @@ and rank 0 writes ``metrics.jsonl``, the offline wandb run and ``plots/``.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import signal
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -268,6 +270,7 @@ def _write_plots(run_dir: Path) -> None:
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
 def main(dict_cfg: DictConfig) -> None:
     """Hydra entry: converts the composed config once and runs training in the shared run dir."""
+    sys.stderr = _STDERR  # composed: this rank speaks again (see __main__)
     stop_with_launcher()  # kill -9 of torchrun: the kernel sends this rank SIGTERM (faults.py)
     with fail_fast():  # under torchrun: the traceback in the log and torchrun's summary, then exit 1
         cfg = to_typed(dict_cfg)
@@ -275,8 +278,14 @@ def main(dict_cfg: DictConfig) -> None:
         run(cfg, job.run_dir, OmegaConf.to_container(dict_cfg, resolve=True), job)
 
 
+_STDERR = sys.stderr
+
 if __name__ == "__main__":
     register_configs()
+    if int(os.environ.get("RANK", "0")) != 0:
+        # Hydra's composition errors (an unknown key on the command line) are the same on every
+        # rank and printed by Hydra itself before main() runs: rank 0 prints them once
+        sys.stderr = io.StringIO()
     try:
         main()
     finally:

@@ -48,6 +48,7 @@ from nodetrain.checkpoint.resume import (
 from nodetrain.config import ModelConfig, OptimConfig
 from nodetrain.model import HFModel, build_hf_config
 from nodetrain.optim import StoreAdamW
+from nodetrain.outputs import checkpoint_bytes
 from nodetrain.store import HostStore, StoreLayout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -406,6 +407,20 @@ def test_resume_auto_without_run_dir_continues_the_newest_run_of_the_config(work
     ckpts = first / "checkpoints"
     assert [p.name for _, p in st.complete_checkpoints(ckpts)] == ["step-2", "step-3", "step-6"]
     _assert_same_tensors(master(ckpts / "step-6"), master(q_ref / "checkpoints" / "step-6"))
+
+
+@pytest.mark.parametrize("family", ["q_ref", "d_full"])
+def test_checkpoint_size_estimate_matches_the_files_written(family: str, request) -> None:
+    """The free-space check before the store (outputs.checkpoint_bytes) predicts what a save writes:
+    the tensor files' bytes on disk, less only their safetensors headers (fp32 export: no master files;
+    bf16: with them)."""
+    ckpt = st.complete_checkpoints(request.getfixturevalue(family) / "checkpoints")[-1][1]
+    export = json.loads((ckpt / st.TRAINER_STATE).read_text())["export_dtype"]
+    model = HFModel(transformers.AutoConfig.from_pretrained(ckpt))
+    files = list(ckpt.glob("*.safetensors"))
+    on_disk = sum(f.stat().st_size for f in files)
+    estimate = checkpoint_bytes(model, export)
+    assert 0 <= on_disk - estimate <= 4096 * len(files), (on_disk, estimate, len(files))
 
 
 def test_truncated_file_refused_and_auto_falls_back(work: Path, q_ref: Path, tmp_path: Path, caplog) -> None:

