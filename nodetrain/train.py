@@ -56,19 +56,15 @@ __all__ = ["main", "run"]
 log = logging.getLogger("nodetrain")
 
 
-def _device() -> torch.device:
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def _init_distributed(timeout_s: float) -> tuple[int, int, int, torch.device]:
     """Init the process group once per process (a multirun reuses it); gloo on CPU, NCCL on GPU.
     No collective or receive waits longer than ``timeout_s`` (``dist.timeout_s``)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = _device()
-    if device.type == "cuda":
+    if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python -m nodetrain.train`: a one-stage pipeline
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -153,20 +149,19 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
     """
     job = job or Job.plain(run_dir, cfg.logging)
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
-    _init_distributed(cfg.dist.timeout_s)
+    ranks = _init_distributed(cfg.dist.timeout_s)
     c = cfg.checkpoint
     outputs = RunOutputs(run_dir, checkpoint_dir(cfg, run_dir), c.resume, config_hash(resolved))
     search = c.resume == "auto" and not c.dir  # continue the newest run of this config (outputs.py)
     ckpt_dir = Path(_on_rank0(lambda: outputs.acquire(resolved, search)))  # locks held by rank 0
     try:
-        return _run(cfg, run_dir, resolved, job, ckpt_dir)
+        return _run(cfg, run_dir, resolved, job, ckpt_dir, *ranks)
     finally:
         outputs.release()
 
 
-def _run(cfg: Config, run_dir: Path, resolved: dict, job: Job, ckpt_dir: Path) -> list[dict]:
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    local_rank, device = int(os.environ.get("LOCAL_RANK", "0")), _device()
+def _run(cfg, run_dir, resolved, job, ckpt_dir, rank, world_size, local_rank, device) -> list[dict]:
+    """The run itself, while rank 0 holds the output directories (see :func:`run`)."""
     topology, release = Topology.from_env(cfg.pipeline.stages), Release()
     data_refusals = refusals_of((ValueError, OSError), DataError)  # the data's problems are the user's
     data_dir = Path(_on_rank0(lambda: str(data_refusals(data.prepare)(cfg.data, cfg.seed))))
