@@ -1,10 +1,11 @@
 """A run's claim on its output directories: ownership locks, foreign checkpoints, writable and big enough.
 
 Owns: before the host store exists, on global rank 0 —
-    * a lock file (:data:`LOCK_NAME`) in the run directory and in ``checkpoint.dir``, held for the
-      run's life and removed on every exit path (:meth:`RunOutputs.release` in a ``finally``); a lock
-      whose process is dead (``kill -9``, the OOM killer) is stale and taken over with a warning, found
-      as the host store's stale files are (``store.pid_alive``); a live one refuses the run, naming it;
+    * a lock file (:data:`LOCK_NAME`) in the run directory and in ``checkpoint.dir``, held (``flock``)
+      for the run's life and removed on every exit path (:meth:`RunOutputs.release` in a ``finally``);
+      the kernel lets go of the lock of a process that dies (``kill -9``, the OOM killer), so such a
+      stale file is taken over with a warning that names its dead pid (``store.pid_alive``, as the
+      host store's stale files are reported); a live holder refuses the run, naming it;
     * refusing to write into a ``checkpoint.dir`` that holds another run's checkpoints, unless this
       run resumes them (``checkpoint.resume``);
     * that every output directory can be created and written (the lock file is the probe), and that
@@ -15,6 +16,7 @@ Does not own: what a checkpoint holds (nodetrain/checkpoint/), the host store's 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -84,7 +86,7 @@ class RunOutputs:
     def __init__(self, run_dir: Path, ckpt_dir: Path, resume: str, config_hash: str) -> None:
         self.run_dir, self.ckpt_dir = Path(run_dir), Path(ckpt_dir)
         self.resume, self.config_hash = resume, config_hash
-        self._held: list[Path] = []
+        self._held: list[tuple[Path, int]] = []  # (lock file, its open, flock-ed descriptor)
 
     def _owned(self) -> list[tuple[str, Path]]:
         # checkpoint.dir is locked even inside the run directory: a run continuing this one
@@ -127,9 +129,10 @@ class RunOutputs:
         return str(self.ckpt_dir)
 
     def release(self) -> None:
-        """Remove the lock files this process holds (idempotent)."""
-        for path in self._held:
-            path.unlink(missing_ok=True)
+        """Remove the lock files this process holds and let go of them (idempotent)."""
+        for path, fd in self._held:
+            path.unlink(missing_ok=True)  # while still locked: no one takes the name in between
+            os.close(fd)
         self._held.clear()
 
     def _lock(self, key: str, directory: Path) -> None:
@@ -142,17 +145,22 @@ class RunOutputs:
             "config_hash": self.config_hash,
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
-        for _ in range(2):
+        for _ in range(10):
+            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
             try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                _take_over_if_stale(key, path)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                _refuse(key, path)
+            if not path.exists() or os.fstat(fd).st_ino != os.stat(path).st_ino:
+                os.close(fd)  # its holder removed it meanwhile: lock the file now at that name
                 continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(mine, f)
-            self._held.append(path)
+            _report_stale(key, path)
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps(mine).encode())
+            self._held.append((path, fd))
             return
-        raise ConfigError(f"{key}={directory}: could not take {path} (another run took it meanwhile)")
+        raise ConfigError(f"{key}={directory}: could not take {path}; retry, or delete it if no run uses it")
 
     def _check_foreign(self) -> None:
         found = st.complete_checkpoints(self.ckpt_dir)
@@ -241,27 +249,33 @@ def _read_json(path: Path) -> dict[str, Any]:
         return {}
 
 
-def _take_over_if_stale(key: str, path: Path) -> None:
-    """Remove ``path`` if its process is dead (on this host); else refuse, naming the owner."""
+def _report_stale(key: str, path: Path) -> None:
+    """Warn about a lock file left with content by a run that did not remove it (``kill -9``, OOM)."""
     owner = _read_json(path)
-    pid, host = owner.get("pid"), owner.get("host")
-    if isinstance(pid, int) and host == socket.gethostname() and not pid_alive(pid):
+    pid = owner.get("pid")
+    if isinstance(pid, int):
+        dead = "dead " if owner.get("host") == socket.gethostname() and not pid_alive(pid) else ""
         log.warning(
-            "%s=%s: taking over the lock of dead process %d (run dir %s, started %s)",
+            "%s=%s: taking over the lock of %sprocess %d (run dir %s, started %s), which did not release it",
             key,
             path.parent,
+            dead,
             pid,
             owner.get("run_dir"),
             owner.get("started"),
         )
-        path.unlink(missing_ok=True)
-        return
-    if not owner:  # being written right now, or not ours: do not guess
+
+
+def _refuse(key: str, path: Path) -> None:
+    """Raise the refusal of a directory whose lock a live process holds, naming that run."""
+    owner = _read_json(path)
+    pid, host = owner.get("pid"), owner.get("host")
+    if not owner:  # its holder is writing it right now
         raise ConfigError(
-            f"{key}={path.parent}: locked by {path}, which cannot be read; delete it if no run uses it"
+            f"{key}={path.parent}: another run is starting there ({path}); use another directory"
         )
     raise ConfigError(
         f"{key}={path.parent}: another run is writing there (run dir {owner.get('run_dir')}, pid {pid} on "
         f"{host}, config hash {str(owner.get('config_hash'))[:12]}, started {owner.get('started')}); wait "
-        f"for it to end or use another directory (if that run is gone, delete {path})"
+        "for it to end or use another directory"
     )
