@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -23,6 +24,7 @@ from omegaconf.errors import MissingMandatoryValue
 from nodetrain.config_checks import HF_KEYS, SUPPORTED_ARCHS, ConfigError, check_unknown_keys, validate
 
 __all__ = [
+    "CONFIG_DIR",
     "HF_KEYS",
     "SUPPORTED_ARCHS",
     "Config",
@@ -46,6 +48,18 @@ __all__ = [
     "to_typed",
     "validate",
 ]
+
+
+def _config_dir() -> Path:
+    """``nodetrain/conf`` of an installed package (``pip install .`` ships ``conf/`` there, as Hydra
+    apps ship their configs), else ``conf/`` of the source checkout (editable install, PYTHONPATH)."""
+    here = Path(__file__).resolve().parent
+    installed = here / "conf"
+    return installed if (installed / "config.yaml").is_file() else here.parent / "conf"
+
+
+CONFIG_DIR = _config_dir()
+"""The directory Hydra composes ``config.yaml`` and ``plan.yaml`` from (absolute)."""
 
 
 @dataclass
@@ -359,12 +373,15 @@ class CheckpointConfig:
     """Complete checkpoints kept in ``dir`` (the newest ones, >= 0); older ones are deleted after each
     save; 0 = keep all."""
     dir: str = ""
-    """Directory of the ``step-N`` checkpoints; empty = ``<run dir>/checkpoints``."""
+    """Directory of the ``step-N`` checkpoints; empty = ``<run dir>/checkpoints``. The run locks it
+    for its life and refuses it when it holds another run's checkpoints that it does not resume, or
+    lacks the free space for one checkpoint (nodetrain/outputs.py)."""
     resume: str = ""
     """What to start from: empty = a fresh run (``model.init_from`` or random init); ``auto`` = the
-    newest complete checkpoint in ``dir`` (a fresh run when there is none; a corrupted one is skipped
-    with a warning); or the path of one ``step-N`` directory (refused if incomplete or corrupted).
-    To continue a run in its own directory, also pass ``hydra.run.dir=<that run dir>``."""
+    newest complete checkpoint in ``dir`` — or, with ``dir`` empty and none in this run's directory,
+    in the newest run under the runs root with this config hash, which the run then continues
+    (nodetrain/outputs.py); a fresh run with a WARNING when there is none; a corrupted one is skipped
+    with a warning; or the path of one ``step-N`` directory (refused if incomplete or corrupted)."""
     export_dtype: str = "bfloat16"
     """Dtype of the exported HF model files: bfloat16 | float16 | float32. With float32 the model
     files are the fp32 master weights themselves and no separate ``master-*`` files are written."""
@@ -381,7 +398,8 @@ class CheckpointConfig:
     on_signal: str = "save"
     """What SIGINT/SIGTERM (Ctrl-C, a scheduler's pre-emption) do during training: every rank stops
     after the same step, then ``save`` writes a checkpoint of that step first, ``exit`` does not.
-    The rank exits with 128 + the signal number either way; resume with ``checkpoint.resume=auto``."""
+    Each rank exits with 128 + the signal number either way (torchrun itself exits 1); resume with
+    ``checkpoint.resume=auto``."""
 
 
 @dataclass

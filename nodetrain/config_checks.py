@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,15 +31,22 @@ __all__ = [
     "SCHEDULES",
     "SUPPORTED_ARCHS",
     "ConfigError",
+    "DataError",
     "Problems",
     "check_unknown_keys",
     "config_source",
+    "float_fields",
     "validate",
 ]
 
 
 class ConfigError(ValueError):
     """A user mistake in the config; the message lists every problem, one per line."""
+
+
+class DataError(ValueError):
+    """The data cannot serve this run (missing or unreadable source, too short, vocabulary too large for
+    the model); the message names the key, the file and the fix."""
 
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -117,6 +125,9 @@ def check_unknown_keys(cfg: Config) -> None:
 # ----------------------------------------------------------------------------- validation
 
 
+_MAX_TIMEOUT_S = 7 * 86400.0
+"""dist.timeout_s above a week is a typo, and inf overflows the process group's timedelta."""
+
 # (key, predicate, what is wrong, fix) for one-field checks; the value is read from ``key``.
 _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("train.steps", lambda v: v >= 1, "must be >= 1", "set the number of optimizer steps"),
@@ -144,7 +155,7 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("train.peak_flops", lambda v: v >= 0, "must be >= 0", "use 0 to measure it at start-up"),
     ("optim.threads", lambda v: v >= 0, "must be >= 0", "use 0 for a fair share of the cores"),
     ("optim.test_delay_s", lambda v: v >= 0, "must be >= 0", "use 0 outside tests"),
-    ("optim.lr", lambda v: v > 0, "must be > 0", "set a positive peak learning rate"),
+    ("optim.lr", lambda v: 0 < v <= 1, "must be in (0, 1]", "the default is 3e-3"),
     ("optim.min_lr", lambda v: v >= 0, "must be >= 0", "use 0 to decay to zero"),
     ("optim.warmup_steps", lambda v: v >= 0, "must be >= 0", "use 0 for no warmup"),
     ("optim.weight_decay", lambda v: v >= 0, "must be >= 0", "use 0 for no decay"),
@@ -190,19 +201,49 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("plan.train_tokens", lambda v: v >= 0, "must be >= 0", "use 0 for 20 tokens per parameter"),
     ("plan.days", lambda v: v >= 0, "must be >= 0", "use 0 for no deadline"),
     ("hardware.matmul_efficiency", lambda v: 0 < v <= 1, "must be in (0, 1]", "the default is 0.6"),
-    ("dist.timeout_s", lambda v: v > 0, "must be > 0", "the default is 1800"),
     ("dist.backend", lambda v: v in ("", "nccl", "gloo"), "not one of '', nccl, gloo", "use '' (automatic)"),
+    (
+        "dist.timeout_s",
+        lambda v: 0 < v <= _MAX_TIMEOUT_S,
+        f"must be in (0, {_MAX_TIMEOUT_S:.0f}]",
+        "use 1800",
+    ),
+    ("hardware.peak_flops", lambda v: v > 0, "must be > 0", "the device's dense bf16 FLOP/s"),
+    ("hardware.device_memory_gb", lambda v: v >= 0, "must be >= 0", "use 0 on a CPU profile"),
+    ("hardware.host_link_gbps", lambda v: v > 0, "must be > 0", "the host link's GB/s per direction"),
+    ("hardware.host_memory_gb", lambda v: v > 0, "must be > 0", "the node's RAM in GB"),
+    ("hardware.host_memory_bandwidth_gbps", lambda v: v > 0, "must be > 0", "the node's GB/s"),
     ("test.fail_mode", lambda v: v in FAIL_MODES, f"not one of {', '.join(FAIL_MODES)}", "test-only"),
     ("seed", lambda v: v >= 0, "must be >= 0", "use any non-negative integer"),
 ]
 
 
+def float_fields(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of every ``float`` field of a config dataclass, nested ones included."""
+    found = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            found += float_fields(value, f"{prefix}{f.name}.")
+        elif f.type in ("float", float):
+            found.append((f"{prefix}{f.name}", value))
+    return found
+
+
 def _check_fields(cfg: Config, problems: Problems) -> None:
+    """Every float must be finite (one rule over the schema), then each key's own range."""
+    infinite = set()
+    for key, value in float_fields(cfg):
+        if isinstance(value, float) and not math.isfinite(value):
+            problems.add(key, value, "must be a finite number", "give a finite value (nodetrain/config.py)")
+            infinite.add(key)
     for key, ok, what, fix in _FIELD_CHECKS:
         value = functools.reduce(getattr, key.split("."), cfg)
-        if not ok(value):
+        if value == "???":  # MISSING: a hardware profile the caller did not compose (not a user's key)
+            continue
+        if key not in infinite and not ok(value):
             problems.add(key, value, what, fix)
-    if not 0 <= cfg.optim.min_lr <= cfg.optim.lr:
+    if not infinite & {"optim.lr", "optim.min_lr"} and not 0 <= cfg.optim.min_lr <= cfg.optim.lr:
         problems.add("optim.min_lr", cfg.optim.min_lr, f"must be <= optim.lr={cfg.optim.lr}", "lower it")
 
 

@@ -12,6 +12,8 @@ Owns:
         a rank at a step, put a NaN into a rank's gradient.
     :func:`record_failure`  the failing rank's traceback into torchrun's error file, so torchrun's
         summary names it as the root cause.
+    :func:`stop_with_launcher`  a rank whose torchrun launcher dies (``kill -9``) gets SIGTERM from
+        the kernel and stops as on any SIGTERM, instead of training on unsupervised.
 
 Does not own: the exit of the other ranks when one fails (torchrun's agent terminates them; every
 collective and receive is bounded by ``dist.timeout_s``, train.py), or the store's removal (store.py).
@@ -19,12 +21,14 @@ collective and receive is bounded by ``dist.timeout_s``, train.py), or the store
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import math
 import os
 import re
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -36,7 +40,7 @@ import torch.distributed as dist
 from nodetrain.config import FaultInjectionConfig
 
 __all__ = ["FORCE_AFTER_S", "BadSteps", "NonFiniteError", "StopRequest", "maybe_fail", "poison_grads"]
-__all__ += ["record_failure"]
+__all__ += ["record_failure", "stop_with_launcher"]
 
 log = logging.getLogger(__name__)
 
@@ -149,9 +153,10 @@ _PEER_FAILED = re.compile(r"(closed|reset) by peer|Broken pipe|Connection refuse
 """Communication errors that only say another rank went away (gloo and NCCL wording)."""
 
 
-def record_failure(exc: BaseException) -> None:
-    """Write ``exc`` and its traceback to torchrun's error file (``TORCHELASTIC_ERROR_FILE``; nothing
-    outside torchrun), which torchrun's failure summary prints, naming the earliest as root cause.
+def record_failure(exc: BaseException, callstack: str | None = None) -> None:
+    """Write ``exc`` and its traceback (or ``callstack`` in its place) to torchrun's error file
+    (``TORCHELASTIC_ERROR_FILE``; nothing outside torchrun), which torchrun's failure summary prints,
+    naming the earliest as root cause.
 
     torchrun orders failures by whole seconds, and the ranks that lose their connection to a failed
     rank fail within milliseconds of it. Such a consequence is stamped one second later so that the
@@ -161,7 +166,7 @@ def record_failure(exc: BaseException) -> None:
     if not path:
         return
     stamp = int(time.time()) + (1 if _PEER_FAILED.search(str(exc)) else 0)
-    callstack = "".join(traceback.format_exception(exc))
+    callstack = callstack or "".join(traceback.format_exception(exc))
     data = {
         "message": {
             "message": f"{type(exc).__name__}: {exc}",
@@ -172,3 +177,33 @@ def record_failure(exc: BaseException) -> None:
         Path(path).write_text(json.dumps(data))
     except OSError:  # the summary is a convenience: never let it hide the real error
         log.exception("could not write torchrun's error file %s", path)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def stop_with_launcher() -> bool:
+    """Under torchrun on Linux: have the kernel send this rank SIGTERM when its parent (the torchrun
+    agent) dies, e.g. by ``kill -9``, which forwards nothing. The rank then stops as on any SIGTERM:
+    inside the training loop every rank stops after the same step (and saves, with
+    ``checkpoint.on_signal=save``); before it, the process ends and its store goes with it.
+
+    ``prctl(PR_SET_PDEATHSIG)`` fires when the thread that started the rank exits; torchrun starts
+    its ranks from its main thread, which lives as long as the agent. A parent that died before this
+    call is caught by ``getppid() == 1`` (the rank was re-parented to init).
+
+    Returns:
+        True when the death signal is armed (False outside torchrun or Linux, or if prctl failed).
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        log.warning(
+            "prctl(PR_SET_PDEATHSIG) failed (errno %d): this rank outlives its launcher", ctypes.get_errno()
+        )
+        return False
+    if os.getppid() == 1:
+        log.error("the torchrun launcher is gone: stopping")
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True

@@ -29,10 +29,17 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from hydra.types import RunMode
 
-from nodetrain.config import LoggingConfig
+from nodetrain.checkpoint.state import CheckpointError
+from nodetrain.config import ConfigError, LoggingConfig
+from nodetrain.config_checks import DataError
 from nodetrain.faults import record_failure
 
-__all__ = ["Job", "current_job", "swept_name", "fail_fast", "Release", "mapped"]
+__all__ = ["REFUSALS", "Job", "current_job", "swept_name", "fail_fast", "refusals_of", "Release", "mapped"]
+
+REFUSALS: tuple[type[ValueError], ...] = (ConfigError, DataError, CheckpointError)
+"""Errors that refuse a run the user must fix (config, data, checkpoints, output directories): their
+message says what and how, so they are reported without a traceback. Anything else is a bug and
+keeps its traceback."""
 
 log = logging.getLogger(__name__)
 
@@ -104,17 +111,58 @@ def current_job(logging_cfg: LoggingConfig) -> Job:
 
 
 @contextlib.contextmanager
-def fail_fast():
-    """Under torchrun (world > 1), turn a failed job into the end of the process.
+def refusals_of(kinds: tuple[type[BaseException], ...], as_kind: type[ValueError]):
+    """Turn ``kinds`` raised inside the block into ``as_kind`` refusals (same message, the original
+    chained), e.g. a missing data file (``FileNotFoundError``) into a ``DataError``."""
+    try:
+        yield
+    except REFUSALS:
+        raise
+    except kinds as e:
+        raise as_kind(str(e)) from e
 
-    Hydra's multirun catches a job's exception and starts the next job; ranks of a distributed job
-    that failed on one rank would then meet in different collectives and wait forever (DESIGN
-    invariant 7). Here the traceback is logged and written to torchrun's error file (its summary
-    names this rank as the root cause), and ``SystemExit(1)`` (not an ``Exception``, so Hydra
-    lets it through) ends this rank; torchrun then stops the others. One process: unchanged.
+
+def _to_log_files(level: int, message: str) -> None:
+    """Log ``message`` to this process's log files only (not the console)."""
+    record = log.makeRecord(log.name, level, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
+def _report_refusal(e: BaseException) -> None:
+    """Rank 0 prints the refusal once, with a pointer; every rank keeps it (and the traceback, for
+    whoever debugs nodetrain) in its own log file; torchrun's summary gets a pointer, not a traceback."""
+    message = f"{type(e).__name__}: {e}"
+    rank = int(os.environ.get("RANK", "0"))
+    where = "its log"
+    with contextlib.suppress(ValueError):  # outside a Hydra job: no run directory to name
+        where = f"{HydraConfig.get().runtime.output_dir}/rank<N>.log"
+    if rank == 0:
+        log.error("%s\nrefused before training; fix it and launch again (logs: %s)", message, where)
+    else:
+        _to_log_files(logging.ERROR, message)
+    _to_log_files(logging.INFO, "where it was raised:\n" + traceback.format_exc())
+    record_failure(e, callstack=f"{type(e).__name__}, a refusal: rank 0 printed the message above")
+
+
+@contextlib.contextmanager
+def fail_fast():
+    """Turn a refused or failed job into the end of the process.
+
+    A refusal (:data:`REFUSALS`: the user's config, data or outputs) is printed once, by rank 0,
+    without a traceback, and every rank exits with status 1. A bug keeps its traceback: under torchrun
+    (world > 1) Hydra's multirun would catch a job's exception and start the next job, and ranks of a
+    distributed job that failed on one rank would then meet in different collectives and wait forever
+    (DESIGN invariant 7). So the traceback is logged and written to torchrun's error file (its summary
+    names this rank as the root cause), and ``SystemExit(1)`` (not an ``Exception``, so Hydra lets it
+    through) ends this rank; torchrun then stops the others. One process: the bug is re-raised.
     """
     try:
         yield
+    except REFUSALS as e:
+        _report_refusal(e)
+        raise SystemExit(1) from None
     except Exception as e:
         record_failure(e)  # torchrun's failure summary then shows this traceback as the root cause
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 from types import TracebackType
@@ -125,6 +126,10 @@ class MetricsLogger:
         start_step: the step this launch starts after (a resume's checkpoint step; 0 = from
             scratch): rows an earlier launch wrote for later steps (or, from scratch, any row) are
             dropped, so the file holds one row per step; None = append to the file as it is.
+        history: the ``metrics.jsonl`` of the run this launch continues from another directory
+            (``checkpoint.resume=auto`` finding an earlier run, see outputs.py): when this run has
+            no file yet, its rows up to ``start_step`` start this run's file, so one file holds
+            the whole curve; None = none.
     """
 
     def __init__(
@@ -144,6 +149,7 @@ class MetricsLogger:
         entity: str = "",
         resume_id: str | None = None,
         start_step: int | None = None,
+        history: Path | None = None,
     ) -> None:
         self.enabled = enabled
         self.total_steps = total_steps
@@ -161,6 +167,8 @@ class MetricsLogger:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / METRICS_FILE
+        if history is not None and Path(history).is_file() and not self.path.exists():
+            shutil.copyfile(history, self.path)  # truncated to start_step just below
         if start_step is not None and self.path.is_file():
             _truncate_after(self.path, start_step)
         self._file = self.path.open("a", encoding="utf-8")

@@ -23,7 +23,15 @@ import psutil
 import torch
 from omegaconf import DictConfig
 
-from nodetrain.config import Config, ConfigError, grad_accum_of, register_configs, to_typed, validate
+from nodetrain.config import (
+    CONFIG_DIR,
+    Config,
+    ConfigError,
+    grad_accum_of,
+    register_configs,
+    to_typed,
+    validate,
+)
 from nodetrain.costs import (
     ModelShape,
     StageMemory,
@@ -397,7 +405,7 @@ def _hints(cfg: Config, t: StepTime, max_b: int, num_stages: int) -> list[str]:
     return hints
 
 
-@hydra.main(config_path="../conf", config_name="plan", version_base="1.3")
+@hydra.main(config_path=str(CONFIG_DIR), config_name="plan", version_base="1.3")
 def main(dict_cfg: DictConfig) -> None:
     """Hydra entry: print the plan of the composed config (same keys as training, plus ``hardware``)."""
     from nodetrain.plan_report import render  # rich output only where it is printed

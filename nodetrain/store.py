@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FIELDS", "StoreLayout", "HostStore", "remove_stale_stores"]
+__all__ = ["FIELDS", "StoreLayout", "HostStore", "pid_alive", "remove_stale_stores"]
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,8 @@ class StoreLayout:
         )
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (stale stores and run locks are a dead pid's)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -106,7 +107,7 @@ def remove_stale_stores(directory: str | Path, remove: bool = True) -> list[tupl
     found = []
     for path in Path(directory).glob("nodetrain-*.store"):
         m = _NAME.match(path.name)
-        if m is None or _pid_alive(int(m["pid"])):
+        if m is None or pid_alive(int(m["pid"])):
             continue
         try:
             size = path.stat().st_size

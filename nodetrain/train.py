@@ -23,9 +23,11 @@ and rank 0 writes ``metrics.jsonl``, the offline wandb run and ``plots/``.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import signal
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -36,13 +38,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from nodetrain import data
 from nodetrain.checkpoint import Checkpointing
-from nodetrain.config import Config, grad_accum_of, register_configs, to_typed, validate
+from nodetrain.checkpoint.state import config_hash
+from nodetrain.config import CONFIG_DIR, Config, grad_accum_of, register_configs, to_typed, validate
+from nodetrain.config_checks import DataError
 from nodetrain.data_checks import check_init_vocab, check_vocab, open_splits, run_data_config
 from nodetrain.engine import Engine
-from nodetrain.faults import BadSteps, StopRequest, maybe_fail
-from nodetrain.jobs import Job, Release, current_job, fail_fast
+from nodetrain.faults import BadSteps, StopRequest, maybe_fail, stop_with_launcher
+from nodetrain.jobs import REFUSALS, Job, Release, current_job, fail_fast, refusals_of
 from nodetrain.metrics import MetricsLogger
 from nodetrain.model import HFModel, build_hf_config
+from nodetrain.outputs import RunOutputs, check_space, checkpoint_bytes, checkpoint_dir
 from nodetrain.plan import preflight
 from nodetrain.replicas import Topology
 
@@ -87,16 +92,20 @@ def _init_distributed(timeout_s: float, backend: str = "") -> tuple[int, int, in
 
 
 def _on_rank0(fn):
-    """Run ``fn`` on rank 0 only; every rank gets its result, or raises its error."""
-    box, error = [None, None], None
+    """Run ``fn`` on rank 0 only; every rank gets its result, or raises its error (a refusal as the
+    same refusal, see jobs.REFUSALS)."""
+    box, error = [None, None, None], None
     if dist.get_rank() == 0:
         try:
             box[0] = fn()
         except Exception as e:  # shared below so that no rank waits forever for rank 0
             error, box[1] = e, f"{type(e).__name__}: {e}"
+            box[2] = next((i for i, kind in enumerate(REFUSALS) if isinstance(e, kind)), None)
     dist.broadcast_object_list(box, src=0)
     if error is not None:
         raise error
+    if box[2] is not None:
+        raise REFUSALS[box[2]](box[1].split(": ", 1)[1])
     if box[1] is not None:
         raise RuntimeError(f"rank 0 failed: {box[1]}")
     return box[0]
@@ -122,11 +131,20 @@ def _evaluate(engine: Engine, val, cfg: Config) -> float:
 
 
 def _metrics_logger(
-    cfg: Config, job: Job, resolved: dict, enabled: bool, resume_id: str | None, start_step: int
+    cfg: Config,
+    job: Job,
+    resolved: dict,
+    enabled: bool,
+    resume_id: str | None,
+    start_step: int,
+    ckpt_dir: Path,
 ) -> MetricsLogger:
     """metrics.jsonl and the job's wandb run (named and grouped by the job, see jobs.py); a resumed
     run continues the wandb run its checkpoint recorded unless ``logging.wandb_id`` names another.
-    Rows after ``start_step`` that an earlier launch wrote are dropped (one row per step)."""
+    Rows after ``start_step`` that an earlier launch wrote are dropped (one row per step); a launch
+    that continues another run's checkpoints starts its file with that run's rows."""
+    continued = Path(ckpt_dir).parent
+    history = continued / "metrics.jsonl" if continued.resolve() != Path(job.run_dir).resolve() else None
     lc = cfg.logging
     return MetricsLogger(
         job.run_dir,
@@ -143,6 +161,7 @@ def _metrics_logger(
         entity=lc.entity,
         resume_id=lc.wandb_id or resume_id,
         start_step=start_step,
+        history=history,
     )
 
 
@@ -158,18 +177,40 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
     """
     job = job or Job.plain(run_dir, cfg.logging)
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
-    rank, world_size, local_rank, device = _init_distributed(cfg.dist.timeout_s, cfg.dist.backend)
+    ranks = _init_distributed(cfg.dist.timeout_s, cfg.dist.backend)
+    c = cfg.checkpoint
+    outputs = RunOutputs(run_dir, checkpoint_dir(cfg, run_dir), c.resume, config_hash(resolved))
+    search = c.resume == "auto" and not c.dir  # continue the newest run of this config (outputs.py)
+    ckpt_dir = Path(_on_rank0(lambda: outputs.acquire(resolved, search)))  # locks held by rank 0
+    try:
+        return _run(cfg, run_dir, resolved, job, ckpt_dir, *ranks)
+    finally:
+        outputs.release()
+
+
+def _run(cfg, run_dir, resolved, job, ckpt_dir, rank, world_size, local_rank, device) -> list[dict]:
+    """The run itself, while rank 0 holds the output directories (see :func:`run`)."""
     topology, release = Topology.from_env(cfg.pipeline.stages), Release()
-    data_cfg = run_data_config(cfg)  # model.init_from's tokenizer unless data.tokenizer is set
-    data_dir = Path(_on_rank0(lambda: str(data.prepare(data_cfg, cfg.seed, cfg.train.seq_len))))
-    train_ds, val_ds = open_splits(data_dir, cfg, topology.num_replicas)
-    init_rows = check_init_vocab(cfg.model, train_ds)  # an imported (maybe padded) embedding's rows
-    model = HFModel(build_hf_config(cfg.model, vocab_size=init_rows or train_ds.vocab_size))
-    check_vocab(model.config.vocab_size, train_ds)
+    data_refusals = refusals_of((ValueError, OSError), DataError)  # the data's problems are the user's
+    with refusals_of((ValueError, OSError), DataError):
+        data_cfg = run_data_config(cfg)  # model.init_from's tokenizer unless data.tokenizer is set
+    prepare = data_refusals(data.prepare)
+    data_dir = Path(_on_rank0(lambda: str(prepare(data_cfg, cfg.seed, cfg.train.seq_len))))
+    with refusals_of((ValueError, OSError), DataError):
+        train_ds, val_ds = open_splits(data_dir, cfg, topology.num_replicas)
+        init_rows = check_init_vocab(cfg.model, train_ds)  # an imported (maybe padded) embedding's rows
+        model = HFModel(build_hf_config(cfg.model, vocab_size=init_rows or train_ds.vocab_size))
+        check_vocab(model.config.vocab_size, train_ds)
     # refuse a store the node cannot hold (nodes are alike: node 0 answers for all)
     _on_rank0(lambda: preflight(cfg, model, topology.num_stages))
+    # a checkpoint must fit before the store exists, not at the first save after hours of training
+    _on_rank0(
+        lambda: check_space(ckpt_dir, checkpoint_bytes(model, cfg.checkpoint.export_dtype), "checkpoint.dir")
+    )
     # resume or import is checked before the store exists; checkpoints carry the run's tokenizer
-    ckpt = Checkpointing(cfg, run_dir, resolved, model, data_dir, tokenizer_dir=data_cfg.tokenizer)
+    ckpt = Checkpointing(
+        cfg, run_dir, resolved, model, data_dir, tokenizer_dir=data_cfg.tokenizer, ckpt_dir=ckpt_dir
+    )
     engine = Engine(
         cfg,
         model,
@@ -183,7 +224,7 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
     )
     k = topology.num_replicas  # the global batch: every replica's micro-batches
     num_mb = grad_accum_of(cfg, k) * cfg.pipeline.microbatches * k
-    metrics = _metrics_logger(cfg, job, resolved, rank == 0, ckpt.wandb_run_id, ckpt.start_step)
+    metrics = _metrics_logger(cfg, job, resolved, rank == 0, ckpt.wandb_run_id, ckpt.start_step, ckpt_dir)
     ckpt.wandb_run_id = metrics.run_id or ckpt.wandb_run_id  # kept in trainer_state.json (rank 0)
     records, ok, signals, bad = [], False, StopRequest(), BadSteps(cfg.train.max_bad_steps)
     try:
@@ -259,17 +300,25 @@ def _write_plots(run_dir: Path) -> None:
         log.exception("writing the plots of %s failed; redraw with python -m nodetrain.plots", run_dir)
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
 def main(dict_cfg: DictConfig) -> None:
     """Hydra entry: converts the composed config once and runs training in the shared run dir."""
+    sys.stderr = _STDERR  # composed: this rank speaks again (see __main__)
+    stop_with_launcher()  # kill -9 of torchrun: the kernel sends this rank SIGTERM (faults.py)
     with fail_fast():  # under torchrun: the traceback in the log and torchrun's summary, then exit 1
         cfg = to_typed(dict_cfg)
         job = current_job(cfg.logging)
         run(cfg, job.run_dir, OmegaConf.to_container(dict_cfg, resolve=True), job)
 
 
+_STDERR = sys.stderr
+
 if __name__ == "__main__":
     register_configs()
+    if int(os.environ.get("RANK", "0")) != 0:
+        # Hydra's composition errors (an unknown key on the command line) are the same on every
+        # rank and printed by Hydra itself before main() runs: rank 0 prints them once
+        sys.stderr = io.StringIO()
     try:
         main()
     finally:

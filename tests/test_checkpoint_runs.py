@@ -48,6 +48,7 @@ from nodetrain.checkpoint.resume import (
 from nodetrain.config import ModelConfig, OptimConfig
 from nodetrain.model import HFModel, build_hf_config
 from nodetrain.optim import StoreAdamW
+from nodetrain.outputs import checkpoint_bytes
 from nodetrain.store import HostStore, StoreLayout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -391,6 +392,42 @@ def test_sigterm_saves_the_step_every_rank_stopped_after_and_resume_is_exact(wor
     end, ref_end = run / "checkpoints" / "step-6", q_ref / "checkpoints" / "step-6"
     _assert_same_tensors(master(end), master(ref_end))
     _assert_same_tensors(optimizer(end), optimizer(ref_end))
+
+
+def test_resume_auto_without_run_dir_continues_the_newest_run_of_the_config(work: Path, q_ref: Path) -> None:
+    """The README's relaunch: stop after 2 steps, then ``checkpoint.resume=auto`` with no
+    ``hydra.run.dir``: the new launch finds the first run (same config hash) under the runs root,
+    continues it bitwise as ``q_ref`` ran uninterrupted, and writes its checkpoints there."""
+    runs = work / "runs_auto"
+    args = [*Q, "checkpoint.every=3", "checkpoint.keep_last=0", f"data.source={work / 'corpus.txt'}"]
+    args += [f"data.dir={work / 'prepared'}", f"store.dir={work / 'shm'}"]
+    env = job_env(NODETRAIN_RUNS=str(runs))
+    for extra in (["checkpoint.stop_after_steps=2"], ["checkpoint.resume=auto"]):
+        cmd = torchrun_cmd(2, "-m", "nodetrain.train", *COMMON, *args, *extra)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    first, second = sorted(runs.iterdir())  # run ids start with the launch time
+    assert "continuing run" in (second / "rank0.log").read_text()
+    got = records(second)  # the first run's rows of steps 1-2, then this launch's from step 3
+    assert sorted(got) == [1, 2, 3, 4, 5, 6], sorted(got)  # resumed at step 2, not started over
+    _assert_same_steps(got, records(q_ref), range(1, STEPS + 1))
+    ckpts = first / "checkpoints"
+    assert [p.name for _, p in st.complete_checkpoints(ckpts)] == ["step-2", "step-3", "step-6"]
+    _assert_same_tensors(master(ckpts / "step-6"), master(q_ref / "checkpoints" / "step-6"))
+
+
+@pytest.mark.parametrize("family", ["q_ref", "d_full"])
+def test_checkpoint_size_estimate_matches_the_files_written(family: str, request) -> None:
+    """The free-space check before the store (outputs.checkpoint_bytes) predicts what a save writes:
+    the tensor files' bytes on disk, less only their safetensors headers (fp32 export: no master files;
+    bf16: with them)."""
+    ckpt = st.complete_checkpoints(request.getfixturevalue(family) / "checkpoints")[-1][1]
+    export = json.loads((ckpt / st.TRAINER_STATE).read_text())["export_dtype"]
+    model = HFModel(transformers.AutoConfig.from_pretrained(ckpt))
+    files = list(ckpt.glob("*.safetensors"))
+    on_disk = sum(f.stat().st_size for f in files)
+    estimate = checkpoint_bytes(model, export)
+    assert 0 <= on_disk - estimate <= 4096 * len(files), (on_disk, estimate, len(files))
 
 
 def test_truncated_file_refused_and_auto_falls_back(work: Path, q_ref: Path, tmp_path: Path, caplog) -> None:

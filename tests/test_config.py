@@ -27,6 +27,7 @@ from nodetrain.config import (
     to_typed,
     validate,
 )
+from nodetrain.config_checks import _FIELD_CHECKS, float_fields
 from nodetrain.model import build_hf_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,6 +212,9 @@ INVALID = [
     (["train.max_bad_steps=0"], 2, ["train.max_bad_steps"]),
     (["dist.timeout_s=0"], 2, ["dist.timeout_s"]),
     (["dist.backend=mpi"], 2, ["dist.backend", "gloo"]),
+    (["dist.timeout_s=1e9"], 2, ["dist.timeout_s=1000000000.0: must be in (0, 604800]"]),
+    (["optim.lr=3"], 2, ["optim.lr=3.0: must be in (0, 1]"]),
+    (["hardware.host_link_gbps=0"], 2, ["hardware.host_link_gbps"]),
     (["checkpoint.on_signal=ignore"], 2, ["checkpoint.on_signal"]),
     (["data.jsonl_field="], 2, ["data.jsonl_field"]),
     (["data.tokenizer=/nonexistent/tokenizer"], 2, ["data.tokenizer"]),
@@ -230,6 +234,29 @@ def test_invalid_config_is_refused(overrides: list[str], world_size: int, keys: 
         validate(cfg, world_size=world_size)
     for key in keys:
         assert key in str(info.value)
+
+
+def _float_keys() -> list[str]:
+    register_configs()
+    return [key for key, _ in float_fields(_compose())]
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+@pytest.mark.parametrize("key", _float_keys())
+def test_every_float_key_must_be_finite(key: str, value: str) -> None:
+    """One rule over the schema's float fields: inf/nan is refused naming the key (optim.lr=inf used
+    to train NaN steps; dist.timeout_s=inf overflowed the process group's timedelta)."""
+    cfg = _compose([f"{key}={value}"])
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, world_size=2)
+    assert f"{key}={float(value)}: must be a finite number" in str(info.value)
+    assert str(info.value).count(f"{key}=") == 1, str(info.value)  # not reported twice
+
+
+def test_every_float_key_has_a_range() -> None:
+    ranged = {key for key, *_ in _FIELD_CHECKS}
+    assert set(_float_keys()) - ranged == set()
+    assert len(_float_keys()) == 23  # the walk finds the nested fields, not an empty list
 
 
 def test_all_problems_are_gathered_in_one_error() -> None:

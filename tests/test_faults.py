@@ -412,3 +412,35 @@ def test_nan_gradient_is_skipped_on_every_stage(tmp_path: Path, corpus, shm_dir:
         )
     _, wrong = _reference(model_dir, batches, variant="zero_update")  # AdamW's count advanced: must differ
     assert max(float((got[n] - wrong[n]).abs().max()) for n in want) > 100 * ATOL_WEIGHT
+
+
+def test_kill9_of_the_launcher_stops_every_rank_within_seconds(tmp_path: Path, corpus, shm_dir: Path) -> None:
+    """``kill -9`` of torchrun forwards nothing; the kernel's parent-death signal (faults.py) makes
+    each rank stop as on SIGTERM: after the same step, saving it, and leaving no store behind."""
+    overrides = [*TINY, *corpus, f"store.dir={shm_dir}", "train.steps=500", "stream.test_copy_delay_s=0.02"]
+    job = _launch(2, overrides, tmp_path)
+    ranks: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 180
+        metrics = tmp_path / "runs"
+        while not [m for m in metrics.glob("*/metrics.jsonl") if m.read_text().strip()]:
+            assert job.poll() is None and time.monotonic() < deadline, "the run did not reach step 1"
+            time.sleep(0.1)
+        ranks = psutil.Process(job.pid).children()
+        assert len(ranks) == 2
+        job.kill()  # SIGKILL of the launcher only
+        job.wait()
+        t0 = time.monotonic()
+        _, alive = psutil.wait_procs(ranks, timeout=60)
+        stopped_s = time.monotonic() - t0
+    finally:
+        for p in ranks:
+            if p.is_running():
+                p.kill()
+    assert not alive, f"ranks still training {stopped_s:.0f}s after their launcher died"
+    assert stopped_s < 30, stopped_s
+    (run,) = (tmp_path / "runs").iterdir()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1].get("stopped") is True and records[-1]["step"] < 500, records[-1]
+    saved = [p.name for _, p in st.complete_checkpoints(run / "checkpoints")]
+    assert saved == [f"step-{records[-1]['step']}"], saved  # checkpoint.on_signal=save

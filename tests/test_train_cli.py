@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -73,6 +74,32 @@ def test_bad_config_refused_on_every_rank_within_seconds(tmp_path, corpus, nproc
     assert elapsed < 60, f"refusal took {elapsed:.0f}s"
     assert not list(tmp_path.glob("*/metrics.jsonl")), "training started despite the refusal"
     assert _shm_stores() <= before, "a refused run left a host store in /dev/shm"
+
+
+def test_refusal_is_printed_once_by_rank_0_without_a_traceback(tmp_path, corpus):
+    """A refused config (here optim.lr=inf) prints its ``key=value: what; fix`` line once, from rank 0,
+    no nodetrain traceback, and every rank exits non-zero; torchrun's own report of the exit codes
+    (its ChildFailedError) is the only traceback left, and it repeats a pointer, not the message."""
+    proc, _ = _torchrun(2, [*TINY, *corpus, "optim.lr=inf"], tmp_path, timeout_s=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count("optim.lr=inf: must be a finite number") == 1, out[-4000:]
+    assert "refused before training" in out
+    frames = [line for line in out.splitlines() if line.strip().startswith('File "') and "nodetrain" in line]
+    assert frames == [], frames
+    assert out.count("Traceback (most recent call last)") <= 1 and "ChildFailedError" in out
+    exit_codes = [int(c) for c in re.findall(r"exitcode\s+:\s*(-?\d+)", out)]  # torchrun's summary
+    assert len(exit_codes) == 2 and 0 not in exit_codes, exit_codes
+    (run,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert "optim.lr=inf: must be a finite number" in (run / "rank1.log").read_text()  # in its file only
+
+
+def test_unknown_key_on_the_command_line_is_printed_once(tmp_path, corpus):
+    """Hydra refuses ``optim.lrr=1`` before nodetrain's code runs; rank 0 alone prints it."""
+    proc, _ = _torchrun(2, [*TINY, *corpus, "optim.lrr=1"], tmp_path, timeout_s=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count("Could not override 'optim.lrr'") == 1, out[-4000:]
 
 
 def test_default_model_learns_shakespeare(tmp_path):

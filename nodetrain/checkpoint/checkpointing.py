@@ -60,6 +60,8 @@ class Checkpointing:
         data_dir: the prepared dataset, whose tokenizer every checkpoint carries (None: no tokenizer).
         tokenizer_dir: the tokenizer directory the run uses (``data.tokenizer``, or ``model.init_from``'s
             by default; see ``data_checks.run_data_config``): its special tokens and chat template.
+        ckpt_dir: where checkpoints are read and written (default ``checkpoint.dir``, else
+            ``<run_dir>/checkpoints``; outputs.py finds another run's for ``resume=auto``).
 
     Raises:
         CheckpointError: ``checkpoint.resume`` names a bad checkpoint, or ``auto`` finds only bad ones.
@@ -74,11 +76,13 @@ class Checkpointing:
         model: HFModel,
         data_dir: Path | None = None,
         tokenizer_dir: str = "",
+        ckpt_dir: Path | None = None,
     ):
-        self.cfg, self.model, self.resolved, self.data_dir = cfg, model, resolved, data_dir
-        self.tokenizer_dir = tokenizer_dir
+        self.cfg, self.model, self.resolved, self.run_dir = cfg, model, resolved, Path(run_dir)
+        self.data_dir, self.tokenizer_dir = data_dir, tokenizer_dir
         c = cfg.checkpoint
-        self.dir = Path(c.dir).expanduser() if c.dir else Path(run_dir) / "checkpoints"
+        self.dir = Path(c.dir).expanduser() if c.dir else self.run_dir / "checkpoints"
+        self.dir = Path(ckpt_dir) if ckpt_dir is not None else self.dir
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.dist.timeout_s))
         self.path, self.state = self._choose()
@@ -229,6 +233,7 @@ class Checkpointing:
             },
             "config": self.resolved,
             "config_hash": st.config_hash(self.resolved),
+            "run_dir": str(self.run_dir),  # named when another run would overwrite this one (outputs.py)
             "stages": [
                 {
                     "stage": s,
