@@ -14,6 +14,7 @@ recorded fake ``dist`` answers "nccl" and the rank's device is ``cuda:0``; CUDA 
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from pathlib import Path
@@ -149,6 +150,9 @@ def replica_engine(monkeypatch, tmp_path):
     from bench._engine import base_config, init_single_process, model_config
     from nodetrain.model import HFModel, build_hf_config
 
+    # the world of one must not outlive this test: later tests launch torchrun with os.environ
+    env_keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    saved, was_up = {k: os.environ.get(k) for k in env_keys}, dist.is_initialized()
     init_single_process()
     record: list[tuple[str, object, str]] = []
 
@@ -193,6 +197,13 @@ def replica_engine(monkeypatch, tmp_path):
     yield build
     for eng in engines:
         eng.close()
+    if not was_up:
+        dist.destroy_process_group()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def test_optimizer_thread_sums_on_its_own_group(replica_engine) -> None:
