@@ -127,8 +127,9 @@ class DataConfig:
     """``records`` only: several documents per row, positions restarting at 0 and attention not
     crossing documents (nodetrain/packing.py); false = one document per row, padded on the right."""
     add_bos: bool | None = None
-    """``records`` only: prepend BOS to each text/prompt; null = what the tokenizer's post-processor
-    does (Llama-3: one BOS per document)."""
+    """BOS before each document (``stream``) or each text/prompt (``records``): null = what the
+    tokenizer's post-processor does (Llama-3: one ``<|begin_of_text|>`` per document; a trained BPE:
+    none), true/false force it (true refuses a tokenizer without a BOS token)."""
 
 
 @dataclass

@@ -84,12 +84,17 @@ def _chunks(doc: str, chunk_safe: bool) -> list[str]:
     return [*pieces, doc[start:]]
 
 
-def _groups(docs: Iterator[str], chunk_safe: bool) -> Iterator[list[str | None]]:
-    """Pieces of the documents, about ``_BATCH_CHARS`` per group; None marks an end-of-text."""
-    group: list[str | None] = []
+_DOC_START = object()
+"""Marks a document's start in a group of pieces (its BOS ids go there, see ``tokenizer.bos_ids``)."""
+
+
+def _groups(docs: Iterator[str], chunk_safe: bool) -> Iterator[list[str | object | None]]:
+    """Pieces of the documents, about ``_BATCH_CHARS`` per group; None marks an end-of-text and
+    ``_DOC_START`` a document's start."""
+    group: list[str | object | None] = []
     num_chars = 0  # of the documents in ``group``
     for i, doc in enumerate(docs):
-        group += ([None] if i else []) + _chunks(doc, chunk_safe)
+        group += ([None] if i else []) + [_DOC_START] + _chunks(doc, chunk_safe)
         num_chars += len(doc)
         if num_chars >= _BATCH_CHARS:
             yield group
@@ -98,18 +103,25 @@ def _groups(docs: Iterator[str], chunk_safe: bool) -> Iterator[list[str | None]]
 
 
 def _encode_to_file(
-    tok: Tokenizer, docs: Iterator[str], eot_id: int, path: Path, dtype: np.dtype, bar: TaskProgress
+    tok: Tokenizer,
+    docs: Iterator[str],
+    ids: tuple[list[int], int],
+    path: Path,
+    dtype: np.dtype,
+    bar: TaskProgress,
 ) -> int:
-    """Write the token stream (documents joined by ``eot_id``) to ``path``; return its length."""
-    num_tokens = 0
+    """Write the token stream to ``path`` (each document after the BOS ids ``ids[0]``, documents
+    joined by the end-of-text id ``ids[1]``); return its length."""
+    (bos, eot_id), num_tokens = ids, 0
     with path.open("wb") as f:
         for group in _groups(docs, tokenizer.is_chunk_safe(tok)):
-            encoded = iter(tok.encode_batch([p for p in group if p is not None], add_special_tokens=False))
-            parts = [[eot_id] if p is None else next(encoded).ids for p in group]
+            texts = [p for p in group if isinstance(p, str)]
+            encoded = iter(tok.encode_batch(texts, add_special_tokens=False))
+            parts = [[eot_id] if p is None else bos if p is _DOC_START else next(encoded).ids for p in group]
             tokens = np.array(list(itertools.chain.from_iterable(parts)), dtype=dtype)
             tokens.tofile(f)
             num_tokens += len(tokens)
-            bar.advance(sum(len(p) for p in group if p is not None))
+            bar.advance(sum(len(p) for p in texts))
         _fsync(f)
     return num_tokens
 
@@ -165,6 +177,8 @@ def _inputs(cfg: DataConfig, root: Path) -> _Inputs:
         "val_fraction": cfg.val_fraction,
         "jsonl_field": cfg.jsonl_field,
     }
+    if cfg.add_bos is not None:  # null (the tokenizer decides) keeps earlier datasets' fingerprints
+        keyed["add_bos"] = cfg.add_bos
     fingerprint = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()
     return _Inputs(files, tok, {**keyed, "source": cfg.source, "files": digest["files"]}, fingerprint)
 
@@ -239,13 +253,14 @@ def _build(cfg: DataConfig, tmp: Path, inputs: _Inputs) -> dict:
     files = inputs.files
     tok = inputs.tokenizer or _train_bpe(cfg, files)
     eot_id = tokenizer.eot_id(tok, f"data.tokenizer={cfg.tokenizer!r}")
+    bos = tokenizer.bos_ids(tok, cfg.add_bos)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     dtype = np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
     tok.save(str(tmp / "tokenizer.json"))
     total_bytes = sum(p.stat().st_size for p in files)
     with TaskProgress("data: encoding", total_bytes, "MB", 1e-6) as bar:
         docs = corpus.iter_documents(cfg, files)
-        num_tokens = _encode_to_file(tok, docs, eot_id, tmp / "train.bin", dtype, bar)
+        num_tokens = _encode_to_file(tok, docs, (bos, eot_id), tmp / "train.bin", dtype, bar)
     if num_tokens == 0:
         raise ValueError(
             f"data.source={cfg.source!r} holds no text ({len(files)} files, all empty); fix: point "
@@ -253,7 +268,7 @@ def _build(cfg: DataConfig, tmp: Path, inputs: _Inputs) -> dict:
         )
     num_train, num_val = _split(tmp, num_tokens, cfg, dtype)
     meta = {"format_version": _FORMAT_VERSION, "vocab_size": vocab_size, "dtype": dtype.name}
-    meta |= {"eot_id": eot_id, "num_train_tokens": num_train, "num_val_tokens": num_val}
+    meta |= {"eot_id": eot_id, "bos_ids": bos, "num_train_tokens": num_train, "num_val_tokens": num_val}
     meta |= {"fingerprint": inputs.fingerprint, "inputs": inputs.record}
     with (tmp / "meta.json").open("w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2)

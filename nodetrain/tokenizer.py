@@ -23,6 +23,7 @@ __all__ = [
     "load_tokenizer",
     "train_bpe",
     "eot_id",
+    "bos_ids",
     "is_chunk_safe",
     "tokenizer_sha256",
 ]
@@ -115,6 +116,36 @@ def eot_id(tok: Tokenizer, key_value: str) -> int:
     raise ValueError(
         f"{key_value} has none of the end-of-text tokens {_EOS_NAMES}; fix: use a tokenizer with one, or "
         "set data.tokenizer=bpe to train a BPE"
+    )
+
+
+_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
+
+
+def bos_ids(tok: Tokenizer, add_bos: bool | None) -> list[int]:
+    """The ids put before each document of a stream dataset (``data.add_bos``).
+
+    None: what the tokenizer's post-processor puts before a text (Llama-3's ``<|begin_of_text|>``;
+    nothing for a byte-level BPE or GPT-2's). True: that, or else the first of the known BOS names
+    the tokenizer has. False: nothing.
+
+    Raises:
+        ValueError: ``data.add_bos=true`` and the tokenizer has no BOS token.
+    """
+    if add_bos is False:
+        return []
+    plain = tok.encode("a", add_special_tokens=False).ids
+    full = tok.encode("a").ids
+    starts = [i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain]
+    prefix = full[: starts[0]] if starts else []
+    if prefix or add_bos is None:
+        return prefix
+    for name in _BOS_NAMES:
+        if (token_id := tok.token_to_id(name)) is not None:
+            return [token_id]
+    raise ValueError(
+        f"data.add_bos=true: the tokenizer has none of the BOS tokens {_BOS_NAMES}; fix: data.add_bos=null "
+        "or false, or a tokenizer with one"
     )
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from nodetrain import data
 from nodetrain.config import Config, DataConfig, ModelConfig
@@ -110,3 +110,49 @@ def test_init_from_without_a_tokenizer_is_refused_unless_bpe_is_asked_for(tmp_pa
     other = _model_dir(tmp_path / "other", rows=NUM_IDS)
     given = _cfg(tmp_path, model_dir, tokenizer=str(other))  # an explicit directory wins
     assert run_data_config(given).tokenizer == str(other)
+
+
+def _llama3_style_tokenizer(path: Path) -> Path:
+    """A byte-level BPE whose post-processor puts ``<|begin_of_text|>`` before a text, as Llama-3's."""
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["Rough winds do shake the darling buds of May"] * 20, trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A",
+        special_tokens=[("<|begin_of_text|>", tok.token_to_id("<|begin_of_text|>"))],
+    )
+    path.mkdir(parents=True)
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+@pytest.mark.parametrize("add_bos", [None, True, False])
+def test_stream_documents_start_with_the_tokenizer_s_bos(tmp_path: Path, add_bos) -> None:
+    """data.add_bos for plain text (issue 10): null = what the tokenizer's post-processor does, so each
+    document of a Llama-3-style tokenizer's stream is exactly ``tokenizer.encode(document)`` (BOS
+    first); false leaves BOS out; the trained BPE (no post-processor BOS) gets none by default."""
+    tok_dir = _llama3_style_tokenizer(tmp_path / "tok")
+    docs = ["Shall I compare thee to a summer's day?", "Thou art more lovely and more temperate."]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs * 30))
+    cfg = DataConfig(source=str(tmp_path / "c.jsonl"), dir=str(tmp_path / "d"), tokenizer=str(tok_dir))
+    cfg.add_bos, cfg.val_fraction = add_bos, 0.5
+    ds = data.TokenDataset.open(data.prepare(cfg), "train")
+    stream = np.asarray(ds.tokens).tolist()
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
+    eot = ref.convert_tokens_to_ids("<|end_of_text|>")
+    with_bos = add_bos is not False
+    expected = [ref.encode(d, add_special_tokens=with_bos) for d in docs]
+    if with_bos:
+        assert expected[0][0] == ref.convert_tokens_to_ids("<|begin_of_text|>")
+    assert stream[: len(expected[0]) + 1 + len(expected[1])] == [*expected[0], eot, *expected[1]]
+
+    plain = DataConfig(source=str(tmp_path / "c.jsonl"), dir=str(tmp_path / "bpe"), vocab_size=300)
+    plain.add_bos = None if add_bos is None else False
+    bpe = data.TokenDataset.open(data.prepare(plain), "train")
+    assert json.loads((bpe.path.parent / "meta.json").read_text())["bos_ids"] == []
