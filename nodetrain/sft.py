@@ -32,7 +32,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nodetrain.config import DataConfig
 from nodetrain.corpus import source_name
-from nodetrain.packing import PackedRows, pack, pairs
+from nodetrain.packing import IGNORE_INDEX, PackedRows, pack, pairs
 
 __all__ = ["RecordsDataset", "load_records", "prepare_records", "tokenize_record"]
 
@@ -197,7 +197,7 @@ def prepare_records(cfg: DataConfig, seq_len: int, seed: int = 0) -> Path:
     out.mkdir(parents=True)
     meta = {"format": "records", "vocab_size": len(tok), "eot_id": tok.eos_token_id, "seq_len": seq_len}
     for split, part in (("train", docs[:-num_val]), ("val", docs[-num_val:])):
-        rows = pack(part, seq_len, pad_id, cfg.packing)
+        rows = _supervised(pack(part, seq_len, pad_id, cfg.packing), split, seq_len)
         for name in _SPLIT_FILES:
             np.save(out / f"{split}.{name}.npy", getattr(rows, name))
         meta[f"num_{split}_rows"], meta[f"num_{split}_truncated"] = rows.num_rows, rows.num_truncated
@@ -208,6 +208,33 @@ def prepare_records(cfg: DataConfig, seq_len: int, seed: int = 0) -> Path:
     tok.save_pretrained(out)
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     return out
+
+
+def _supervised(rows: PackedRows, split: str, seq_len: int) -> PackedRows:
+    """``rows`` without the rows that hold no target token: such a row gives loss 0 and no gradient,
+    yet would take an optimizer step.
+
+    Raises:
+        ValueError: no row of ``split`` holds a target.
+    """
+    keep = (rows.labels != IGNORE_INDEX).any(axis=1)  # [R]
+    if keep.all():
+        return rows
+    if not keep.any():
+        raise ValueError(
+            f"train.seq_len={seq_len}: no {split} row holds a target token (every record's prompt fills "
+            "the first train.seq_len tokens, so no completion or assistant token is left); fix: a larger "
+            "train.seq_len"
+        )
+    log.warning(
+        "%s: dropped %d of %d row(s) without a target token (a prompt longer than train.seq_len=%d)",
+        split,
+        int((~keep).sum()),
+        rows.num_rows,
+        seq_len,
+    )
+    arrays = (rows.input_ids[keep], rows.labels[keep], rows.position_ids[keep])
+    return PackedRows(*arrays, num_truncated=rows.num_truncated)
 
 
 def records_dir(cfg: DataConfig, seq_len: int) -> Path:
