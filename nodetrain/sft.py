@@ -19,6 +19,7 @@ own end-of-turn tokens).
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
@@ -31,7 +32,7 @@ import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nodetrain.config import DataConfig
-from nodetrain.corpus import source_name
+from nodetrain.corpus import jsonl_records, source_name
 from nodetrain.packing import IGNORE_INDEX, PackedRows, pack, pairs
 
 __all__ = ["RecordsDataset", "load_records", "prepare_records", "tokenize_record"]
@@ -51,21 +52,38 @@ def load_records(source: str | Path):
             by ``Dataset.save_to_disk``.
 
     Raises:
-        ValueError: an unknown file type, naming ``data.source`` and the supported ones.
+        ValueError: an unknown file type, naming ``data.source`` and the supported ones; a
+            ``.jsonl`` line that is not a JSON object (``file:line``); any error of ``datasets``
+            while loading, naming ``data.source`` and the format.
     """
     import datasets  # heavy import: only runs that read records pay for it
 
     path = Path(source).expanduser()
-    if path.is_dir():
-        loaded = datasets.load_from_disk(str(path))
-        return loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded
-    builder = _BUILDERS.get(path.suffix)
+    builder = "save_to_disk" if path.is_dir() else _BUILDERS.get(path.suffix)
     if builder is None:
         raise ValueError(
             f"data.source={str(source)!r}: not a records file; use {', '.join(_BUILDERS)} or a "
             "datasets directory (save_to_disk)"
         )
-    return datasets.load_dataset(builder, data_files=str(path), split="train")
+    if path.suffix == ".jsonl":  # datasets/pyarrow would fail with a traceback and no line number
+        for file in sorted(glob.glob(str(path))):
+            for line_number, record in jsonl_records(Path(file)):
+                if not isinstance(record, dict):
+                    raise ValueError(
+                        f"data.source: {file}:{line_number} is not a JSON object; fix: make every line "
+                        "of the file one record ({...})"
+                    )
+    try:
+        if builder == "save_to_disk":
+            loaded = datasets.load_from_disk(str(path))
+            return loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as exc:  # datasets and pyarrow raise many types; name the input instead
+        raise ValueError(
+            f"data.source={str(source)!r} (read as {builder} records) cannot be loaded: "
+            f"{type(exc).__name__}: {str(exc)[:300]}; fix: point data.source at a valid "
+            f"{', '.join(_BUILDERS)} file or a datasets directory written by save_to_disk"
+        ) from exc
 
 
 def _encode(tok: PreTrainedTokenizerBase, text: str, add_bos: bool | None) -> list[int]:

@@ -279,3 +279,13 @@ def test_rows_without_a_target_are_dropped_and_a_split_without_one_refused(
         ValueError, match=r"train\.seq_len=8: no train row holds a target.*fix: a larger train\.seq_len"
     ):
         prepare_records(cfg, seq_len=8)
+
+
+def test_a_malformed_records_file_is_refused_naming_the_line_or_the_source(tmp_path: Path) -> None:
+    lines = ['{"text": "fine"}', '{"text": "unterminated}', "{not json}"]
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2 is not valid JSON .*; fix: "):
+        load_records(tmp_path / "bad.jsonl")
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not a parquet file")
+    with pytest.raises(ValueError, match=r"data\.source=.*bad\.parquet.* \(read as parquet records\).*fix: "):
+        load_records(tmp_path / "bad.parquet")
