@@ -107,7 +107,11 @@ def _chat(tok: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[list[int]
         ValueError: no chat template, or a message whose content the template does not render.
     """
     if not tok.chat_template:
-        raise ValueError("records with 'messages' need a tokenizer with a chat template (data.tokenizer)")
+        raise ValueError(
+            f"records with 'messages' need a tokenizer with a chat template (data.tokenizer), and "
+            f"{tok.name_or_path or 'this tokenizer'} has none; fix: data.tokenizer=<a tokenizer directory "
+            "whose tokenizer_config.json has a chat_template, e.g. the model's own>"
+        )
     if _GENERATION_TAG.search(tok.chat_template):
         enc = tok.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
         return list(enc["input_ids"]), [bool(m) for m in enc["assistant_masks"]]
@@ -168,7 +172,11 @@ def tokenize_record(
     if record.get("text") is not None:
         ids = _encode(tok, record["text"], add_bos) + eos
         return ids, [True] * len(ids)
-    raise ValueError(f"record with keys {sorted(record)}: expected text, prompt+completion or messages")
+    keys = sorted(k for k, v in record.items() if v is not None)  # datasets fills others' keys with None
+    raise ValueError(
+        f"record with keys {keys}: expected text, prompt+completion or messages; fix: give "
+        "each record one of these"
+    )
 
 
 def _tokenizer(cfg: DataConfig) -> PreTrainedTokenizerBase:
@@ -197,10 +205,15 @@ def prepare_records(cfg: DataConfig, seq_len: int, seed: int = 0) -> Path:
     tok = _tokenizer(cfg)
     add_bos = None if cfg.add_bos is None else bool(cfg.add_bos)
     records = load_records(cfg.source)
+
+    def tokenize(record: dict, index: int) -> dict:
+        try:
+            return dict(zip(("ids", "mask"), tokenize_record(record, tok, add_bos), strict=True))
+        except ValueError as exc:
+            raise ValueError(f"data.source={cfg.source!r}, record {index}: {exc}") from exc
+
     records = records.map(
-        lambda r: dict(zip(("ids", "mask"), tokenize_record(r, tok, add_bos), strict=True)),
-        remove_columns=records.column_names,
-        desc="tokenizing records",
+        tokenize, with_indices=True, remove_columns=records.column_names, desc="tokenizing records"
     )
     assert isinstance(records, datasets.Dataset)
     docs = [pairs(np.asarray(r["ids"]), np.asarray(r["mask"])) for r in records]

@@ -289,3 +289,21 @@ def test_a_malformed_records_file_is_refused_naming_the_line_or_the_source(tmp_p
     (tmp_path / "bad.parquet").write_bytes(b"PAR1 not a parquet file")
     with pytest.raises(ValueError, match=r"data\.source=.*bad\.parquet.* \(read as parquet records\).*fix: "):
         load_records(tmp_path / "bad.parquet")
+
+
+def test_a_record_of_unknown_keys_and_messages_without_a_chat_template_are_refused(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    records = [{"text": "Shall I compare thee"}] * 3 + [{"foo": "bar"}]
+    cfg = _records_cfg(tmp_path, model_dir, records)
+    with pytest.raises(ValueError, match=r"data\.source=.*r\.jsonl', record 3: record with keys \['foo'\]"):
+        prepare_records(cfg, seq_len=16)
+    plain = tmp_path / "plain"
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = None
+    tok.save_pretrained(plain)
+    cfg = _records_cfg(tmp_path, plain, [{"messages": c} for c in CHATS] * 2)
+    with pytest.raises(
+        ValueError, match=r"need a tokenizer with a chat template .*fix: data\.tokenizer=.*chat_template"
+    ):
+        prepare_records(cfg, seq_len=64)
