@@ -143,9 +143,10 @@ def _open_records(data_dir: Path, cfg: Config, num_replicas: int):
         (val, m * t.micro_batch_size, "one eval"),
     ):
         if ds.num_rows < need and (ds is train or t.eval_every):
+            fix = "more records or a smaller batch" + ("" if cfg.data.packing else ", or data.packing=true")
             raise ValueError(
                 f"{ds.path} holds {ds.num_rows} packed rows, fewer than the {need} sequences of {what}; "
-                "fix: more records, a smaller batch, or data.packing=true"
+                f"fix: {fix}"
             )
     return train, val
 

@@ -28,7 +28,8 @@ from conftest import SONNET, job_env, torchrun_cmd
 
 from nodetrain import data
 from nodetrain.checkpoint.export import run_tokenizer
-from nodetrain.config import DataConfig
+from nodetrain.config import Config, DataConfig
+from nodetrain.data_checks import open_splits
 from nodetrain.model import HFModel
 from nodetrain.packing import IGNORE_INDEX, pack, pairs
 from nodetrain.sft import RecordsDataset, load_records, prepare_records, tokenize_record
@@ -307,3 +308,17 @@ def test_a_record_of_unknown_keys_and_messages_without_a_chat_template_are_refus
         ValueError, match=r"need a tokenizer with a chat template .*fix: data\.tokenizer=.*chat_template"
     ):
         prepare_records(cfg, seq_len=64)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_too_few_rows_suggest_packing_only_when_it_is_off(tmp_path: Path, packing: bool) -> None:
+    rows = np.zeros((2, 8), np.int64)  # 2 rows of each split; one step below needs 4
+    for split in ("train", "val"):
+        for name in ("input_ids", "labels", "position_ids"):
+            np.save(tmp_path / f"{split}.{name}.npy", rows)
+    (tmp_path / "meta.json").write_text(json.dumps({"format": "records", "vocab_size": 10}))
+    cfg = Config(data=DataConfig(format="records", packing=packing))
+    cfg.train.seq_len, cfg.train.micro_batch_size, cfg.pipeline.microbatches = 8, 2, 2
+    with pytest.raises(ValueError, match=r"holds 2 packed rows, fewer than the 4 sequences") as info:
+        open_splits(tmp_path, cfg)
+    assert ("data.packing=true" in str(info.value)) is not packing
