@@ -17,10 +17,11 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from nodetrain.config import DataConfig
 
-__all__ = ["source_files", "iter_documents", "source_name", "files_digest"]
+__all__ = ["files_digest", "iter_documents", "jsonl_records", "source_files", "source_name"]
 
 # A backslash escape keeps its character; a run of emphasis markers (* or _) disappears.
 _MD_INLINE = re.compile(r"\\([^\w\s])|[*_]+")
@@ -122,24 +123,33 @@ def _strip_markdown(text: str) -> str:
     return _TRAILING_SPACE.sub("", text)
 
 
-def _read_jsonl(path: Path, field: str) -> Iterator[str]:
+def jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value) of each non-empty line of the JSONL file ``path``.
+
+    Raises:
+        ValueError: a line that is not valid JSON, naming ``file:line`` and the fix.
+    """
     with path.open(encoding="utf-8") as f:
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield line_number, json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(
                     f"data.source: {path}:{line_number} is not valid JSON ({exc.msg}); fix: make every "
                     "line of the file one JSON object"
                 ) from exc
-            if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                raise ValueError(
-                    f"data.jsonl_field={field!r}: {path}:{line_number} has no string field {field!r}; "
-                    "fix: set data.jsonl_field to the key that holds the text"
-                )
-            yield record[field]
+
+
+def _read_jsonl(path: Path, field: str) -> Iterator[str]:
+    for line_number, record in jsonl_records(path):
+        if not isinstance(record, dict) or not isinstance(record.get(field), str):
+            raise ValueError(
+                f"data.jsonl_field={field!r}: {path}:{line_number} has no string field {field!r}; "
+                "fix: set data.jsonl_field to the key that holds the text"
+            )
+        yield record[field]
 
 
 def iter_documents(cfg: DataConfig, files: Sequence[Path]) -> Iterator[str]:

@@ -42,6 +42,7 @@ from tokenizers import Tokenizer
 from nodetrain import corpus, tokenizer
 from nodetrain.config import DataConfig
 from nodetrain.progress import TaskProgress
+from nodetrain.store import pid_alive
 from nodetrain.tokenizer import EOT_TOKEN
 
 __all__ = ["EOT_TOKEN", "TokenDataset", "batch", "main", "prepare"]
@@ -215,6 +216,21 @@ def _check_target(cfg: DataConfig, target: Path) -> None:
         )
 
 
+_TMP_DIR = re.compile(r"\..+\.tmp-(\d+)-[0-9a-f]{8}")
+"""Name of a ``_fresh_dir(target, "tmp")``: the pid of the process that builds in it."""
+
+
+def _remove_stale_tmp(root: Path) -> None:
+    """Remove the temp dirs under ``root`` left by a prepare that was killed (its pid is dead); a
+    live process's temp dir is its build in progress and stays."""
+    if not root.is_dir():
+        return
+    for path in sorted(root.iterdir()):
+        if (match := _TMP_DIR.fullmatch(path.name)) and path.is_dir() and not pid_alive(int(match[1])):
+            log.info("data: removing %s, left by a killed prepare (pid %s is dead)", path, match[1])
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def _fresh_dir(target: Path, kind: str) -> Path:
     """A new empty dir beside ``target`` (its mode from the umask, unlike ``tempfile.mkdtemp``)."""
     path = target.parent / f".{target.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -284,7 +300,8 @@ def prepare(cfg: DataConfig, seed: int = 0, seq_len: int = 0) -> Path:
     in path order) encoded without added special tokens and joined by the end-of-text id. Its last
     ``val_fraction`` goes to ``val.bin``, the rest to ``train.bin`` (flat ``uint16`` if the vocabulary
     has at most 65536 ids, else ``uint32``). All is built in a temp dir beside the target and renamed
-    into place, ``meta.json`` last, so a crash never leaves a dataset that looks complete. The
+    into place, ``meta.json`` last, so a crash never leaves a dataset that looks complete (the temp
+    dirs a killed prepare left under ``data.dir`` — their pid dead — are removed first). The
     fingerprint (SHA-256) covers every corpus file's size and content (a file's hash is read again
     only when its size or mtime changed, see ``corpus.files_digest``), the tokenizer (its JSON, or
     the trained BPE's vocab_size and pre-token bound) and val_fraction/jsonl_field, so a dataset is
@@ -307,13 +324,14 @@ def prepare(cfg: DataConfig, seed: int = 0, seq_len: int = 0) -> Path:
             for both splits, a tokenizer without an end-of-text token, ``data.dir`` a file, or the
             dataset directory holding other files.
     """
+    root = Path(cfg.dir).expanduser().absolute()
+    _remove_stale_tmp(root)
     if cfg.format == "records":  # instruction/record data: nodetrain/sft.py
         from nodetrain.sft import prepare_records
 
         return prepare_records(cfg, seq_len, seed)
     del seed
     _check_config(cfg)
-    root = Path(cfg.dir).expanduser().absolute()
     _check_root(cfg, root)
     inputs = _inputs(cfg, root)
     target = root / f"{corpus.source_name(cfg.source)}-{inputs.fingerprint[:12]}"

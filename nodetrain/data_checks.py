@@ -68,11 +68,22 @@ def _embedding_rows(model_dir: Path) -> int | None:
     return int(rows) if rows else None
 
 
-def check_init_vocab(model: ModelConfig, ds: data.TokenDataset) -> int | None:
+def _same_dir(a: str, b: str) -> bool:
+    return bool(a and b) and Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
+def check_init_vocab(model: ModelConfig, ds: data.TokenDataset, tokenizer: str = "") -> int | None:
     """Refuse a tokenizer with more ids than ``model.init_from``'s embedding has rows.
 
     An embedding with more rows than the tokenizer has ids is accepted (checkpoints pad their
     vocabulary, e.g. Qwen's: the extra rows never see a token).
+
+    Args:
+        model: the run's model config.
+        ds: a split of the prepared dataset (its tokenizer's vocabulary).
+        tokenizer: the run's ``data.tokenizer`` (``run_data_config``'s): when it is
+            ``model.init_from`` itself, the directory's tokenizer and checkpoint disagree, and the
+            fix is another tokenizer or checkpoint, not "the model's own tokenizer".
 
     Returns:
         The embedding rows of ``model.init_from`` (the model's vocab_size unless ``model.hf`` sets
@@ -83,15 +94,21 @@ def check_init_vocab(model: ModelConfig, ds: data.TokenDataset) -> int | None:
     """
     if not model.init_from or (rows := _embedding_rows(Path(model.init_from).expanduser())) is None:
         return None
-    if ds.vocab_size > rows:
-        tokenizer = ds.path.parent / "tokenizer.json"
+    if ds.vocab_size <= rows:
+        return rows
+    if _same_dir(tokenizer, model.init_from):
         raise ValueError(
             f"model.init_from={model.init_from!r} embeds {rows} token ids (config.json vocab_size) but the "
-            f"tokenizer {tokenizer} has {ds.vocab_size}: ids >= {rows} have no embedding row; fix: use the "
-            "model's own tokenizer (leave data.tokenizer empty, or data.tokenizer=<model.init_from>), or "
-            f"a tokenizer of at most {rows} ids"
+            f"tokenizer in that same directory has {ds.vocab_size}: a mismatched checkpoint, ids >= {rows} "
+            f"have no embedding row; fix: data.tokenizer=<a tokenizer that matches the checkpoint (at most "
+            f"{rows} ids)>, or a model.init_from checkpoint whose embedding covers {ds.vocab_size} ids"
         )
-    return rows
+    raise ValueError(
+        f"model.init_from={model.init_from!r} embeds {rows} token ids (config.json vocab_size) but the "
+        f"tokenizer {ds.path.parent / 'tokenizer.json'} has {ds.vocab_size}: ids >= {rows} have no "
+        "embedding row; fix: use the model's own tokenizer (leave data.tokenizer empty, or "
+        f"data.tokenizer=<model.init_from>), or a tokenizer of at most {rows} ids"
+    )
 
 
 def _check_length(ds: data.TokenDataset, num_sequences: int, seq_len: int, batch: str, fix: str) -> None:
@@ -143,27 +160,36 @@ def _open_records(data_dir: Path, cfg: Config, num_replicas: int):
         (val, m * t.micro_batch_size, "one eval"),
     ):
         if ds.num_rows < need and (ds is train or t.eval_every):
+            fix = "more records or a smaller batch" + ("" if cfg.data.packing else ", or data.packing=true")
             raise ValueError(
                 f"{ds.path} holds {ds.num_rows} packed rows, fewer than the {need} sequences of {what}; "
-                "fix: more records, a smaller batch, or data.packing=true"
+                f"fix: {fix}"
             )
     return train, val
 
 
-def check_vocab(model_vocab: int, ds: data.TokenDataset) -> None:
+def check_vocab(model_vocab: int, ds: data.TokenDataset, tokenizer: str = "", init_from: str = "") -> None:
     """Refuse a model whose embedding has fewer rows than the dataset's tokenizer has ids.
 
     A larger model vocabulary is accepted (padded vocabularies are common: unused rows never see a
     token).
 
+    Args:
+        model_vocab: the model's embedding rows.
+        ds: a split of the prepared dataset.
+        tokenizer, init_from: the run's ``data.tokenizer`` and ``model.init_from``: when they are
+            the same directory the tokenizer already is the model's own, and the fix does not say so.
+
     Raises:
         ValueError: ``model_vocab`` < the tokenizer's vocabulary, naming the dataset and the fix.
     """
     if model_vocab < ds.vocab_size:
-        tokenizer = ds.path.parent / "tokenizer.json"
+        own = _same_dir(tokenizer, init_from)
         raise ValueError(
-            f"model.hf.vocab_size={model_vocab} is smaller than the vocabulary of {tokenizer} "
-            f"({ds.vocab_size} ids; ids >= {model_vocab} would index past the embedding); fix: remove "
-            "model.hf.vocab_size so the tokenizer's size is used, raise it, or use the model's own "
-            "tokenizer (data.tokenizer=<model dir>)"
+            f"model.hf.vocab_size={model_vocab} is smaller than the vocabulary of "
+            f"{ds.path.parent / 'tokenizer.json'} ({ds.vocab_size} ids"
+            + (f", the tokenizer of model.init_from={init_from!r}" if own else "")
+            + f"; ids >= {model_vocab} would index past the embedding); fix: remove model.hf.vocab_size so "
+            + "the tokenizer's size is used, or raise it"
+            + ("" if own else ", or use the model's own tokenizer (data.tokenizer=<model dir>)")
         )

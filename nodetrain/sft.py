@@ -19,6 +19,7 @@ own end-of-turn tokens).
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
@@ -31,8 +32,8 @@ import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nodetrain.config import DataConfig
-from nodetrain.corpus import source_name
-from nodetrain.packing import PackedRows, pack, pairs
+from nodetrain.corpus import jsonl_records, source_name
+from nodetrain.packing import IGNORE_INDEX, PackedRows, pack, pairs
 
 __all__ = ["RecordsDataset", "load_records", "prepare_records", "tokenize_record"]
 
@@ -51,21 +52,38 @@ def load_records(source: str | Path):
             by ``Dataset.save_to_disk``.
 
     Raises:
-        ValueError: an unknown file type, naming ``data.source`` and the supported ones.
+        ValueError: an unknown file type, naming ``data.source`` and the supported ones; a
+            ``.jsonl`` line that is not a JSON object (``file:line``); any error of ``datasets``
+            while loading, naming ``data.source`` and the format.
     """
     import datasets  # heavy import: only runs that read records pay for it
 
     path = Path(source).expanduser()
-    if path.is_dir():
-        loaded = datasets.load_from_disk(str(path))
-        return loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded
-    builder = _BUILDERS.get(path.suffix)
+    builder = "save_to_disk" if path.is_dir() else _BUILDERS.get(path.suffix)
     if builder is None:
         raise ValueError(
             f"data.source={str(source)!r}: not a records file; use {', '.join(_BUILDERS)} or a "
             "datasets directory (save_to_disk)"
         )
-    return datasets.load_dataset(builder, data_files=str(path), split="train")
+    if path.suffix == ".jsonl":  # datasets/pyarrow would fail with a traceback and no line number
+        for file in sorted(glob.glob(str(path))):
+            for line_number, record in jsonl_records(Path(file)):
+                if not isinstance(record, dict):
+                    raise ValueError(
+                        f"data.source: {file}:{line_number} is not a JSON object; fix: make every line "
+                        "of the file one record ({...})"
+                    )
+    try:
+        if builder == "save_to_disk":
+            loaded = datasets.load_from_disk(str(path))
+            return loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as exc:  # datasets and pyarrow raise many types; name the input instead
+        raise ValueError(
+            f"data.source={str(source)!r} (read as {builder} records) cannot be loaded: "
+            f"{type(exc).__name__}: {str(exc)[:300]}; fix: point data.source at a valid "
+            f"{', '.join(_BUILDERS)} file or a datasets directory written by save_to_disk"
+        ) from exc
 
 
 def _encode(tok: PreTrainedTokenizerBase, text: str, add_bos: bool | None) -> list[int]:
@@ -89,7 +107,11 @@ def _chat(tok: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[list[int]
         ValueError: no chat template, or a message whose content the template does not render.
     """
     if not tok.chat_template:
-        raise ValueError("records with 'messages' need a tokenizer with a chat template (data.tokenizer)")
+        raise ValueError(
+            f"records with 'messages' need a tokenizer with a chat template (data.tokenizer), and "
+            f"{tok.name_or_path or 'this tokenizer'} has none; fix: data.tokenizer=<a tokenizer directory "
+            "whose tokenizer_config.json has a chat_template, e.g. the model's own>"
+        )
     if _GENERATION_TAG.search(tok.chat_template):
         enc = tok.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
         return list(enc["input_ids"]), [bool(m) for m in enc["assistant_masks"]]
@@ -150,7 +172,11 @@ def tokenize_record(
     if record.get("text") is not None:
         ids = _encode(tok, record["text"], add_bos) + eos
         return ids, [True] * len(ids)
-    raise ValueError(f"record with keys {sorted(record)}: expected text, prompt+completion or messages")
+    keys = sorted(k for k, v in record.items() if v is not None)  # datasets fills others' keys with None
+    raise ValueError(
+        f"record with keys {keys}: expected text, prompt+completion or messages; fix: give "
+        "each record one of these"
+    )
 
 
 def _tokenizer(cfg: DataConfig) -> PreTrainedTokenizerBase:
@@ -179,10 +205,15 @@ def prepare_records(cfg: DataConfig, seq_len: int, seed: int = 0) -> Path:
     tok = _tokenizer(cfg)
     add_bos = None if cfg.add_bos is None else bool(cfg.add_bos)
     records = load_records(cfg.source)
+
+    def tokenize(record: dict, index: int) -> dict:
+        try:
+            return dict(zip(("ids", "mask"), tokenize_record(record, tok, add_bos), strict=True))
+        except ValueError as exc:
+            raise ValueError(f"data.source={cfg.source!r}, record {index}: {exc}") from exc
+
     records = records.map(
-        lambda r: dict(zip(("ids", "mask"), tokenize_record(r, tok, add_bos), strict=True)),
-        remove_columns=records.column_names,
-        desc="tokenizing records",
+        tokenize, with_indices=True, remove_columns=records.column_names, desc="tokenizing records"
     )
     assert isinstance(records, datasets.Dataset)
     docs = [pairs(np.asarray(r["ids"]), np.asarray(r["mask"])) for r in records]
@@ -197,7 +228,7 @@ def prepare_records(cfg: DataConfig, seq_len: int, seed: int = 0) -> Path:
     out.mkdir(parents=True)
     meta = {"format": "records", "vocab_size": len(tok), "eot_id": tok.eos_token_id, "seq_len": seq_len}
     for split, part in (("train", docs[:-num_val]), ("val", docs[-num_val:])):
-        rows = pack(part, seq_len, pad_id, cfg.packing)
+        rows = _supervised(pack(part, seq_len, pad_id, cfg.packing), split, seq_len)
         for name in _SPLIT_FILES:
             np.save(out / f"{split}.{name}.npy", getattr(rows, name))
         meta[f"num_{split}_rows"], meta[f"num_{split}_truncated"] = rows.num_rows, rows.num_truncated
@@ -208,6 +239,33 @@ def prepare_records(cfg: DataConfig, seq_len: int, seed: int = 0) -> Path:
     tok.save_pretrained(out)
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     return out
+
+
+def _supervised(rows: PackedRows, split: str, seq_len: int) -> PackedRows:
+    """``rows`` without the rows that hold no target token: such a row gives loss 0 and no gradient,
+    yet would take an optimizer step.
+
+    Raises:
+        ValueError: no row of ``split`` holds a target.
+    """
+    keep = (rows.labels != IGNORE_INDEX).any(axis=1)  # [R]
+    if keep.all():
+        return rows
+    if not keep.any():
+        raise ValueError(
+            f"train.seq_len={seq_len}: no {split} row holds a target token (every record's prompt fills "
+            "the first train.seq_len tokens, so no completion or assistant token is left); fix: a larger "
+            "train.seq_len"
+        )
+    log.warning(
+        "%s: dropped %d of %d row(s) without a target token (a prompt longer than train.seq_len=%d)",
+        split,
+        int((~keep).sum()),
+        rows.num_rows,
+        seq_len,
+    )
+    arrays = (rows.input_ids[keep], rows.labels[keep], rows.position_ids[keep])
+    return PackedRows(*arrays, num_truncated=rows.num_truncated)
 
 
 def records_dir(cfg: DataConfig, seq_len: int) -> Path:

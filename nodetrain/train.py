@@ -198,9 +198,10 @@ def _run(cfg, run_dir, resolved, job, ckpt_dir, rank, world_size, local_rank, de
     data_dir = Path(_on_rank0(lambda: str(prepare(data_cfg, cfg.seed, cfg.train.seq_len))))
     with refusals_of((ValueError, OSError), DataError):
         train_ds, val_ds = open_splits(data_dir, cfg, topology.num_replicas)
-        init_rows = check_init_vocab(cfg.model, train_ds)  # an imported (maybe padded) embedding's rows
+        # an imported (maybe padded) embedding's rows
+        init_rows = check_init_vocab(cfg.model, train_ds, data_cfg.tokenizer)
         model = HFModel(build_hf_config(cfg.model, vocab_size=init_rows or train_ds.vocab_size))
-        check_vocab(model.config.vocab_size, train_ds)
+        check_vocab(model.config.vocab_size, train_ds, data_cfg.tokenizer, cfg.model.init_from)
     # refuse a store the node cannot hold (nodes are alike: node 0 answers for all)
     _on_rank0(lambda: preflight(cfg, model, topology.num_stages))
     # a checkpoint must fit before the store exists, not at the first save after hours of training

