@@ -219,12 +219,17 @@ def mapped(path: str | Path) -> bool | None:
     return any(line.split(None, 5)[5:] and line.split(None, 5)[5].startswith(target) for line in maps.open())
 
 
+_PROCESS_THREADS = ("wandb", "Otel", "tqdm_monitor")
+"""Name prefixes of threads a library keeps for the whole process: not a job's leak."""
+
+
 class Release:
     """Checks that a job let go of what it held, before the next job of a sweep starts.
 
     Create it when the job starts; call :meth:`check` with the host store's path once the engine
     is closed and dropped. A leak is logged as a warning (a sweep would otherwise hold one store per
-    finished job). Threads named ``wandb*`` are not counted: wandb keeps them for the process.
+    finished job). Threads a library keeps for the process (wandb's, tqdm's monitor; see
+    ``_PROCESS_THREADS``) are not counted.
     """
 
     def __init__(self) -> None:
@@ -235,8 +240,9 @@ class Release:
         still = mapped(store_path)
         # wandb's service threads live as long as the process and serve the next job's run too.
         new = [t for t in threading.enumerate() if t not in self._threads and t.is_alive()]
-        # so do the OpenTelemetry exporter threads wandb starts with its first run (Otel*).
-        threads = sorted(t.name for t in new if not t.name.startswith(("wandb", "Otel")))
+        # so do the OpenTelemetry exporter threads wandb starts with its first run (Otel*), and tqdm's
+        # process-wide monitor thread (tqdm_monitor), which `datasets` starts with its first bar.
+        threads = sorted(t.name for t in new if not t.name.startswith(_PROCESS_THREADS))
         if still or threads:
             log.warning("job left behind: store %s mapped=%s, threads %s", store_path, still, threads)
         else:
