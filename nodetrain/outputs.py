@@ -199,13 +199,20 @@ class RunOutputs:
         newest = found[-1][1]
         owner = _read_json(newest / st.TRAINER_STATE)
         other = owner.get("config_hash", "?")
-        same = " (the same config)" if other == self.config_hash else ""
+        same = other == self.config_hash
+        tag = " (the same config)" if same else ""
         names = ", ".join(p.name for _, p in found)
+        # resume=auto fits only the same config ("does not fit this model" otherwise): offer it then only
+        fix = (
+            "continue that run with checkpoint.resume=auto, or set another checkpoint.dir"
+            if same
+            else "its config differs, so this run cannot resume it: set another checkpoint.dir"
+        )
         raise ConfigError(
             f"checkpoint.dir={self.ckpt_dir}: holds {names} of another run (run dir "
-            f"{owner.get('run_dir', 'unknown')}, config hash {other[:12]}{same}), which this run (config "
-            f"hash {self.config_hash[:12]}) would overwrite; continue that run with checkpoint.resume=auto, "
-            "or set another checkpoint.dir (or move those checkpoints away)"
+            f"{owner.get('run_dir', 'unknown')}, config hash {other[:12]}{tag}), "
+            f"which this run (config hash {self.config_hash[:12]}) would overwrite; {fix} (or move those "
+            "checkpoints away)"
         )
 
     def _resumes_them(self) -> bool:

@@ -86,9 +86,14 @@ def test_another_runs_checkpoints_are_refused_unless_resumed(tmp_path: Path) -> 
         claim.acquire()
     msg = str(info.value)
     assert f"checkpoint.dir={ckpts}: holds step-2, step-4 of another run (run dir {other_run}" in msg
-    assert "d" * 12 in msg and "checkpoint.resume=auto" in msg
+    assert "d" * 12 in msg and "set another checkpoint.dir" in msg
+    assert "checkpoint.resume=auto" not in msg  # another config: resuming it would not fit this model
     assert sorted(p.name for p in ckpts.iterdir()) == before, "a refused run left its lock behind"
     assert not (tmp_path / "run_b" / LOCK_NAME).exists()
+    with pytest.raises(
+        ConfigError, match=r"\(the same config\).*continue that run with checkpoint.resume=auto"
+    ):
+        RunOutputs(tmp_path / "run_b", ckpts, "", "d" * 64).acquire()  # the same config may resume them
     for resume in ("auto", str(ckpts / "step-2")):  # resuming them is what they are for
         claim = RunOutputs(tmp_path / "run_b", ckpts, resume, "e" * 64)
         assert claim.acquire() == str(ckpts)
