@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "PHASES",
     "Timeline",
@@ -39,6 +42,8 @@ __all__ = [
     "flops_per_token",
     "measured_peak_flops",
     "select_peak_flops",
+    "peak_flops_line",
+    "mfu_warning",
     "hardware_profiles",
     "StepBreakdown",
     "combine_stages",
@@ -197,6 +202,24 @@ def select_peak_flops(
     return None, "measured matmul (CPU)"
 
 
+def peak_flops_line(peak_flops: float, source: str) -> str:
+    """The log line naming MFU's denominator, to 3 significant digits (a CPU's measured matmul is
+    well below 0.1 TFLOP/s, which one decimal would print as 0.0)."""
+    return f"MFU against {peak_flops / 1e12:.3g} TFLOP/s per device: {source}"
+
+
+def mfu_warning(mfu: float, source: str) -> str | None:
+    """The warning for a step whose MFU is above 100% (None when it is not): no device runs above its
+    peak, so the denominator is wrong, typically a matmul measured on a shared, busy machine."""
+    if mfu <= 1.0:
+        return None
+    return (
+        f"MFU {mfu:.0%} is above 100%: the peak it is measured against ({source}) is unreliable (a "
+        "matmul measured on a shared machine runs below the device's peak); set train.peak_flops to the "
+        "FLOP/s of one device (e.g. train.peak_flops=2e12) for MFU against a fixed peak"
+    )
+
+
 def _rate(num: float, den: float) -> float:
     return num / den if den > 0 else 0.0
 
@@ -228,6 +251,7 @@ class StepBreakdown:
         self.peak_flops = peak_flops
         self.static = dict(static)
         self.num_stages = num_stages
+        self._mfu_warned = False  # MFU above 100% is warned about once per run
 
     def stage_record(self, step_s: float, tokens: int, phases: dict[str, float], busy: dict) -> dict:
         """This stage's record of one step.
@@ -252,13 +276,22 @@ class StepBreakdown:
 
     def gather(self, record: dict) -> dict:
         """Collective: every rank's record to rank 0, combined by :func:`combine_stages` there;
-        ``{}`` on the other ranks."""
+        ``{}`` on the other ranks. The first step whose MFU is above 100% is warned about (rank 0,
+        :func:`mfu_warning`)."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
-            return combine_stages([record])
-        rank = dist.get_rank()
-        out = [None] * dist.get_world_size() if rank == 0 else None
-        dist.gather_object(record, out, dst=0)
-        return combine_stages(out, self.num_stages) if rank == 0 else {}
+            combined = combine_stages([record])
+        else:
+            rank = dist.get_rank()
+            out = [None] * dist.get_world_size() if rank == 0 else None
+            dist.gather_object(record, out, dst=0)
+            if rank != 0:
+                return {}
+            combined = combine_stages(out, self.num_stages)
+        warning = mfu_warning(combined["mfu"], combined.get("peak_flops_source", "?"))
+        if warning and not self._mfu_warned:
+            log.warning(warning)
+            self._mfu_warned = True
+        return combined
 
 
 def combine_stages(records: list[dict], num_stages: int | None = None) -> dict:

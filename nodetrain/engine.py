@@ -45,6 +45,7 @@ from nodetrain.breakdown import (
     flops_per_token,
     hardware_profiles,
     measured_peak_flops,
+    peak_flops_line,
     select_peak_flops,
 )
 from nodetrain.comm import Comm
@@ -247,7 +248,7 @@ class Engine:
             peak = measured_peak_flops(str(self.device), self.dtype, torch.get_num_threads())
             if cuda:
                 torch.cuda.empty_cache()
-        log.info("MFU against %.1f TFLOP/s per device: %s", peak / 1e12, source)
+        log.info(peak_flops_line(peak, source))
         return peak, source
 
     def _open_store(self, local_rank: int, run_id: str) -> HostStore:

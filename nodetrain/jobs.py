@@ -8,7 +8,8 @@ group (``train._init_distributed`` creates it once). The job directory,
 
 Owns: the :class:`Job` (run directory, an id unique per job for the host store's file name, the
 wandb group and name), the failure policy of a sweep under torchrun (:func:`fail_fast`), and the
-check that a finished job let go of its host store mapping and threads (:class:`Release`). Does not
+check that a finished job let go of its host store mapping and threads (:class:`Release`), and the
+refusal of a launch into a live run's directory before Hydra writes there (:class:`LiveRunGuard`). Does not
 own: the training (train.py) or the wandb calls (metrics.py).
 """
 
@@ -27,14 +28,27 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
+from omegaconf import DictConfig
 
 from nodetrain.checkpoint.state import CheckpointError
 from nodetrain.config import ConfigError, LoggingConfig
 from nodetrain.config_checks import DataError
 from nodetrain.faults import record_failure
+from nodetrain.outputs import refuse_if_held
 
-__all__ = ["REFUSALS", "Job", "current_job", "swept_name", "fail_fast", "refusals_of", "Release", "mapped"]
+__all__ = [
+    "REFUSALS",
+    "Job",
+    "current_job",
+    "swept_name",
+    "fail_fast",
+    "refusals_of",
+    "LiveRunGuard",
+    "Release",
+    "mapped",
+]
 
 REFUSALS: tuple[type[ValueError], ...] = (ConfigError, DataError, CheckpointError)
 """Errors that refuse a run the user must fix (config, data, checkpoints, output directories): their
@@ -171,6 +185,30 @@ def fail_fast():
         raise SystemExit(1) from None
 
 
+class LiveRunGuard(Callback):
+    """Hydra callback (``hydra.callbacks.live_run`` in conf/config.yaml): refuse a single run whose
+    ``hydra.run.dir`` a live run holds (outputs.LOCK_NAME), before Hydra overwrites that run's
+    ``.hydra/`` snapshot and appends to its ``rank<N>.log`` files (``run_job`` does both before the
+    task function, where outputs.RunOutputs would refuse it too late).
+
+    Rank 0 (``RANK``) prints the refusal once to stderr, without a traceback; every rank exits 1
+    (``SystemExit``: Hydra's callbacks turn an ``Exception`` into a warning)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
+        try:
+            refuse_if_held("hydra.run.dir", Path(config.hydra.run.dir))
+        except ConfigError as e:
+            message = f"{type(e).__name__}: {e}"
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(
+                    f"{message}\nrefused before Hydra wrote to that directory; nothing was changed there",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            record_failure(e, callstack=f"{type(e).__name__}, a refusal: rank 0 printed the message above")
+            raise SystemExit(1) from None
+
+
 def mapped(path: str | Path) -> bool | None:
     """Whether this process maps ``path`` (an unlinked file shows as ``path (deleted)``); None where
     ``/proc/self/maps`` does not exist."""
@@ -181,12 +219,17 @@ def mapped(path: str | Path) -> bool | None:
     return any(line.split(None, 5)[5:] and line.split(None, 5)[5].startswith(target) for line in maps.open())
 
 
+_PROCESS_THREADS = ("wandb", "Otel", "tqdm_monitor")
+"""Name prefixes of threads a library keeps for the whole process: not a job's leak."""
+
+
 class Release:
     """Checks that a job let go of what it held, before the next job of a sweep starts.
 
     Create it when the job starts; call :meth:`check` with the host store's path once the engine
     is closed and dropped. A leak is logged as a warning (a sweep would otherwise hold one store per
-    finished job). Threads named ``wandb*`` are not counted: wandb keeps them for the process.
+    finished job). Threads a library keeps for the process (wandb's, tqdm's monitor; see
+    ``_PROCESS_THREADS``) are not counted.
     """
 
     def __init__(self) -> None:
@@ -197,8 +240,9 @@ class Release:
         still = mapped(store_path)
         # wandb's service threads live as long as the process and serve the next job's run too.
         new = [t for t in threading.enumerate() if t not in self._threads and t.is_alive()]
-        # so do the OpenTelemetry exporter threads wandb starts with its first run (Otel*).
-        threads = sorted(t.name for t in new if not t.name.startswith(("wandb", "Otel")))
+        # so do the OpenTelemetry exporter threads wandb starts with its first run (Otel*), and tqdm's
+        # process-wide monitor thread (tqdm_monitor), which `datasets` starts with its first bar.
+        threads = sorted(t.name for t in new if not t.name.startswith(_PROCESS_THREADS))
         if still or threads:
             log.warning("job left behind: store %s mapped=%s, threads %s", store_path, still, threads)
         else:

@@ -32,7 +32,15 @@ from nodetrain.config import Config, ConfigError
 from nodetrain.model import HFModel
 from nodetrain.store import pid_alive
 
-__all__ = ["LOCK_NAME", "RunOutputs", "checkpoint_bytes", "checkpoint_dir", "check_space", "run_to_continue"]
+__all__ = [
+    "LOCK_NAME",
+    "RunOutputs",
+    "checkpoint_bytes",
+    "checkpoint_dir",
+    "check_space",
+    "refuse_if_held",
+    "run_to_continue",
+]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +62,28 @@ def checkpoint_bytes(model: HFModel, export_dtype: str) -> int:
     export = EXPORT_DTYPES[export_dtype].itemsize
     master = 0 if export == 4 else 4
     return numel * (export + master + 8) + tensors * 4
+
+
+def refuse_if_held(key: str, directory: Path) -> None:
+    """Refuse ``directory`` when a live process holds its lock file, creating and writing nothing
+    (a shared, non-blocking ``flock`` on an existing lock file): the check of a launch's run directory
+    before Hydra writes its ``.hydra/`` snapshot and rank logs there (jobs.LiveRunGuard).
+
+    Raises:
+        ConfigError: another live run holds ``directory`` (the refusal :meth:`RunOutputs.acquire`
+            gives, naming that run).
+    """
+    path = Path(directory) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # no lock file (or none readable): acquire() decides later
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        _refuse(key, path)
+    finally:
+        os.close(fd)  # also lets go of the shared lock, if taken
 
 
 def check_space(directory: Path, nbytes: int, key: str) -> None:
@@ -169,13 +199,20 @@ class RunOutputs:
         newest = found[-1][1]
         owner = _read_json(newest / st.TRAINER_STATE)
         other = owner.get("config_hash", "?")
-        same = " (the same config)" if other == self.config_hash else ""
+        same = other == self.config_hash
+        tag = " (the same config)" if same else ""
         names = ", ".join(p.name for _, p in found)
+        # resume=auto fits only the same config ("does not fit this model" otherwise): offer it then only
+        fix = (
+            "continue that run with checkpoint.resume=auto, or set another checkpoint.dir"
+            if same
+            else "its config differs, so this run cannot resume it: set another checkpoint.dir"
+        )
         raise ConfigError(
             f"checkpoint.dir={self.ckpt_dir}: holds {names} of another run (run dir "
-            f"{owner.get('run_dir', 'unknown')}, config hash {other[:12]}{same}), which this run (config "
-            f"hash {self.config_hash[:12]}) would overwrite; continue that run with checkpoint.resume=auto, "
-            "or set another checkpoint.dir (or move those checkpoints away)"
+            f"{owner.get('run_dir', 'unknown')}, config hash {other[:12]}{tag}), "
+            f"which this run (config hash {self.config_hash[:12]}) would overwrite; {fix} (or move those "
+            "checkpoints away)"
         )
 
     def _resumes_them(self) -> bool:

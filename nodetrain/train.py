@@ -38,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nodetrain import data
 from nodetrain.checkpoint import Checkpointing
-from nodetrain.checkpoint.state import config_hash
+from nodetrain.checkpoint.state import CheckpointError, config_hash
 from nodetrain.config import CONFIG_DIR, Config, grad_accum_of, register_configs, to_typed, validate
 from nodetrain.config_checks import DataError
 from nodetrain.data_checks import check_init_vocab, check_vocab, open_splits, run_data_config
@@ -188,6 +188,16 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
         outputs.release()
 
 
+def _checkpointing(cfg, run_dir, resolved, model, data_dir, tokenizer_dir, ckpt_dir) -> Checkpointing:
+    """The run's :class:`Checkpointing`; a ``model.init_from`` directory without weights
+    (``FileNotFoundError``) or one that cannot initialise this model (``ValueError``) is the user's to
+    fix: a ``CheckpointError`` refusal, printed once without a traceback (jobs.fail_fast)."""
+    with refusals_of((ValueError, OSError), CheckpointError):
+        return Checkpointing(
+            cfg, run_dir, resolved, model, data_dir, tokenizer_dir=tokenizer_dir, ckpt_dir=ckpt_dir
+        )
+
+
 def _run(cfg, run_dir, resolved, job, ckpt_dir, rank, world_size, local_rank, device) -> list[dict]:
     """The run itself, while rank 0 holds the output directories (see :func:`run`)."""
     topology, release = Topology.from_env(cfg.pipeline.stages), Release()
@@ -209,9 +219,7 @@ def _run(cfg, run_dir, resolved, job, ckpt_dir, rank, world_size, local_rank, de
         lambda: check_space(ckpt_dir, checkpoint_bytes(model, cfg.checkpoint.export_dtype), "checkpoint.dir")
     )
     # resume or import is checked before the store exists; checkpoints carry the run's tokenizer
-    ckpt = Checkpointing(
-        cfg, run_dir, resolved, model, data_dir, tokenizer_dir=data_cfg.tokenizer, ckpt_dir=ckpt_dir
-    )
+    ckpt = _checkpointing(cfg, run_dir, resolved, model, data_dir, data_cfg.tokenizer, ckpt_dir)
     engine = Engine(
         cfg,
         model,

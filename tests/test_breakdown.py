@@ -19,7 +19,15 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from nodetrain.breakdown import PHASES, Timeline, combine_stages, flops_per_token
+from nodetrain.breakdown import (
+    PHASES,
+    StepBreakdown,
+    Timeline,
+    combine_stages,
+    flops_per_token,
+    mfu_warning,
+    peak_flops_line,
+)
 from nodetrain.metrics import format_progress
 from nodetrain.model import HFModel
 
@@ -97,6 +105,23 @@ def test_combine_stages_arithmetic() -> None:
     assert out["mfu"] == pytest.approx(6e12 / (2.0 * 3e12))
     assert out["h2d_gbps"] == pytest.approx(1000 / 1.0 / 1e9)
     assert out["window_bytes"] == 60 and out["num_resident"] == 2 and out["store_bytes"] == 1000
+
+
+def test_peak_line_has_three_digits_and_mfu_above_100_percent_is_warned_once(caplog) -> None:
+    """A CPU's measured peak is printed, not 0.0; an MFU above 100% (a matmul measured on a shared
+    machine) is warned about once per run, naming the source and train.peak_flops."""
+    cpu = "measured matmul (CPU)"
+    assert peak_flops_line(4.567e10, cpu) == f"MFU against 0.0457 TFLOP/s per device: {cpu}"
+    assert peak_flops_line(989.4e12, "datasheet") == "MFU against 989 TFLOP/s per device: datasheet"
+    assert mfu_warning(1.0, cpu) is None and mfu_warning(0.3, cpu) is None
+    warning = mfu_warning(1.5, cpu)
+    assert "MFU 150% is above 100%" in warning and cpu in warning and "train.peak_flops" in warning
+    steps = StepBreakdown(torch.device("cpu"), 1.0, 1e12, {"peak_flops_source": cpu})
+    for mfu in (0.5, 2.0, 3.0):  # flops / (step_s × peak): the second and third are above 100%
+        rec = {**_rec(1.0, 0.5, 0.1, mfu * 1e12, 1e12, 100, 0.2), "peak_flops_source": cpu}
+        assert steps.gather(rec)["mfu"] == pytest.approx(mfu)
+    warned = [r for r in caplog.records if "above 100%" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelname == "WARNING" and "MFU 200%" in warned[0].getMessage()
 
 
 def test_combine_two_replicas_keys_by_stage_and_aggregates_every_rank() -> None:

@@ -21,11 +21,13 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from nodetrain import train
 from nodetrain.checkpoint import state as st
 from nodetrain.checkpoint import tensors
 from nodetrain.checkpoint.hf_import import check_model_dir, load_hf_weights
 from nodetrain.checkpoint.resume import choose_checkpoint
 from nodetrain.config import ModelConfig
+from nodetrain.jobs import REFUSALS
 from nodetrain.model import HFModel, build_hf_config
 from nodetrain.store import HostStore, StoreLayout
 
@@ -115,6 +117,20 @@ def _problems(tmp_path: Path, model: HFModel) -> str:
     with pytest.raises(ValueError) as info:
         check_model_dir(tmp_path / "hf", model)
     return str(info.value)
+
+
+def test_init_from_without_weights_is_a_refusal(tmp_path: Path, monkeypatch) -> None:
+    """A ``model.init_from`` dir with config.json (and a tokenizer) but no weights: a CheckpointError
+    refusal from train's Checkpointing construction, not a FileNotFoundError traceback on every rank."""
+    hf_dir = tmp_path / "hf"
+    transformers.LlamaConfig(**TINY, architectures=["LlamaForCausalLM"]).save_pretrained(hf_dir)
+    (hf_dir / "tokenizer.json").write_text("{}")
+    model = _model()
+    # the construction's import check, without the process group Checkpointing itself needs
+    monkeypatch.setattr(train, "Checkpointing", lambda *a, **k: check_model_dir(hf_dir, model))
+    with pytest.raises(st.CheckpointError, match="safetensors") as info:
+        train._checkpointing(None, tmp_path, {}, model, None, "", None)
+    assert isinstance(info.value, REFUSALS) and isinstance(info.value.__cause__, FileNotFoundError)
 
 
 def test_import_lists_missing_unexpected_and_shape_problems(tmp_path: Path) -> None:

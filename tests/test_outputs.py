@@ -19,7 +19,7 @@ from conftest import TINY_RUN, job_env, start_job, torchrun_cmd
 from nodetrain import outputs
 from nodetrain.checkpoint import state as st
 from nodetrain.config import ConfigError
-from nodetrain.outputs import LOCK_NAME, RunOutputs, check_space, run_to_continue
+from nodetrain.outputs import LOCK_NAME, RunOutputs, check_space, refuse_if_held, run_to_continue
 
 
 def _checkpoint(ckpts: Path, step: int, config_hash: str, run_dir: Path) -> Path:
@@ -50,8 +50,13 @@ def test_a_live_lock_refuses_a_second_run_naming_the_first(tmp_path: Path) -> No
     msg = str(info.value)
     assert f"hydra.run.dir={run}: another run is writing there" in msg
     assert f"pid {os.getpid()}" in msg and "a" * 12 in msg and str(run) in msg
+    with pytest.raises(ConfigError) as info:  # the check before Hydra writes (jobs.LiveRunGuard)
+        refuse_if_held("hydra.run.dir", run)
+    assert str(info.value) == msg
     first.release()
     assert not (run / LOCK_NAME).exists() and not (run / "checkpoints" / LOCK_NAME).exists()
+    refuse_if_held("hydra.run.dir", run)  # free: no error, and no lock file made
+    assert not (run / LOCK_NAME).exists()
     second.acquire()  # free again once the first let go
     second.release()
 
@@ -81,9 +86,14 @@ def test_another_runs_checkpoints_are_refused_unless_resumed(tmp_path: Path) -> 
         claim.acquire()
     msg = str(info.value)
     assert f"checkpoint.dir={ckpts}: holds step-2, step-4 of another run (run dir {other_run}" in msg
-    assert "d" * 12 in msg and "checkpoint.resume=auto" in msg
+    assert "d" * 12 in msg and "set another checkpoint.dir" in msg
+    assert "checkpoint.resume=auto" not in msg  # another config: resuming it would not fit this model
     assert sorted(p.name for p in ckpts.iterdir()) == before, "a refused run left its lock behind"
     assert not (tmp_path / "run_b" / LOCK_NAME).exists()
+    with pytest.raises(
+        ConfigError, match=r"\(the same config\).*continue that run with checkpoint.resume=auto"
+    ):
+        RunOutputs(tmp_path / "run_b", ckpts, "", "d" * 64).acquire()  # the same config may resume them
     for resume in ("auto", str(ckpts / "step-2")):  # resuming them is what they are for
         claim = RunOutputs(tmp_path / "run_b", ckpts, resume, "e" * 64)
         assert claim.acquire() == str(ckpts)
@@ -172,8 +182,9 @@ def test_run_b_refuses_run_a_checkpoint_dir_and_leaves_it_intact(tmp_path: Path,
 
 
 def test_two_launches_on_one_run_dir_the_second_is_refused(tmp_path: Path, corpus, shm_dir) -> None:
-    """While a run trains, a second launch with its hydra.run.dir is refused naming it (pid, run dir);
-    the first goes on alone (its records are not interleaved) and lets go of its locks when it stops."""
+    """While a run trains, a second launch with its hydra.run.dir is refused naming it (pid, run dir)
+    before Hydra writes its config snapshot or log lines there; the first goes on alone (its records
+    are not interleaved) and lets go of its locks when it stops."""
     run = tmp_path / "run"
     args = [*corpus, *TINY_RUN, f"hydra.run.dir={run}", f"store.dir={shm_dir}", "train.eval_every=0"]
     args += ["logging.wandb=false", "logging.plots=false", "train.steps=500", "checkpoint.on_signal=exit"]
@@ -185,9 +196,15 @@ def test_two_launches_on_one_run_dir_the_second_is_refused(tmp_path: Path, corpu
             assert time.monotonic() < deadline, "the first launch never started training"
             time.sleep(0.1)
         owner = json.loads((run / LOCK_NAME).read_text())
+        snapshot = {p.name: p.read_bytes() for p in (run / ".hydra").iterdir()}
         second = _launch(args, tmp_path)
         out2 = second.communicate(timeout=120)[0]
         assert first.poll() is None, "the first run ended before the second was refused"
+        # refused before Hydra wrote there: the first's snapshot (its overrides differ) and rank logs
+        assert {p.name: p.read_bytes() for p in (run / ".hydra").iterdir()} == snapshot
+        for rank_log in run.glob("rank*.log"):
+            text = rank_log.read_text()
+            assert text.count("process group:") == 1 and "another run" not in text, rank_log
         first.send_signal(signal.SIGTERM)  # torchrun forwards it: every rank stops after one step
         first.communicate(timeout=120)
     finally:
@@ -195,6 +212,8 @@ def test_two_launches_on_one_run_dir_the_second_is_refused(tmp_path: Path, corpu
             os.killpg(first.pid, signal.SIGKILL)
     assert second.returncode != 0
     assert f"hydra.run.dir={run}: another run is writing there" in out2 and f"pid {owner['pid']}" in out2
+    assert out2.count("another run is writing there") == 1  # by rank 0, once ...
+    assert "/nodetrain/" not in out2  # ... without a traceback of ours (torchrun prints its own)
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1)), steps  # one writer: no interleaved records
     assert not (run / LOCK_NAME).exists() and not (run / "checkpoints" / LOCK_NAME).exists()

@@ -15,15 +15,18 @@ import re
 import stat
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
 
 import pytest
+import tqdm
 from conftest import ROOT, TINY_RUN, torchrun_cmd
 from wandb_log import read_run
 
 from nodetrain.config import OptimConfig
+from nodetrain.jobs import Release
 from nodetrain.plots import SWEEP_PLOT, sweep_curves
 
 TINY = [*TINY_RUN, "train.eval_batches=1"]
@@ -52,6 +55,24 @@ def _run(cmd: list[str], env: dict[str, str], timeout_s: float) -> subprocess.Co
 
 def _records(job: Path) -> list[dict]:
     return [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_release_ignores_tqdm_monitor_but_reports_a_jobs_thread(tmp_path: Path, caplog) -> None:
+    """tqdm's monitor thread (``datasets`` starts it with a records run) lives for the process, like
+    wandb's: no "job left behind" for it; a thread the job started and left is still reported."""
+    release, stop = Release(), threading.Event()
+    monitor = tqdm._monitor.TMonitor(tqdm.tqdm, 1000)  # what tqdm starts: a thread named tqdm_monitor
+    try:
+        assert monitor.name == "tqdm_monitor" and monitor.is_alive()
+        still, threads = release.check(tmp_path / "store")
+        assert not still and threads == []
+        assert "job left behind" not in caplog.text
+        leak = threading.Thread(target=stop.wait, name="copy_worker")
+        leak.start()
+        assert release.check(tmp_path / "store")[1] == ["copy_worker"]
+    finally:
+        stop.set()
+        monitor.exit()
 
 
 # ----------------------------------------------------------------------------- --multirun
