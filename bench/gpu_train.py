@@ -91,14 +91,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def train(name: str, overrides: list[str], out: Path, timeout_s: float) -> list[dict]:
-    """One ``torchrun --nproc_per_node 1 -m nodetrain.train`` launch; its step records."""
+def train(name: str, overrides: list[str], out: Path, timeout_s: float, nproc: int = 1) -> list[dict]:
+    """One ``torchrun --nproc_per_node <nproc> -m nodetrain.train`` launch; its step records."""
     run_dir = out / f"run_{name}"
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nproc_per_node=1",
+        f"--nproc_per_node={nproc}",
         f"--master_port={_free_port()}",
     ]
     cmd += ["-m", "nodetrain.train", f"hydra.run.dir={run_dir}", *overrides]

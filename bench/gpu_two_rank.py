@@ -21,12 +21,12 @@ import argparse
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from gpu_train import train  # one torchrun launch of nodetrain.train (bench/gpu_train.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-5
@@ -48,30 +48,6 @@ TINY = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(name: str, nproc: int, overrides: list[str], out: Path, timeout_s: float) -> list[float]:
-    """One torchrun launch of ``nodetrain.train``; returns its step losses (metrics.jsonl)."""
-    run_dir = out / f"run_{name}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-    cmd += [f"--master_port={_free_port()}", "-m", "nodetrain.train", f"hydra.run.dir={run_dir}", *overrides]
-    env = dict(os.environ, WANDB_MODE="disabled")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    print("+", " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout_s, text=True, capture_output=True)
-    (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"{name}: exit {proc.returncode}; see {out / f'{name}.log'}:\n{proc.stderr[-2000:]}"
-        )
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in records if "loss" in r]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
@@ -88,8 +64,11 @@ def main() -> None:
     result["backend_1rank"] = "gloo (CPU)" if args.dry_run else "default (nccl on a GPU)"
     result["backend_2rank"] = "gloo (two ranks share one GPU: NCCL refuses duplicate devices)"
     try:
-        one = launch("one_rank", 1, common, args.out, args.timeout_s)
-        two = launch("two_rank", 2, [*common, "dist.backend=gloo"], args.out, args.timeout_s)
+        one = [r["loss"] for r in train("one_rank", common, args.out, args.timeout_s)]
+        two = [
+            r["loss"]
+            for r in train("two_rank", [*common, "dist.backend=gloo"], args.out, args.timeout_s, nproc=2)
+        ]
     finally:
         shutil.rmtree(store_dir, ignore_errors=True)
     diff = max((abs(a - b) for a, b in zip(one, two, strict=True)), default=float("inf"))
