@@ -176,6 +176,8 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
             this node (before any allocation).
     """
     job = job or Job.plain(run_dir, cfg.logging)
+    if dist.is_initialized():  # a later job of a sweep: every rank checks it together, so that rank 0
+        dist.barrier()  # (not still finishing the previous job) is there to print a refusal
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     ranks = _init_distributed(cfg.dist.timeout_s, cfg.dist.backend)
     c = cfg.checkpoint

@@ -134,6 +134,30 @@ def test_multirun_of_two_learning_rates_on_two_ranks(
     assert exited - last_step < 30, f"exited {exited - last_step:.1f}s after the last step"
 
 
+def test_a_refused_later_job_of_a_sweep_is_printed_once_by_rank_0(
+    tmp_path: Path, corpus: list[str], shm_dir
+) -> None:
+    """Job 1 of a sweep has a bad key (optim.lr=inf): its refusal reaches the console once (rank 0
+    waits for its peers at the job's start instead of being killed while finishing job 0)."""
+    overrides = [
+        *TINY,
+        *corpus,
+        "train.steps=1",
+        "train.eval_every=0",
+        f"store.dir={shm_dir}",
+        "optim.lr=1e-3,inf",
+    ]
+    cmd = [*torchrun_cmd(2), "-m", "nodetrain.train", "--multirun", *overrides]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=_env(tmp_path, "disabled"), capture_output=True, text=True, timeout=300
+    )
+    console = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert console.count("optim.lr=inf: must be a finite number") == 1, console[-4000:]
+    (sweep,) = (tmp_path / "runs").iterdir()
+    assert "optim.lr=inf: must be a finite number" in (sweep / "1" / "rank0.log").read_text()
+
+
 def test_multirun_job_failing_on_one_rank_ends_the_sweep(tmp_path: Path, corpus: list[str], shm_dir) -> None:
     """Rank 1 of 2 raises at step 2 of job 0 (``test.fail_*``); rank 0 is then waiting for it in the
     pipeline. Hydra would start job 1 after a failed job; instead every rank exits within seconds,
