@@ -143,8 +143,9 @@ class TrainConfig:
     micro_batch_size: int = 4
     """Sequences per micro-batch (B)."""
     grad_accum: int = 1
-    """Pipeline rounds per optimizer step; a step is grad_accum × pipeline.microbatches micro-batches.
-    Derived from ``batch_size`` when that is > 0 (then leave this at 1 or set the same value)."""
+    """Accumulation factor; a step is grad_accum × pipeline.microbatches micro-batches, run by 1f1b as
+    one pipeline round of all of them (one fill and drain per step), by gpipe as grad_accum rounds
+    (its activation memory stays that of one round, pipeline.step_rounds). Derived from ``batch_size`` when that is > 0 (then leave this at 1 or set the same value)."""
     batch_size: int = 0
     """Sequences per optimizer step over all nodes (the global batch); 0 = micro_batch_size ×
     pipeline.microbatches × grad_accum × nodes. When > 0 it must be a multiple of micro_batch_size ×
@@ -181,7 +182,8 @@ class PipelineConfig:
     schedule: str = "1f1b"
     """gpipe (arXiv:1811.06965) | 1f1b (PipeDream-Flush, arXiv:2104.04473)."""
     microbatches: int = 4
-    """Micro-batches per pipeline round (M); ≥ stages keeps the bubble (S-1)/(M+S-1) small."""
+    """Micro-batches per pipeline round (M; 1f1b runs grad_accum × M in one round); ≥ stages keeps
+    the bubble (S-1)/(M+S-1) small."""
 
 
 @dataclass

@@ -54,7 +54,7 @@ from nodetrain.faults import poison_grads
 from nodetrain.model import HFModel
 from nodetrain.optim import StoreAdamW, clip_coef, lr_at
 from nodetrain.overlap import UnitUpdates, fair_share_threads, update_mode
-from nodetrain.pipeline import P2P, Action, build_schedule, p2p_groups, partition
+from nodetrain.pipeline import P2P, Action, build_schedule, p2p_groups, partition, step_rounds
 from nodetrain.replicas import ReplicaGradSum, Topology, node_group, replica_slice
 from nodetrain.residency import resident_blocks
 from nodetrain.stage import IGNORE_INDEX, StageRunner
@@ -279,9 +279,9 @@ class Engine:
 
     # ---- one step ----------------------------------------------------------------------------
 
-    def _offload_sequence(self, actions) -> list[int]:
+    def _offload_sequence(self, actions, rounds: int) -> list[int]:
         """Blocks in the order their gradients are offloaded in a step (every backward, in reverse)."""
-        backwards = [a for a in actions if a.kind == "B"] * self.grad_accum
+        backwards = [a for a in actions if a.kind == "B"] * rounds
         return [b for _ in backwards for b in self.blocks[::-1]]
 
     def _settle_grads(self) -> float:
@@ -332,8 +332,7 @@ class Engine:
         return seq
 
     def _run_round(self, actions, r: int, inputs, labels, loss_scale: float, train: bool, positions) -> float:
-        m = self.cfg.pipeline.microbatches
-        base = r * m
+        base = r * sum(a.kind == "F" for a in actions)  # micro-batches of the earlier rounds
         groups = p2p_groups(actions, self.stage, self.num_stages)  # paired send/recv: NCCL-safe order
         loss_sum, out = 0.0, None
         for a, group in zip(actions, groups[:-1], strict=True):
@@ -369,7 +368,8 @@ class Engine:
         stop: bool = False,
         position_ids: torch.Tensor | None = None,
     ) -> StepResult:
-        """One optimizer step over ``grad_accum × pipeline.microbatches`` micro-batches.
+        """One optimizer step over ``grad_accum × pipeline.microbatches`` micro-batches, in the
+        pipeline rounds of :func:`~nodetrain.pipeline.step_rounds` (1F1B: one round of all of them).
 
         Args:
             step: 0-based optimizer step (sets the learning rate).
@@ -391,13 +391,14 @@ class Engine:
         tokens = int((labels != IGNORE_INDEX).sum())  # of the global batch: every replica scales by it
         inputs, labels, positions = self._replica_share(inputs, labels, position_ids)
         lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
-        actions = build_schedule(self.cfg.pipeline.schedule, self.num_stages, self.stage, m)
+        rounds, per_round = step_rounds(self.cfg.pipeline.schedule, self.grad_accum, m)
+        actions = build_schedule(self.cfg.pipeline.schedule, self.num_stages, self.stage, per_round)
         self._step[0] = step
-        self.updates.begin_step(lr, self.grad_accum * m, self._offload_sequence(actions))
-        self.window.begin(self._load_sequence(actions, self.grad_accum))
+        self.updates.begin_step(lr, self.grad_accum * m, self._offload_sequence(actions, rounds))
+        self.window.begin(self._load_sequence(actions, rounds))
         self.p2p.reset_timer()
         loss_sum = 0.0
-        for r in range(self.grad_accum):
+        for r in range(rounds):
             loss_sum += self._run_round(actions, r, inputs, labels, 1.0 / max(tokens, 1), True, positions)
         self.updates.end_backward()
         self.window.flush()

@@ -11,6 +11,11 @@ Schedules (M micro-batches, S stages):
            remaining backwards (PipeDream-Flush, arXiv:2006.09503; Megatron-LM arXiv:2104.04473).
            Stage s holds at most S - s micro-batches' activations instead of M.
 Both have the same bubble fraction (S - 1) / (M + S - 1).
+
+A step of ``grad_accum`` × M micro-batches (step_rounds): 1F1B runs them as ONE round of
+grad_accum·M (one fill and drain per step: bubble (S - 1) / (grad_accum·M + S - 1), activations
+still bounded by S - s); GPipe keeps grad_accum rounds of M, since one GPipe round holds every
+micro-batch's activations (one round of grad_accum·M would hold grad_accum times as many).
 """
 
 from __future__ import annotations
@@ -23,7 +28,16 @@ import torch
 from nodetrain.breakdown import NULL_TIMELINE
 from nodetrain.comm import Comm, P2POp
 
-__all__ = ["Action", "Transfer", "partition", "build_schedule", "p2p_groups", "P2P", "SCHEDULES"]
+__all__ = [
+    "Action",
+    "Transfer",
+    "partition",
+    "build_schedule",
+    "step_rounds",
+    "p2p_groups",
+    "P2P",
+    "SCHEDULES",
+]
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -101,6 +115,29 @@ def build_schedule(kind: str, num_stages: int, stage: int, num_microbatches: int
         actions += [Action("F", warmup + i), Action("B", i)]
     actions += [Action("B", i) for i in range(m - warmup, m)]
     return actions
+
+
+def step_rounds(kind: str, grad_accum: int, num_microbatches: int) -> tuple[int, int]:
+    """How a step of ``grad_accum × num_microbatches`` micro-batches is split into pipeline rounds.
+
+    Args:
+        kind: the schedule ("gpipe" or "1f1b").
+        grad_accum: accumulation rounds of the config (≥ 1).
+        num_microbatches: ``pipeline.microbatches`` (≥ 1).
+
+    Returns:
+        (rounds, micro-batches per round): 1F1B ``(1, grad_accum · num_microbatches)``, one fill and
+        drain per step with the same activation bound; GPipe ``(grad_accum, num_microbatches)``, so
+        its activation memory (every micro-batch of a round) does not grow with ``grad_accum``.
+
+    Raises:
+        ValueError: unknown schedule.
+    """
+    if kind not in SCHEDULES:
+        raise ValueError(f"pipeline.schedule={kind!r}: use one of {SCHEDULES}")
+    if kind == "1f1b":
+        return 1, grad_accum * num_microbatches
+    return grad_accum, num_microbatches
 
 
 def _recv_of(a: Action, stage: int, num_stages: int) -> Transfer | None:

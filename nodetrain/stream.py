@@ -10,7 +10,8 @@ the protocol below is exercised for real (``delay_s`` slows the workers to expos
 Gradients leave the device through host staging buffers, one per slot (staging.py: page-locked
 on CUDA, copied on a D2H stream of their own; the D2H worker waits for the copy, then accumulates).
 
-Protocol (the j-th streamed load of the sequence uses slot ``j % slots``):
+Protocol (the j-th streamed load of the sequence uses slot ``j % slots``; consecutive equal entries
+of the sequence share one load: the later ones reuse its slot, with no H2D and no second slot):
     acquire()  waits until the next load is in its slot (or resident buffer), returns the views;
     release()  marks compute on it issued and issues the next streamed load into the freed slot;
     offload()  copies the block's gradients into staging buffer ``n % slots`` (async on CUDA) and
@@ -20,7 +21,13 @@ Protocol (the j-th streamed load of the sequence uses slot ``j % slots``):
     flush()    waits for every queued offload (before the optimizer reads the accumulators).
 A resident block's one load per sequence is issued when the prefetch reaches its first use, so
 the in-order H2D worker never blocks a needed load behind it. ``gate(block)`` (optional) returns
-futures a load must wait for before copying (the optimizer's updates of the block's units).
+futures a load must wait for before copying (the optimizer's updates of the block's units); a reused
+load is not gated again: within a sequence a unit is updated only after its blocks' last use.
+
+Reuse on a stage of n ≥ 2 blocks: a forward's last block is the next backward's first (F→B) and a
+backward's last block the next forward's first (B→F). Stage s of S running M micro-batches with
+w = min(S - s - 1, M) warm-up forwards: 1F1B reuses the last block max(M - w, 1) times and the first
+max(M - w - 1, 0) times, GPipe the last block once; a one-block stage loads once per sequence.
 The waits enter the ``stall``, ``d2h_wait`` and ``optim`` phases of ``timeline`` (breakdown.py).
 """
 
@@ -155,6 +162,7 @@ class Window:
         self._loads: dict[int, tuple[Future, list[Future]]] = {}  # position -> (load, its gate)
         self._slot_at: dict[int, torch.Tensor] = {}  # position -> buffer of a streamed load
         self._resident_loads: dict[int, tuple[Future, list[Future]]] = {}  # block -> this sequence's
+        self._last_load: tuple[tuple[Future, list[Future]], torch.Tensor] | None = None  # latest streamed
         self._next = self._cursor = self._streamed = self._in_flight = 0
         self._offloads: list[Future] = []
         self.stall_s = 0.0
@@ -209,6 +217,7 @@ class Window:
         self._next = self._cursor = self._streamed = self._in_flight = 0
         self._slot_at.clear()
         self._resident_loads.clear()
+        self._last_load = None
         self._fill()
 
     def _fill(self) -> None:
@@ -218,14 +227,23 @@ class Window:
             if block in self._resident:
                 if block not in self._resident_loads:
                     self._resident_loads[block] = self._load(block, self._resident[block])
+            elif self._reuses(k):  # the previous position's slot, still held: no copy, no new slot
+                self._loads[k], self._slot_at[k] = self._last_load
             elif self._in_flight < len(self._slots):
                 self._slot_at[k] = self._slots[self._streamed % len(self._slots)]
                 self._loads[k] = self._load(block, self._slot_at[k])
+                self._last_load = self._loads[k], self._slot_at[k]
                 self._streamed += 1
                 self._in_flight += 1
             else:
                 return
             self._cursor += 1
+
+    def _reuses(self, k: int) -> bool:
+        """Position ``k`` uses the same streamed block as ``k - 1`` and so shares its load and slot."""
+        return (
+            0 < k < len(self._seq) and self._seq[k] == self._seq[k - 1] and self._seq[k] not in self._resident
+        )
 
     def _load(self, block: int, buf: torch.Tensor) -> tuple[Future, list[Future]]:
         pieces, pos = [], 0
@@ -266,10 +284,11 @@ class Window:
         return {name: buf[pos : pos + math.prod(shape)].view(shape) for name, pos, shape in views}
 
     def release(self) -> None:
-        """Compute on the current load is issued; its slot (if streamed) takes the next load."""
+        """Compute on the current load is issued; its slot (if streamed and not reused by the next
+        position) takes the next load."""
         k = self._next
         self._next += 1
-        if self._seq[k] not in self._resident:
+        if self._seq[k] not in self._resident and not self._reuses(k + 1):
             self._in_flight -= 1
         self._fill()
 

@@ -8,11 +8,14 @@ hand out the slot's previous contents), ``offload`` must accumulate into the own
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 import nodetrain.stream as stream
 from nodetrain.model import Binding
+from nodetrain.pipeline import build_schedule
 from nodetrain.store import HostStore, StoreLayout
 from nodetrain.stream import Window
 
@@ -227,3 +230,77 @@ def test_copy_workers_select_the_rank_device_on_their_thread(monkeypatch) -> Non
     cpu.submit(lambda: None).result()
     cpu.shutdown()
     assert len(calls) == 2
+
+
+# ----------------------------------------------------------------------------- reuse of consecutive loads
+
+
+def _stage_sequence(kind: str, num_stages: int, stage: int, m: int) -> list[int]:
+    """The engine's load order of a stage owning BLOCKS: each forward in order, each backward reversed."""
+    actions = build_schedule(kind, num_stages, stage, m)
+    return [b for a in actions for b in (BLOCKS if a.kind == "F" else BLOCKS[::-1])]
+
+
+def _loaded_numel(kind: str, num_stages: int, stage: int, m: int) -> int:
+    """Closed form of the elements loaded: every use of both blocks, less one load of the last block
+    per F→B turn and of the first block per B→F turn. 1F1B with w = min(S - s - 1, M) warm-up
+    forwards has max(M - w, 1) F→B turns and max(M - w - 1, 0) B→F turns; GPipe one F→B turn."""
+    first, last = (sum(b.numel for b in BINDINGS[i]) for i in BLOCKS)
+    w = min(num_stages - stage - 1, m)
+    f_to_b, b_to_f = (max(m - w, 1), max(m - w - 1, 0)) if kind == "1f1b" else (1, 0)
+    return 2 * m * (first + last) - f_to_b * last - b_to_f * first
+
+
+def _held_slots_stay_current(window: Window, store: HostStore, sequence: list[int], compute_s: float) -> list:
+    """Like ``_stale_acquires``, but compares each use's weights only after ``compute_s`` of "compute"
+    (longer than a copy): a load written into a slot that a later position still reuses shows."""
+    stale = []
+    window.begin(sequence)
+    for k, block in enumerate(sequence):
+        got = window.acquire(block)
+        time.sleep(compute_s)
+        want = _expected(store, block)
+        stale += [(k, name) for name in want if not torch.equal(got[name], want[name])]
+        window.release()
+    window.flush()
+    return stale
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+@pytest.mark.parametrize(("kind", "num_stages", "stage"), [("1f1b", 1, 0), ("1f1b", 2, 0), ("1f1b", 2, 1),
+                                                          ("gpipe", 2, 0)])  # fmt: skip
+def test_consecutive_uses_of_a_block_share_one_load(make_store, kind, num_stages, stage, slots) -> None:
+    """H2D bytes per sequence equal the closed form from the schedule, and every use, reused or not,
+    still sees the current transfer copy (a freed-too-early slot would be overwritten under it)."""
+    store, gen = make_store(torch.bfloat16), torch.Generator().manual_seed(stage)
+    window = Window(store, BINDINGS, BLOCKS, OWNED, slots, "cpu", delay_s=0.002)
+    try:
+        for m in (1, 3, 4):
+            _fill_compute(store, gen)
+            sequence = _stage_sequence(kind, num_stages, stage, m)
+            assert _held_slots_stay_current(window, store, sequence, compute_s=0.006) == [], m
+            want = 2 * _loaded_numel(kind, num_stages, stage, m)
+            assert window.take_stats()["h2d_bytes"] == want, (m, sequence)
+    finally:
+        window.close()
+
+
+def test_one_stage_1f1b_loads_closed_form_figures() -> None:
+    """The closed form itself, by hand: 1 stage, M = 2: loads 1,2,(2),1,(1),2,(2),1 → 3 × 20 + 2 × 52."""
+    assert _stage_sequence("1f1b", 1, 0, 2) == [1, 2, 2, 1, 1, 2, 2, 1]
+    assert _loaded_numel("1f1b", 1, 0, 2) == 3 * 20 + 2 * 52
+    # 2 stages, stage 0, M = 4: F0 F1 B0 F2 B1 F3 B2 B3 → 3 F→B and 2 B→F turns of 16 uses
+    assert _loaded_numel("1f1b", 2, 0, 4) == 8 * 72 - 3 * 52 - 2 * 20
+
+
+def test_a_reused_load_is_not_gated_again(make_store) -> None:
+    """The gate is asked once per actual load (a later non-consecutive use is gated again)."""
+    store = make_store(torch.float32)
+    window = Window(store, BINDINGS, BLOCKS, OWNED, 1, "cpu")
+    asked: list[int] = []
+    window.gate = lambda block: asked.append(block) or []
+    try:
+        assert _stale_acquires(window, store, [1, 2, 2, 1, 1, 2]) == []
+        assert asked == [1, 2, 1, 2]
+    finally:
+        window.close()
