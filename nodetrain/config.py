@@ -145,7 +145,8 @@ class TrainConfig:
     grad_accum: int = 1
     """Accumulation factor; a step is grad_accum × pipeline.microbatches micro-batches, run by 1f1b as
     one pipeline round of all of them (one fill and drain per step), by gpipe as grad_accum rounds
-    (its activation memory stays that of one round, pipeline.step_rounds). Derived from ``batch_size`` when that is > 0 (then leave this at 1 or set the same value)."""
+    (its activation memory stays that of one round, pipeline.step_rounds). Derived from
+    ``batch_size`` when that is > 0 (then leave this at 1 or set the same value)."""
     batch_size: int = 0
     """Sequences per optimizer step over all nodes (the global batch); 0 = micro_batch_size ×
     pipeline.microbatches × grad_accum × nodes. When > 0 it must be a multiple of micro_batch_size ×

@@ -223,9 +223,13 @@ def test_two_stage_breakdown_sums_to_step_time_and_counts_bytes(tmp_path, shm_di
             assert min(parts) >= 0, rec
             # the acceptance check: the phases account for the step (same run, same clock)
             assert abs(sum(parts) - rec["step_s"]) <= 0.1 * rec["step_s"], (i, s, rec)
-            # every block streams once per forward and once per backward of each micro-batch
+            # every block streams once per forward and once per backward of each micro-batch, but a
+            # use right after one of the same block shares its load: 1F1B (the default) with
+            # w = S - s - 1 warm-up forwards has M - w F→B turns (the last block) and M - w - 1 B→F
+            # turns (the first block)
             block = [numel[n] for n in names]
-            assert rec["h2d_bytes"] == 4 * 2 * M * sum(block)
+            w = 2 - s - 1
+            assert rec["h2d_bytes"] == 4 * (2 * M * sum(block) - (M - w) * block[-1] - (M - w - 1) * block[0])
             assert rec["d2h_bytes"] == 4 * M * sum(block)
             assert rec["window_bytes"] == 4 * max(block)  # one slot
             # one slot, 3 ms per copy: every load that follows a release in a pass waits ≥ 3 ms

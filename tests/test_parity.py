@@ -9,11 +9,14 @@ over the whole step's batch with the attention mask, loss = Σ token cross-entro
 rest not) and the warmup + cosine schedule written out below. Per-step loss, pre-clip gradient
 norm and learning rate, and every final master weight must agree to 1e-5 relative.
 
-The eight launches cover every value of the acceptance matrix without the cross product: stages
+The nine launches cover every value of the acceptance matrix without the cross product: stages
 1/2/4, gpipe/1f1b, window slots 1/2, grad_accum 2 × 4 micro-batches (and other splits, some with
 fewer micro-batches than stages), clipping that bites (and none), tied embeddings across stages,
 a slow copy worker (a missing wait would read stale weights), and the Llama, Qwen3 (q/k norms),
 Qwen2 (q/k/v biases) and Mistral (sliding window shorter than the sequence) architectures.
+A 1f1b step runs grad_accum × M micro-batches as one pipeline round (one case does it with
+in-backward updates, whose per-unit offload counts must follow), and a block used twice in a row
+loads once: each stage's H2D bytes per step must equal that closed form (``_step_h2d_numel``).
 All but one (``-sync``) run with the optimizer overlapped (the default, ``optim.overlap``). Two
 more cover the overlap and residency: a slowed optimizer thread (20 ms per unit; a load that did
 not wait for its unit's update would read stale weights) with units resident on the device, once
@@ -119,6 +122,9 @@ CASES = [
          max_grad_norm=0.0, mutants=("decay_biases",)),
     Case("mistral-4stage-1f1b-slots2-accum3x2-window8",     "MistralForCausalLM", 4, "1f1b",  2,    3,    2,
          hf={"sliding_window": 8}),
+    # 1f1b runs grad_accum × M = 6 micro-batches as one round, updating each unit in the backward
+    Case("llama-2stage-1f1b-slots1-accum3x2-noclip",         "LlamaForCausalLM",   2, "1f1b",  1,    3,    2,
+         max_grad_norm=0.0),
     # resident: embed, layers.0 and the tied head; layers 1-3 stream
     Case("llama-1stage-tied-gpipe-slots2-accum2x4-noclip-resident-optdelay",
                                                             "LlamaForCausalLM",   1, "gpipe", 2,    2,    4,
@@ -304,6 +310,35 @@ def _sliding_window_matters(case: Case, model_dir: Path, ids: torch.Tensor) -> b
     return not torch.allclose(windowed, full, rtol=1e-3, atol=1e-3)
 
 
+def _block_numels(state: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Elements each block loads, from the HF state dict (a tied head loads the embedding too)."""
+    out: dict[str, int] = {}
+    for name, p in state.items():
+        if name.startswith("model.layers."):
+            key = "layers." + name.split(".")[2]
+        else:
+            key = "embed" if name.startswith("model.embed_tokens") else "head"
+        out[key] = out.get(key, 0) + p.numel()
+    return out
+
+
+def _step_h2d_numel(case: Case, stage: int, blocks: list[int]) -> int:
+    """Closed form of one step's H2D elements of a stage (no residency) with ``blocks`` elements per
+    block: two uses per micro-batch, less one load per turn that reuses a block (stream.py). 1f1b runs
+    G·M micro-batches in ONE round (w = min(S - s - 1, G·M) warm-up forwards: max(G·M - w, 1) F→B
+    turns reuse the last block, max(G·M - w - 1, 0) B→F turns the first); gpipe G rounds (G F→B and
+    G - 1 B→F turns). A one-block stage loads once per step. G rounds of 1f1b would reuse fewer."""
+    g, m = case.grad_accum, case.microbatches
+    if len(blocks) == 1:
+        return blocks[0]
+    if case.schedule == "1f1b":
+        w = min(case.stages - stage - 1, g * m)
+        f_to_b, b_to_f = max(g * m - w, 1), max(g * m - w - 1, 0)
+    else:
+        f_to_b, b_to_f = g, g - 1
+    return 2 * g * m * sum(blocks) - f_to_b * blocks[-1] - b_to_f * blocks[0]
+
+
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
@@ -341,6 +376,12 @@ def check_parity(case: Case, tmp_path: Path, shm_dir: Path, torchrun, device: st
         torch.testing.assert_close(
             run.weights[name], want, rtol=RTOL, atol=ATOL_WEIGHT, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+    if not case.resident:
+        numel = _block_numels(ref.weights)
+        for s, names in enumerate(run.units):
+            want = 4 * _step_h2d_numel(case, s, [numel[n] for n in names])
+            assert [st["breakdown"][f"stage{s}/h2d_bytes"] for st in run.steps] == [want] * STEPS, s
 
     if case.tied:
         assert ref.tied_ok, "the reference model does not tie lm_head to the embedding"

@@ -18,7 +18,7 @@ import random
 
 import pytest
 
-from nodetrain.pipeline import Action, Transfer, build_schedule, p2p_groups, partition
+from nodetrain.pipeline import Action, Transfer, build_schedule, p2p_groups, partition, step_rounds
 
 SCHEDULE_KINDS = ("gpipe", "1f1b")
 SHAPES = [(s, m) for s in range(1, 9) for m in range(1, 13)]  # (stages, micro-batches)
@@ -333,3 +333,50 @@ def test_p2p_groups_pair_each_send_with_the_next_receive() -> None:
         (),
     ]
     assert p2p_groups(build_schedule("gpipe", 1, 0, 3), 0, 1) == [()] * 7  # one stage: no P2P
+
+
+# ----------------------------------------------------------------------------- a step of grad_accum rounds
+
+
+def _step_programs(kind: str, num_stages: int, grad_accum: int, m: int) -> list[list[tuple[Transfer, ...]]]:
+    """Every stage's P2P of one step as the engine posts it: the rounds of ``step_rounds`` one after
+    the other, each round's micro-batches numbered after the earlier rounds' (``_run_round``'s base)."""
+    rounds, per_round = step_rounds(kind, grad_accum, m)
+    programs = []
+    for s in range(num_stages):
+        groups = p2p_groups(build_schedule(kind, num_stages, s, per_round), s, num_stages)
+        shifted = [
+            tuple(Transfer(t.op, t.what, r * per_round + t.mb, t.peer) for t in g)
+            for r in range(rounds)
+            for g in groups
+        ]
+        programs.append(shifted)
+    return programs
+
+
+def test_step_rounds_merge_accumulation_for_1f1b_only() -> None:
+    assert step_rounds("1f1b", 3, 4) == (1, 12)  # one fill and drain per step
+    assert step_rounds("gpipe", 3, 4) == (3, 4)  # one round holds every micro-batch's activations
+    assert step_rounds("1f1b", 1, 5) == step_rounds("gpipe", 1, 5) == (1, 5)
+    with pytest.raises(ValueError, match=r"pipeline\.schedule='zb'"):
+        step_rounds("zb", 2, 4)
+
+
+@pytest.mark.parametrize("fifo", ["pair", "rank"])
+@pytest.mark.parametrize("kind", SCHEDULE_KINDS)
+def test_a_step_of_accumulated_rounds_completes_under_nccl_semantics(kind: str, fifo: str) -> None:
+    for num_stages in range(2, 7):
+        for grad_accum in (1, 2, 3):
+            for m in range(1, 5):
+                programs = _step_programs(kind, num_stages, grad_accum, m)
+                matches = _simulate_nccl(programs, fifo)
+                assert matches == 2 * (num_stages - 1) * grad_accum * m, (kind, num_stages, grad_accum, m)
+
+
+def test_one_1f1b_round_per_step_fills_and_drains_once() -> None:
+    """Stage 0 of 4, grad_accum 2 × M 4: one warm-up of S - 1 forwards and one drain, not two; the
+    activations in flight stay bounded by S."""
+    (actions,) = [build_schedule("1f1b", 4, 0, step_rounds("1f1b", 2, 4)[1])]
+    kinds = "".join(a.kind for a in actions)
+    assert kinds == "FFF" + "FB" * 5 + "BBB"
+    assert _max_in_flight(actions) == 4
