@@ -74,7 +74,8 @@ def test_window_copies_on_side_streams_and_stay_current(shm_dir) -> None:
             for u in range(3):  # each block offloaded twice (forward and backward use)
                 assert torch.all(store.grad(u) == 2 * (step + 1)).item()
         stats = window.take_stats()
-        assert stats["h2d_busy_s"] > 0 and stats["h2d_bytes"] == 2 * 6 * 4096 * 2
+        # two steps of 5 loads: the backward's first use of block 2 reuses the forward's load
+        assert stats["h2d_busy_s"] > 0 and stats["h2d_bytes"] == 2 * 5 * 4096 * 2
     finally:
         window.close()
         store.unpin()
