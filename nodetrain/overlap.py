@@ -206,7 +206,9 @@ class UnitUpdates:
         self.busy_s = 0.0
         """Seconds the optimizer spent updating units (overlapped or not) since the last take."""
         self.host_bytes = 0
-        """Host bytes the updates read and wrote since the last take (:func:`update_host_bytes`)."""
+        """Host bytes of the updates submitted since the last take (:func:`update_host_bytes`;
+        counted when submitted, so a step's figure does not depend on how far its overlapped
+        updates got; an in-backward unit left out for a NaN/inf gradient is still counted)."""
 
     # ---- gating ------------------------------------------------------------------------------
 
@@ -280,6 +282,8 @@ class UnitUpdates:
             if self._remaining[u] == 0:
                 self._measured[u] = Future()
                 self._pending[u] = self._pool.submit(self._finalize, u, self._lr, self._step_id)
+                with self._lock:
+                    self.host_bytes += self._update_bytes(u, 1.0)
 
     def _finalize(self, unit: int, lr: float, step_id: int) -> None:
         """Optimizer thread, in-backward: hook → replica sum → norm² → AdamW if finite."""
@@ -350,6 +354,8 @@ class UnitUpdates:
     def _submit(self, unit: int, lr: float, grad_scale: float) -> None:
         assert self._pool is not None
         self._pending[unit] = self._pool.submit(self._update, unit, lr, grad_scale, self._step_id)
+        with self._lock:
+            self.host_bytes += self._update_bytes(unit, grad_scale)
 
     def _update(self, unit: int, lr: float, grad_scale: float, step_id: int) -> None:
         if self._delay_s:
@@ -361,7 +367,6 @@ class UnitUpdates:
         self.opt.step_unit(unit, lr, grad_scale)
         with self._lock:
             self.busy_s += time.perf_counter() - t0
-            self.host_bytes += self._update_bytes(unit, grad_scale)
 
     def _update_bytes(self, unit: int, grad_scale: float) -> int:
         store = self.opt.store
@@ -374,7 +379,7 @@ class UnitUpdates:
         return busy
 
     def take_host_bytes(self) -> int:
-        """Host bytes of the updates since the last call (those finished by now)."""
+        """Host bytes of the updates submitted since the last call."""
         with self._lock:
             out, self.host_bytes = self.host_bytes, 0
         return out

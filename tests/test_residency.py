@@ -190,3 +190,36 @@ def test_resident_gradients_leave_the_device_once_per_step(store, resident, coun
             torch.testing.assert_close(store.grad(0), ref[0], rtol=1e-6, atol=1e-6)  # tied: order differs
     finally:
         window.close()
+
+
+@pytest.mark.parametrize("resident", [(), (3,), (0, 1, 2, 3)], ids=str)
+def test_planner_counts_the_windows_resident_bytes(store, resident) -> None:
+    """``costs.stage_memory`` (the planner and the automatic budget) holds what the Window allocates:
+    the slots sized by the largest streamed block, and each resident block's weights plus its fp32
+    gradient accumulator, 8 B/element in fp32."""
+    from nodetrain.costs import ModelShape, stage_memory
+
+    shape = ModelShape(
+        unit_numels=UNIT_NUMELS,
+        load_numels=tuple(NUMEL[b] for b in BLOCKS),
+        largest_tensors=(32, 16, 16, 32),
+        costs=(0, 20, 20, 52),
+        tied=True,
+        hidden=4,
+        intermediate=8,
+        vocab=8,
+        heads=1,
+        kv_heads=1,
+        head_dim=4,
+        qk_norm=False,
+    )
+    mem = stage_memory(
+        shape, range(4), 0, 1, b=1, t=2, m=2, g=1, schedule="1f1b", slots=2, itemsize=4, resident=resident
+    )
+    window = Window(store, BINDINGS, BLOCKS, BLOCKS, 2, "cpu", resident=resident)
+    try:
+        assert mem.resident_bytes == window.resident_nbytes == 8 * sum(NUMEL[b] for b in resident)
+        assert mem.window_bytes == window.nbytes - window.resident_nbytes
+        assert mem.total_bytes == mem.window_bytes + mem.resident_bytes + mem.activation_bytes
+    finally:
+        window.close()
