@@ -262,6 +262,8 @@ class StepBreakdown:
             phases: :meth:`Timeline.stop`'s output.
             busy: ``h2d_bytes``, ``d2h_bytes``, ``h2d_busy_s``, ``d2h_busy_s``, ``optim_busy_s``:
                 bytes moved and seconds the copy and optimizer workers worked (overlapped or not);
+                ``accum_host_bytes``, ``optim_host_bytes``: host bytes read and written by the
+                gradient accumulation (``Window.take_stats``) and the optimizer's updates;
                 ``cpu_s``: CPU seconds of this process (all threads) during the step;
                 ``num_updates_in_backward``: unit updates that started before the backward ended.
         """
@@ -304,7 +306,8 @@ def combine_stages(records: list[dict], num_stages: int | None = None) -> dict:
     rank; the phase times and ``other_s`` the mean over ranks (so they still sum to about
     ``step_s``); ``tflops`` = Σ FLOPs / step_s / 1e12; ``mfu`` = Σ FLOPs / (step_s × Σ peaks);
     ``h2d_gbps``/``d2h_gbps`` bytes over worker-busy seconds of all ranks; ``window_bytes`` the
-    largest rank's; ``*_bytes`` moved, ``*_busy_s`` and ``num_resident`` (units resident on all
+    largest rank's; ``accum_host_bytes``/``optim_host_bytes`` (host bytes of the gradient path) and
+    ``*_bytes`` moved, ``*_busy_s`` and ``num_resident`` (units resident on all
     devices) summed; ``store_bytes`` one node's store, as is.
 
     Args:
@@ -330,6 +333,8 @@ def combine_stages(records: list[dict], num_stages: int | None = None) -> dict:
         out[key] = total(key) / n
     for key in ("h2d_bytes", "d2h_bytes", "h2d_busy_s", "d2h_busy_s", "optim_busy_s", "cpu_s", "flops"):
         out[key] = total(key)
+    for key in ("accum_host_bytes", "optim_host_bytes"):  # host DRAM bytes of the node's gradient path
+        out[key] = sum(r.get(key, 0) for r in records)
     out["h2d_gbps"] = _rate(out["h2d_bytes"], out["h2d_busy_s"]) / 1e9
     out["d2h_gbps"] = _rate(out["d2h_bytes"], out["d2h_busy_s"]) / 1e9
     out["tflops"] = _rate(out["flops"], step_s) / 1e12

@@ -29,6 +29,8 @@ __all__ = [
     "pin_overhead_bytes",
     "StageMemory",
     "stage_memory",
+    "GRAD_ACC_ITEMSIZE",
+    "resident_bytes_per_param",
     "model_flops",
     "optimizer_bytes_per_param",
     "StepTime",
@@ -116,6 +118,15 @@ def pin_overhead_bytes(compute_bytes: int) -> int:
 
 # ----------------------------------------------------------------------------- device memory
 
+GRAD_ACC_ITEMSIZE = 4
+"""Bytes per parameter of a resident block's fp32 gradient accumulator on the device."""
+
+
+def resident_bytes_per_param(itemsize: int) -> int:
+    """Device bytes per parameter of a resident block: its weights in the compute dtype plus its fp32
+    gradient accumulator (``Window``'s resident buffers; DESIGN invariant 8)."""
+    return itemsize + GRAD_ACC_ITEMSIZE
+
 
 @dataclass(frozen=True)
 class StageMemory:
@@ -134,6 +145,9 @@ class StageMemory:
     """Sent activations and input gradients, held by their ``isend`` until the step ends (G·M each)."""
     transient_bytes: int
     """Recompute + backward of one block (the largest such), plus gradients queued for D2H."""
+    resident_bytes: int = 0
+    """Resident blocks' weights and fp32 gradient accumulators, ``load × (e + 4)`` each
+    (``Window.resident_nbytes``)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -141,7 +155,7 @@ class StageMemory:
 
     @property
     def total_bytes(self) -> int:
-        return self.window_bytes + self.activation_bytes
+        return self.window_bytes + self.resident_bytes + self.activation_bytes
 
 
 def _layer_saved_per_token(shape: ModelShape, e: int) -> int:
@@ -247,6 +261,7 @@ def stage_memory(
     slots: int,
     itemsize: int,
     on_cpu: bool = False,
+    resident=(),
 ) -> StageMemory:
     """Peak device bytes of ``stage`` (owning ``blocks``) for micro-batches of ``b × t`` tokens.
 
@@ -264,21 +279,25 @@ def stage_memory(
         b, t, m, g: micro-batch size, sequence length, micro-batches per round, rounds per step.
         schedule: ``1f1b`` or ``gpipe``; slots: window slots; itemsize: compute-dtype bytes (e).
         on_cpu: the device is the CPU (the stage's memory is host memory).
+        resident: blocks kept resident (residency.py): out of the slots' ``largest``, counted at
+            ``load × (e + 4)`` bytes each; their gradients accumulate on the device, none queue.
     """
     n, e, d = b * t, itemsize, shape.hidden
     largest = max(shape.load_numels[i] for i in blocks)
+    streamed = max((shape.load_numels[i] for i in blocks if i not in resident), default=0)
     in_flight = m if schedule == "gpipe" else min(num_stages - stage, m)
     per_mb = sum(n * 8 if i == 0 else n * d * e for i in blocks)  # the embedding saves its int64 ids
     sends = (stage < num_stages - 1) + (stage > 0)
-    queued = 0 if on_cpu else slots * largest * e
+    queued = 0 if on_cpu else slots * streamed * e
     return StageMemory(
         stage=stage,
         blocks=blocks,
-        window_bytes=slots * largest * e,
+        window_bytes=slots * streamed * e,
         staging_bytes=slots * largest * e,
         saved_bytes=in_flight * per_mb,
         p2p_bytes=sends * g * m * n * d * e,
         transient_bytes=max(_block_peak_bytes(shape, i, n, e, on_cpu) for i in blocks) + queued,
+        resident_bytes=sum(shape.load_numels[i] for i in resident) * resident_bytes_per_param(e),
     )
 
 

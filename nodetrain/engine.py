@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,7 +60,7 @@ from nodetrain.replicas import ReplicaGradSum, Topology, node_group, replica_sli
 from nodetrain.residency import resident_blocks
 from nodetrain.stage import IGNORE_INDEX, StageRunner
 from nodetrain.store import HostStore, StoreLayout
-from nodetrain.stream import Window
+from nodetrain.stream import Window, arrival_order
 
 __all__ = ["Engine", "StepResult", "DTYPES"]
 
@@ -173,7 +174,7 @@ class Engine:
             device,
             cfg.stream.test_copy_delay_s,
             resident=resident_blocks(
-                cfg, model, self.blocks, topo.stage, topo.num_stages, device, self.grad_accum
+                cfg, model, self.blocks, topo.stage, topo.num_stages, device, self.grad_accum, self._uses()
             ),
         )
         self.window.gate, self.window.on_offloaded = self.updates.gate, self.updates.offloaded
@@ -276,6 +277,16 @@ class Engine:
         for u in self.units:
             self.store.compute(u.index).copy_(self.store.master(u.index))
         dist.barrier()  # the tied embedding's transfer copy is read by the last stage
+
+    def _uses(self) -> dict[int, tuple[int, int]]:
+        """Per block, (loads, backwards) in one step of this stage's schedule (residency's ranking)."""
+        rounds, per_round = step_rounds(
+            self.cfg.pipeline.schedule, self.grad_accum, self.cfg.pipeline.microbatches
+        )
+        actions = build_schedule(self.cfg.pipeline.schedule, self.num_stages, self.stage, per_round)
+        loads = Counter(self._load_sequence(actions, rounds))
+        backwards = Counter(self._offload_sequence(actions, rounds))
+        return {b: (loads[b], backwards[b]) for b in self.blocks}
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -394,8 +405,10 @@ class Engine:
         rounds, per_round = step_rounds(self.cfg.pipeline.schedule, self.grad_accum, m)
         actions = build_schedule(self.cfg.pipeline.schedule, self.num_stages, self.stage, per_round)
         self._step[0] = step
-        self.updates.begin_step(lr, self.grad_accum * m, self._offload_sequence(actions, rounds))
-        self.window.begin(self._load_sequence(actions, rounds))
+        backwards = self._offload_sequence(actions, rounds)
+        arrivals = arrival_order(backwards, self.window.resident)  # a resident block's: once, at its last
+        self.updates.begin_step(lr, Counter(arrivals), arrivals)
+        self.window.begin(self._load_sequence(actions, rounds), Counter(backwards))
         self.p2p.reset_timer()
         loss_sum = 0.0
         for r in range(rounds):
@@ -424,6 +437,7 @@ class Engine:
         phases = timeline.stop()
         now = time.perf_counter()
         busy = {**self.window.take_stats(), "optim_busy_s": self.updates.take_busy_s()}
+        busy["optim_host_bytes"] = self.updates.take_host_bytes()
         busy["num_updates_in_backward"] = self.updates.take_in_backward_count()
         busy["cpu_s"] = time.process_time() - cpu0
         record = self.breakdown.stage_record(now - t0, inputs.numel(), phases, busy)

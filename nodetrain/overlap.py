@@ -49,7 +49,7 @@ import torch
 from nodetrain.config import OptimConfig
 from nodetrain.optim import StoreAdamW
 
-__all__ = ["UnitUpdates", "fair_share_threads", "update_mode", "final_order"]
+__all__ = ["UnitUpdates", "fair_share_threads", "update_mode", "final_order", "update_host_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,17 @@ def update_mode(cfg: OptimConfig) -> tuple[bool, str]:
     )
 
 
+def update_host_bytes(numel: int, itemsize: int, scaled: bool) -> int:
+    """Host bytes one unit's update reads and writes (``StoreAdamW.step_unit`` and the norm²).
+
+    Per element: the norm² reads the gradient (4); the fused AdamW reads master, gradient,
+    ``exp_avg``, ``exp_avg_sq`` (16) and writes master and both moments (12); the transfer-copy
+    refresh reads master (4) and writes ``itemsize``; a clip (``scaled``) reads and writes the
+    gradient (8). No zeroing: the next step's first offload overwrites the accumulator.
+    """
+    return numel * (4 + 28 + 4 + itemsize + (8 if scaled else 0))
+
+
 def final_order(offload_blocks, units_of: dict[int, list[int]]) -> list[int]:
     """The order in which units' gradients become final, given the blocks in offload order.
 
@@ -194,6 +205,10 @@ class UnitUpdates:
         """In-backward units of the current step left out because their gradient was NaN/inf."""
         self.busy_s = 0.0
         """Seconds the optimizer spent updating units (overlapped or not) since the last take."""
+        self.host_bytes = 0
+        """Host bytes of the updates submitted since the last take (:func:`update_host_bytes`;
+        counted when submitted, so a step's figure does not depend on how far its overlapped
+        updates got; an in-backward unit left out for a NaN/inf gradient is still counted)."""
 
     # ---- gating ------------------------------------------------------------------------------
 
@@ -224,21 +239,26 @@ class UnitUpdates:
         and which are updated after the all-reduce: all of them, or in-backward the shared ones."""
         return [u for u in self._owned if not self.in_backward or u in self._shared]
 
-    def begin_step(self, lr: float, offloads_per_block: int, offload_order=None) -> None:
-        """Arm the final-gradient count: every block gets ``offloads_per_block`` offloads a step.
+    def begin_step(self, lr: float, offloads_per_block: int | dict[int, int], offload_order=None) -> None:
+        """Arm the final-gradient count: a unit is final after every offload of the blocks binding it.
 
         Args:
             lr: this step's learning rate.
-            offloads_per_block: offloads of each of this stage's blocks in the step.
+            offloads_per_block: offloads (arrivals in the host store) of each of this stage's blocks
+                in the step: one count for all, or block -> count (a resident block arrives once a
+                step, its device accumulator; stream.py).
             offload_order: optional, the step's blocks in offload order; the units must then become
                 final in :func:`final_order` (asserted on the optimizer thread).
         """
+        counts = offloads_per_block
+        if isinstance(counts, int):
+            counts = dict.fromkeys(self._units_of, counts)
         self._lr = lr
         self._grad_sq.clear()
         self._measured.clear()
         self.nonfinite = []
         self._remaining = {
-            u: offloads_per_block * len(self._users[u]) for u in self._owned if u not in self._shared
+            u: sum(counts.get(b, 0) for b in self._users[u]) for u in self._owned if u not in self._shared
         }
         self._order = None
         if offload_order is not None:
@@ -262,6 +282,8 @@ class UnitUpdates:
             if self._remaining[u] == 0:
                 self._measured[u] = Future()
                 self._pending[u] = self._pool.submit(self._finalize, u, self._lr, self._step_id)
+                with self._lock:
+                    self.host_bytes += self._update_bytes(u, 1.0)
 
     def _finalize(self, unit: int, lr: float, step_id: int) -> None:
         """Optimizer thread, in-backward: hook → replica sum → norm² → AdamW if finite."""
@@ -323,6 +345,7 @@ class UnitUpdates:
             t0 = time.perf_counter()
             self.opt.step(lr, grad_scale)
             self.busy_s += time.perf_counter() - t0
+            self.host_bytes += sum(self._update_bytes(u, grad_scale) for u in self._owned)
             return
         for u in self.later_units:
             self._submit(u, lr, grad_scale)
@@ -331,6 +354,8 @@ class UnitUpdates:
     def _submit(self, unit: int, lr: float, grad_scale: float) -> None:
         assert self._pool is not None
         self._pending[unit] = self._pool.submit(self._update, unit, lr, grad_scale, self._step_id)
+        with self._lock:
+            self.host_bytes += self._update_bytes(unit, grad_scale)
 
     def _update(self, unit: int, lr: float, grad_scale: float, step_id: int) -> None:
         if self._delay_s:
@@ -343,10 +368,21 @@ class UnitUpdates:
         with self._lock:
             self.busy_s += time.perf_counter() - t0
 
+    def _update_bytes(self, unit: int, grad_scale: float) -> int:
+        store = self.opt.store
+        itemsize = torch.empty(0, dtype=store.layout.compute_dtype).element_size()
+        return update_host_bytes(store.master(unit).numel(), itemsize, grad_scale != 1.0)
+
     def take_busy_s(self) -> float:
         with self._lock:
             busy, self.busy_s = self.busy_s, 0.0
         return busy
+
+    def take_host_bytes(self) -> int:
+        """Host bytes of the updates submitted since the last call."""
+        with self._lock:
+            out, self.host_bytes = self.host_bytes, 0
+        return out
 
     def close(self) -> None:
         """Finish every submitted update and stop the thread."""

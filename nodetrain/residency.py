@@ -3,10 +3,13 @@
 Owns: the device budget for resident blocks (``stream.device_budget``, or the automatic one) and
 the choice of blocks that fit it. Does not own: the buffers or the loads (stream.py).
 
-Every byte of a block costs the same H2D traffic per pass (it is loaded for each micro-batch's
-forward and backward), so any block kept resident saves ``2 × micro-batches`` loads of its bytes
-per step; the choice is first fit in stage order. Gradients of resident blocks still go to the
-host store after every backward (fp32 accumulation on the host keeps the arithmetic exact).
+A resident block costs ``numel × (e + 4)`` device bytes (its compute-dtype weights and an fp32
+gradient accumulator, ``costs.resident_bytes_per_param``) and saves, per step, every load of it but
+one (``(loads − 1) × numel × e`` H2D) and every gradient offload but one fp32 copy
+(``backwards × numel × e − 4 × numel`` D2H; the accumulator leaves once per step, stream.py).
+Both directions run at the host link's speed, so transfer time saved per device byte is
+``saved bytes / cost bytes``; the choice is greedy in that order (ties: block order), after the
+last stage's head, which goes first (the stage's largest block, loaded at every use).
 """
 
 from __future__ import annotations
@@ -15,11 +18,12 @@ import logging
 
 import torch
 
-from nodetrain.costs import shape_of, stage_memory
+from nodetrain.costs import GRAD_ACC_ITEMSIZE, resident_bytes_per_param, shape_of, stage_memory
 
 __all__ = [
     "resident_blocks",
     "choose_resident",
+    "saved_transfer_bytes",
     "auto_device_budget",
     "stage_activation_bytes",
     "MARGIN_BYTES",
@@ -31,19 +35,41 @@ MARGIN_BYTES = 2 << 30
 """Device bytes the automatic budget leaves free for the allocator, CUDA context growth and NCCL."""
 
 
-def choose_resident(block_bytes: dict[int, int], budget: int) -> list[int]:
-    """Blocks to keep resident: first fit in block order within ``budget`` bytes.
+def saved_transfer_bytes(numel: int, itemsize: int, loads: int, backwards: int) -> int:
+    """Link bytes per step a block saves by being resident (see the module docstring).
 
     Args:
-        block_bytes: block index -> device bytes of its bindings (compute dtype).
-        budget: bytes available; ≤ 0 keeps nothing resident.
+        numel: elements the block binds; itemsize: compute-dtype bytes (e).
+        loads: its uses in the step's load sequence; backwards: its gradient offloads in the step.
     """
+    h2d = max(loads - 1, 0) * numel * itemsize
+    d2h = backwards * numel * itemsize - (numel * GRAD_ACC_ITEMSIZE if backwards else 0)
+    return h2d + d2h
+
+
+def choose_resident(
+    cost_bytes: dict[int, int], saved_bytes: dict[int, int], budget: int, first=()
+) -> list[int]:
+    """Blocks to keep resident within ``budget`` device bytes, in block order.
+
+    Greedy: the ``first`` blocks (the last stage's head), then the others by saved bytes per device
+    byte, highest first (ties: lower block first); a block that does not fit is skipped.
+
+    Args:
+        cost_bytes: block index -> device bytes if resident (weights + fp32 accumulator).
+        saved_bytes: block index -> link bytes per step it saves (:func:`saved_transfer_bytes`).
+        budget: bytes available; ≤ 0 keeps nothing resident.
+        first: blocks tried before the ranking.
+    """
+    rest = sorted(
+        (b for b in cost_bytes if b not in first), key=lambda b: (-saved_bytes[b] / max(cost_bytes[b], 1), b)
+    )
     chosen, left = [], budget
-    for block in sorted(block_bytes):
-        if 0 < block_bytes[block] <= left:
+    for block in [b for b in first if b in cost_bytes] + rest:
+        if 0 < cost_bytes[block] <= left:
             chosen.append(block)
-            left -= block_bytes[block]
-    return chosen
+            left -= cost_bytes[block]
+    return sorted(chosen)
 
 
 def stage_activation_bytes(cfg, model, blocks, stage: int, num_stages: int, grad_accum: int, device) -> int:
@@ -90,7 +116,7 @@ def auto_device_budget(device: torch.device, activations: int, window_bytes: int
 
 
 def resident_blocks(
-    cfg, model, blocks, stage: int, num_stages: int, device, grad_accum: int = 1
+    cfg, model, blocks, stage: int, num_stages: int, device, grad_accum: int = 1, uses=None
 ) -> list[int]:
     """The blocks of this stage to keep resident under ``cfg.stream.device_budget`` (see module doc).
 
@@ -101,20 +127,30 @@ def resident_blocks(
         stage, num_stages: this rank's place in the pipeline (its activations in flight).
         device: the compute device.
         grad_accum: rounds per step (the P2P buffers of the activation model).
+        uses: block -> (loads, backwards) in one step (the engine's load and offload sequences);
+            default ``2 × M × grad_accum`` loads and ``M × grad_accum`` backwards each.
     """
     itemsize = torch.empty(0, dtype=getattr(torch, cfg.train.dtype)).element_size()
-    block_bytes = {i: sum(b.numel for b in model.bindings[i]) * itemsize for i in blocks}
+    numel = {i: sum(b.numel for b in model.bindings[i]) for i in blocks}
+    if uses is None:
+        mbs = cfg.pipeline.microbatches * grad_accum
+        uses = {i: (2 * mbs, mbs) for i in blocks}
+    cost = {i: n * resident_bytes_per_param(itemsize) for i, n in numel.items()}
+    saved = {i: saved_transfer_bytes(n, itemsize, *uses[i]) for i, n in numel.items()}
     budget = cfg.stream.device_budget
     if budget < 0:
         acts = stage_activation_bytes(cfg, model, blocks, stage, num_stages, grad_accum, device)
-        budget = auto_device_budget(torch.device(device), acts, cfg.stream.slots * max(block_bytes.values()))
-    chosen = choose_resident(block_bytes, budget)
+        window = cfg.stream.slots * max(numel.values()) * itemsize
+        budget = auto_device_budget(torch.device(device), acts, window)
+    head = len(model.units) - 1
+    chosen = choose_resident(cost, saved, budget, first=(head,) if head in numel else ())
     log.info(
-        "stage %d: device budget %.1f MB, %d of %d blocks resident (%.1f MB)",
+        "stage %d: device budget %.1f MB, %d of %d blocks resident (%.1f MB with their fp32 gradient "
+        "accumulators; chosen by link bytes saved per device byte, the head first)",
         stage,
         budget / 1e6,
         len(chosen),
-        len(block_bytes),
-        sum(block_bytes[i] for i in chosen) / 1e6,
+        len(numel),
+        sum(cost[i] for i in chosen) / 1e6,
     )
     return chosen

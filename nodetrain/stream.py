@@ -17,7 +17,8 @@ of the sequence share one load: the later ones reuse its slot, with no H2D and n
     offload()  copies the block's gradients into staging buffer ``n % slots`` (async on CUDA) and
                queues their accumulation; at most ``slots`` in flight, so a buffer is rewritten
                only after its last accumulation; the first offload into an accumulator since
-               begin() overwrites it, so the optimizer never spends a pass zeroing it;
+               begin() overwrites it, so the optimizer never spends a pass zeroing it; a resident
+               block's gradients are added into its device accumulator instead, shipped once;
     flush()    waits for every queued offload (before the optimizer reads the accumulators).
 A resident block's one load per sequence is issued when the prefetch reaches its first use, so
 the in-order H2D worker never blocks a needed load behind it. ``gate(block)`` (optional) returns
@@ -28,11 +29,18 @@ Reuse on a stage of n ≥ 2 blocks: a forward's last block is the next backward'
 backward's last block the next forward's first (B→F). Stage s of S running M micro-batches with
 w = min(S - s - 1, M) warm-up forwards: 1F1B reuses the last block max(M - w, 1) times and the first
 max(M - w - 1, 0) times, GPipe the last block once; a one-block stage loads once per sequence.
+
+A resident block also keeps an fp32 gradient accumulator on the device (DESIGN invariant 8):
+``offload()`` adds its gradients there (first backward of the step: a copy), in the order the host
+would have added them, and only the block's last backward of the step (``begin(..., backwards=)``
+gives the count) queues one D2H copy of the accumulator into the store (4 bytes/parameter per step,
+whatever the micro-batch count).
 The waits enter the ``stall``, ``d2h_wait`` and ``optim`` phases of ``timeline`` (breakdown.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
@@ -45,7 +53,20 @@ from nodetrain.model import Binding
 from nodetrain.staging import GradStaging
 from nodetrain.store import HostStore
 
-__all__ = ["Window"]
+__all__ = ["Window", "arrival_order"]
+
+
+def arrival_order(backwards: list[int], resident) -> list[int]:
+    """Blocks in the order their gradients reach the host store in a step: a streamed block at every
+    backward, a resident one once, at its last backward (its device accumulator is shipped then).
+
+    Args:
+        backwards: block indices in the order their backwards offload (the engine's offload sequence).
+        resident: the resident blocks.
+    """
+    resident = set(resident)
+    last = {b: k for k, b in enumerate(backwards) if b in resident}
+    return [b for k, b in enumerate(backwards) if b not in last or last[b] == k]
 
 
 class _CopyWorker:
@@ -129,7 +150,8 @@ class Window:
         resident: blocks held in buffers of their own for the whole sequence.
 
     Memory: ``slots × max streamed block numel × compute itemsize`` bytes plus each resident block's
-    bytes on the device (``nbytes``; ``resident_nbytes`` the latter); ``slots × max block numel ×
+    ``numel × (compute itemsize + 4)`` bytes (its weights and its fp32 gradient accumulator) on the
+    device (``nbytes``; ``resident_nbytes`` the latter); ``slots × max block numel ×
     compute itemsize`` bytes of host staging (``staging_nbytes``; page-locked on CUDA).
 
     Hooks (set by the engine): ``gate(block) -> list[Future]``; ``on_offloaded(block)``, called on
@@ -146,6 +168,12 @@ class Window:
         numel = max((self._numel(i) for i in streamed), default=0)
         self._slots = [torch.empty(numel, dtype=dtype, device=self.device) for _ in range(slots)]
         self._resident = {i: torch.empty(self._numel(i), dtype=dtype, device=self.device) for i in resident}
+        # fp32 gradient accumulators of resident blocks (their gradients leave once per step)
+        self._grad_acc = {
+            i: torch.empty(self._numel(i), dtype=torch.float32, device=self.device) for i in resident
+        }
+        self._backwards_left: dict[int, int] = {}  # resident block -> backwards left in this sequence
+        self._acc_started: set[int] = set()  # resident blocks whose accumulator was written since begin()
         self._views = {i: self._slot_views(bindings[i]) for i in blocks}
         self._grad_targets = {i: self._grad_views(bindings[i], set(owned_units)) for i in blocks}
         self._check_targets()
@@ -165,10 +193,15 @@ class Window:
         self._last_load: tuple[tuple[Future, list[Future]], torch.Tensor] | None = None  # latest streamed
         self._next = self._cursor = self._streamed = self._in_flight = 0
         self._offloads: list[Future] = []
+        self._ships: list[Future] = []  # resident accumulators on their way to the store
         self.stall_s = 0.0
         """Seconds compute waited for H2D since the last :meth:`begin`."""
         self.h2d_bytes = self.d2h_bytes = 0
         """Bytes copied each way since the last :meth:`take_stats`."""
+        self.accum_host_bytes = 0
+        """Host bytes read and written by the gradient accumulation since the last take_stats: per
+        element, a staged first write ``e + 4`` (read staging, write fp32), a staged add ``e + 8``, a
+        resident accumulator's copy ``4``, its add into a shared target ``12``."""
 
     def _numel(self, block: int) -> int:
         return sum(b.numel for b in self.bindings[block])
@@ -185,8 +218,9 @@ class Window:
 
     @property
     def resident_nbytes(self) -> int:
-        """Device bytes held by the resident blocks."""
-        return sum(s.numel() * s.element_size() for s in self._resident.values())
+        """Device bytes held by the resident blocks: weights (compute dtype) and fp32 accumulators."""
+        held = [*self._resident.values(), *self._grad_acc.values()]
+        return sum(s.numel() * s.element_size() for s in held)
 
     def _slot_views(self, bindings: tuple[Binding, ...]) -> list[tuple[str, int, tuple[int, ...]]]:
         out, pos = [], 0
@@ -209,11 +243,20 @@ class Window:
         for (_, end), (start, _) in itertools.pairwise(spans):
             assert end <= start, "two bindings' gradient ranges overlap partially"
 
-    def begin(self, sequence: list[int]) -> None:
-        """Start a new load sequence (block indices in compute order) and prefetch its head."""
+    def begin(self, sequence: list[int], backwards: dict[int, int] | None = None) -> None:
+        """Start a new load sequence (block indices in compute order) and prefetch its head.
+
+        Args:
+            sequence: block indices in the order they are acquired.
+            backwards: block -> offloads (backwards) it gets in this sequence; a resident block
+                listed here accumulates on the device and is shipped at its last one. A resident
+                block not listed offloads each backward through staging, as a streamed one does.
+        """
         assert not self._loads, "previous sequence not drained"
         self._seq, self.stall_s = list(sequence), 0.0
         self._written.clear()
+        self._backwards_left = {b: n for b, n in (backwards or {}).items() if b in self._grad_acc and n > 0}
+        self._acc_started.clear()
         self._next = self._cursor = self._streamed = self._in_flight = 0
         self._slot_at.clear()
         self._resident_loads.clear()
@@ -300,6 +343,9 @@ class Window:
         for that copy and accumulates the buffer into the store. At most ``slots`` offloads are in
         flight, so the buffer's previous offload has been accumulated before it is written again.
         """
+        if block in self._backwards_left:
+            self._accumulate_on_device(block, grads)
+            return
         if len(self._offloads) >= len(self._staging):  # bound gradient memory in flight, free a buffer
             with self.timeline.phase("d2h_wait"):
                 while len(self._offloads) >= len(self._staging):
@@ -320,27 +366,77 @@ class Window:
                     dst.copy_(src)
                 else:  # fp32 += compute dtype, widened elementwise
                     dst.add_(src)
+                self.accum_host_bytes += dst.numel() * (src.element_size() + (4 if first else 8))
             if self.on_offloaded is not None:
                 self.on_offloaded(block)
 
         self._offloads.append(self._d2h.submit(accumulate))
+
+    def _accumulate_on_device(self, block: int, grads: dict[str, torch.Tensor]) -> None:
+        """Add a resident block's gradients into its device fp32 accumulator (the same elementwise
+        fp32 += compute-dtype sums, in the same order, as the host accumulation); ship it at the
+        block's last backward of the sequence."""
+        acc, first = self._grad_acc[block], block not in self._acc_started
+        for name, pos, shape in self._views[block]:
+            view = acc[pos : pos + math.prod(shape)].view(shape)
+            if first:
+                view.copy_(grads[name])
+            else:
+                view.add_(grads[name])
+        self._acc_started.add(block)
+        self._backwards_left[block] -= 1
+        if self._backwards_left[block] == 0:
+            self._ship(block)
+
+    def _ship(self, block: int) -> None:
+        """Queue the D2H copy of ``block``'s accumulator into the store (first write: a copy)."""
+        acc, targets = self._grad_acc[block], self._grad_targets[block]
+        jobs = []
+        for name, pos, shape in self._views[block]:
+            dst = targets[name]
+            jobs.append((dst, dst.data_ptr() not in self._written, acc[pos : pos + math.prod(shape)]))
+            self._written.add(dst.data_ptr())
+        self.d2h_bytes += acc.numel() * acc.element_size()
+        cuda = self.device.type == "cuda"
+        ready = torch.cuda.current_stream(self.device).record_event() if cuda else None
+        stream = self._staging.stream
+
+        def ship():
+            if ready is not None:  # the accumulator's last add was queued on the compute stream
+                ready.synchronize()
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for dst, first, src in jobs:
+                    if first:
+                        dst.copy_(src)
+                    else:  # a target shared with another block (the tied embedding of one stage)
+                        dst.add_(src.to(dst.device))
+                    self.accum_host_bytes += dst.numel() * (4 if first else 12)
+            if self.on_offloaded is not None:
+                self.on_offloaded(block)
+
+        self._ships.append(self._d2h.submit(ship))
 
     def flush(self) -> None:
         """Wait for every queued offload; the host accumulators are then complete."""
         with self.timeline.phase("d2h_wait"):
             while self._offloads:
                 self._offloads.pop(0).result()
+            while self._ships:
+                self._ships.pop(0).result()
         assert self._next == len(self._seq) and not self._loads, "load sequence not fully consumed"
+        left = {b: n for b, n in self._backwards_left.items() if n}
+        assert not left, f"resident blocks' backwards left unshipped: {left}"
 
     def take_stats(self) -> dict[str, float]:
         """Bytes and busy seconds of both directions since the last call (after :meth:`flush`)."""
         out = {
             "h2d_bytes": self.h2d_bytes,
             "d2h_bytes": self.d2h_bytes,
+            "accum_host_bytes": self.accum_host_bytes,
             "h2d_busy_s": self._h2d.take_busy_s(),
             "d2h_busy_s": self._d2h.take_busy_s(),
         }
-        self.h2d_bytes = self.d2h_bytes = 0
+        self.h2d_bytes = self.d2h_bytes = self.accum_host_bytes = 0
         return out
 
     def close(self) -> None:

@@ -231,6 +231,11 @@ def test_two_stage_breakdown_sums_to_step_time_and_counts_bytes(tmp_path, shm_di
             w = 2 - s - 1
             assert rec["h2d_bytes"] == 4 * (2 * M * sum(block) - (M - w) * block[-1] - (M - w - 1) * block[0])
             assert rec["d2h_bytes"] == 4 * M * sum(block)
+            # host bytes of the gradient path: a first write (4 + 4 B/elem), then M − 1 adds
+            # (4 + 8); the step's AdamW pass, 40 B/elem plus 8 for the clip when it scales
+            assert rec["accum_host_bytes"] == sum(block) * (8 + 12 * (M - 1))
+            clipped = step["grad_norm"] + 1e-6 > 1.0  # optim.max_grad_norm = 1.0
+            assert rec["optim_host_bytes"] == sum(block) * (40 + 8 * clipped), (i, s, step["grad_norm"])
             assert rec["window_bytes"] == 4 * max(block)  # one slot
             # one slot, 3 ms per copy: every load that follows a release in a pass waits ≥ 3 ms
             assert rec["stall_s"] >= 0.9 * 2 * M * (len(names) - 1) * COPY_DELAY_S, (i, s, rec)

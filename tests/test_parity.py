@@ -96,7 +96,8 @@ class Case:
     optim_delay_s: float = 0.0
     """Test-only sleep of the optimizer thread before each unit's update."""
     device_budget: int = 0
-    """Bytes of resident units (fp32 here: an embedding or head 65,536/65,792, a layer 147,968)."""
+    """Device bytes for resident units, weights and fp32 gradient accumulator (fp32 here: 8 B per
+    parameter, an embedding or head 131,072/131,584, a layer 295,936); the last stage's head first."""
     resident: tuple[str, ...] = ()
     """Units expected resident under ``device_budget`` (all stages)."""
     hf: dict = field(default_factory=dict)
@@ -125,16 +126,17 @@ CASES = [
     # 1f1b runs grad_accum × M = 6 micro-batches as one round, updating each unit in the backward
     Case("llama-2stage-1f1b-slots1-accum3x2-noclip",         "LlamaForCausalLM",   2, "1f1b",  1,    3,    2,
          max_grad_norm=0.0),
-    # resident: embed, layers.0 and the tied head; layers 1-3 stream
+    # resident: the tied head first, then embed and layers.0 (equal savings per byte: block order);
+    # layers 1-3 stream. The embedding and the head accumulate into one range (unit 0's grad).
     Case("llama-1stage-tied-gpipe-slots2-accum2x4-noclip-resident-optdelay",
                                                             "LlamaForCausalLM",   1, "gpipe", 2,    2,    4,
-         max_grad_norm=0.0, tied=True, optim_delay_s=0.02, device_budget=279_296,
+         max_grad_norm=0.0, tied=True, optim_delay_s=0.02, device_budget=558_592,
          resident=("embed", "layers.0", "head")),
-    # resident: embed on stage 0, layers.2 on stage 1, whose 2 slots prefetch layers.3 and the
-    # tied head (binding stage 0's embedding) as soon as a step starts
+    # resident: embed on stage 0; on stage 1 the tied head (binding stage 0's embedding: its device
+    # accumulator lands in grad_tied), whose 2 slots stream layers.2 and layers.3
     Case("llama-2stage-tied-1f1b-slots2-accum2x4-resident-optdelay",
                                                             "LlamaForCausalLM",   2, "1f1b",  2,    2,    4,
-         tied=True, optim_delay_s=0.02, device_budget=147_968, resident=("embed", "layers.2")),
+         tied=True, optim_delay_s=0.02, device_budget=295_936, resident=("embed", "head")),
 ]
 # fmt: on
 
@@ -339,6 +341,27 @@ def _step_h2d_numel(case: Case, stage: int, blocks: list[int]) -> int:
     return 2 * g * m * sum(blocks) - f_to_b * blocks[-1] - b_to_f * blocks[0]
 
 
+def unit_of(hf_name: str) -> str:
+    """The nodetrain unit an HF tensor belongs to (embed, layers.<i>, head = final norm + lm_head)."""
+    if hf_name.startswith("model.layers."):
+        return "layers." + hf_name.split(".")[2]
+    return "embed" if hf_name.startswith("model.embed_tokens.") else "head"
+
+
+def check_d2h_bytes(case: Case, run: Run, weights: dict[str, torch.Tensor]) -> None:
+    """Gradient bytes leaving each stage's device per step (fp32, from the HF state dict's sizes): a
+    resident unit's once (its device accumulator, 4 B/param), a streamed unit's at every one of the
+    ``grad_accum × microbatches`` backwards; the tied head binds the embedding (``lm_head.weight``)."""
+    load = {}
+    for name, w in weights.items():
+        load[unit_of(name)] = load.get(unit_of(name), 0) + 4 * w.numel()
+    backwards = case.grad_accum * case.microbatches
+    for s, names in enumerate(run.units):
+        want = sum(load[u] * (1 if u in case.resident else backwards) for u in names)
+        got = {step["breakdown"][f"stage{s}/d2h_bytes"] for step in run.steps}
+        assert got == {want}, f"stage {s}: D2H bytes per step {got}, expected {want}"
+
+
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
@@ -363,6 +386,8 @@ def check_parity(case: Case, tmp_path: Path, shm_dir: Path, torchrun, device: st
     )
     assert all(run.units), f"a stage owns no unit: {run.units}"
     assert run.resident == list(case.resident), "the case does not exercise the residency it names"
+    if case.resident:
+        check_d2h_bytes(case, run, ref.weights)
 
     assert [s["tokens"] for s in run.steps] == ref.tokens
     torch.testing.assert_close([s["lr"] for s in run.steps], ref.lrs, rtol=1e-12, atol=0)

@@ -1,7 +1,9 @@
 """Residency: which blocks stay on the device (residency.py) and the window serving them (stream.py).
 
 Resident blocks are loaded once per sequence (step), streamed ones at every use; both must hand
-out the current transfer copy. Byte counts are checked against closed forms.
+out the current transfer copy. A resident block's gradients add up in a device fp32 accumulator
+that reaches the host store once per step. Byte counts are checked against closed forms, the
+accumulated gradients against a plain sum of the same tensors.
 """
 
 from __future__ import annotations
@@ -11,7 +13,13 @@ import torch
 
 import nodetrain.stream as stream
 from nodetrain.model import Binding
-from nodetrain.residency import MARGIN_BYTES, auto_device_budget, choose_resident, stage_activation_bytes
+from nodetrain.residency import (
+    MARGIN_BYTES,
+    auto_device_budget,
+    choose_resident,
+    saved_transfer_bytes,
+    stage_activation_bytes,
+)
 from nodetrain.store import HostStore, StoreLayout
 from nodetrain.stream import Window
 
@@ -26,14 +34,26 @@ BLOCKS = [0, 1, 2, 3]
 NUMEL = {0: 32, 1: 20, 2: 20, 3: 52}  # elements each block binds
 
 
-def test_choose_resident_is_first_fit_in_block_order() -> None:
-    sizes = {0: 100, 1: 40, 2: 40, 3: 30}
-    assert choose_resident(sizes, 0) == []
-    assert choose_resident(sizes, -5) == []
-    assert choose_resident(sizes, 99) == [1, 2]  # 0 does not fit; 1 and 2 do; 3 no longer does
-    assert choose_resident(sizes, 110) == [0]  # first fit: 0, not the 110 bytes of 1, 2 and 3
-    assert choose_resident(sizes, 140) == [0, 1]  # 100 + 40 leave nothing for 2 or 3
-    assert choose_resident(sizes, 210) == [0, 1, 2, 3]
+def test_saved_transfer_bytes_by_hand() -> None:
+    # 10 elements in bf16 (2 B), 16 loads, 8 backwards: 15 loads × 20 B saved H2D, 8 × 20 B of
+    # gradients D2H replaced by one fp32 accumulator of 40 B
+    assert saved_transfer_bytes(10, 2, 16, 8) == 15 * 20 + 8 * 20 - 40 == 420
+    assert saved_transfer_bytes(10, 4, 2, 1) == 40  # fp32, one micro-batch: only the second load
+    assert saved_transfer_bytes(10, 2, 1, 0) == 0  # forward only: nothing saved
+
+
+def test_choose_resident_ranks_saved_bytes_per_device_byte() -> None:
+    cost = {0: 100, 1: 40, 2: 40, 3: 30}
+    saved = {0: 300, 1: 80, 2: 100, 3: 60}  # per device byte: 3.0, 2.0, 2.5, 2.0
+    assert choose_resident(cost, saved, 0) == []
+    assert choose_resident(cost, saved, -5) == []
+    assert choose_resident(cost, saved, 99) == [1, 2]  # 0 does not fit; 2 (2.5), then 1 (tie with 3: lower)
+    assert choose_resident(cost, saved, 75) == [2, 3]  # 2, then 1 does not fit in 35, 3 does
+    assert choose_resident(cost, saved, 110) == [0]  # 0 first; 10 bytes left for nothing
+    assert choose_resident(cost, saved, 210) == [0, 1, 2, 3]
+    assert choose_resident(cost, saved, 45) == [2]
+    assert choose_resident(cost, saved, 45, first=(3,)) == [3]  # the head goes first; 15 left
+    assert choose_resident(cost, saved, 99, first=(3,)) == [2, 3]  # 3, then 2 (29 left: not 1)
 
 
 def test_budget_uses_the_planners_activation_model(monkeypatch, caplog) -> None:
@@ -87,7 +107,7 @@ def test_resident_blocks_load_once_per_sequence_and_stay_current(store, resident
     try:
         streamed = [b for b in BLOCKS if b not in resident]
         assert window.resident == resident
-        assert window.resident_nbytes == 4 * sum(NUMEL[b] for b in resident)
+        assert window.resident_nbytes == (4 + 4) * sum(NUMEL[b] for b in resident)  # + fp32 accumulators
         assert window.nbytes == window.resident_nbytes + 2 * 4 * max((NUMEL[b] for b in streamed), default=0)
         assert window.staging_nbytes == 2 * 4 * max(NUMEL[b] for b in BLOCKS)  # resident blocks offload too
         for _ in range(2):  # steps: the transfer copies change in between
@@ -110,5 +130,99 @@ def test_a_resident_load_is_waited_for(store, monkeypatch) -> None:
     monkeypatch.setattr(stream, "_wait", lambda fut: None)
     try:
         assert _run(window, store, [1, 0]) != []
+    finally:
+        window.close()
+
+
+def _run_step(window: Window, store: HostStore, num_mb: int, gen, counted: bool) -> list[dict]:
+    """One step of ``num_mb`` micro-batches (forward then backward each) with random gradients;
+    returns the offloads in order. ``counted``: the window is told each block's backwards."""
+    sequence = [0, 1, 2, 3, 3, 2, 1, 0] * num_mb
+    window.begin(sequence, {b: num_mb for b in BLOCKS} if counted else None)
+    offloads = []
+    for k, block in enumerate(sequence):
+        window.acquire(block)
+        window.release()
+        if k % 8 >= 4:  # the backward half of a micro-batch
+            grads = {b.local_name: torch.randn(b.shape, generator=gen) for b in BINDINGS[block]}
+            window.offload(block, grads)
+            offloads.append((block, grads))
+    window.flush()
+    return offloads
+
+
+def _plain_sums(offloads) -> dict[int, torch.Tensor]:
+    """The reference: every gradient added into its unit's range in offload order (fp32)."""
+    out = {u: torch.zeros(n) for u, n in enumerate(UNIT_NUMELS)}
+    for block, grads in offloads:
+        for b in BINDINGS[block]:
+            out[b.unit][b.offset : b.offset + b.numel] += grads[b.local_name].flatten()
+    return out
+
+
+# accumulation host bytes by hand (fp32, 2 micro-batches): all streamed, every target gets a first
+# write (8 B/elem) then adds (12 B/elem): unit 0's 32 elements 4 offloads, units 1-3's 20 two each;
+# all resident: one copy of each accumulator (4 B/elem), unit 0's second (the embedding's) an add (12)
+ACCUM_BYTES = {
+    (): 8 * 32 + 3 * 12 * 32 + 3 * (8 * 20 + 12 * 20),
+    (0, 1, 2, 3): 4 * (32 + 20 + 20 + 20) + 12 * 32,
+}
+
+
+@pytest.mark.parametrize("counted", [True, False], ids=["counted", "mutant-every-backward"])
+@pytest.mark.parametrize("resident", [(), (1, 3), (0, 1, 2, 3)], ids=str)
+def test_resident_gradients_leave_the_device_once_per_step(store, resident, counted) -> None:
+    """D2H bytes per step = 4 B × a resident block's elements + 4 B × a streamed block's elements
+    per backward (fp32), for 2 and 4 micro-batches; the store's accumulators equal a plain sum of
+    the offloaded gradients (bit for bit where one block binds the range: same order, same dtype).
+    The mutant (the window not told the backwards: resident gradients offloaded at every backward,
+    as before) breaks the count whenever a block is resident."""
+    window = Window(store, BINDINGS, BLOCKS, BLOCKS, 2, "cpu", delay_s=0.001, resident=resident)
+    gen = torch.Generator().manual_seed(7)
+    try:
+        for num_mb in (2, 4):
+            offloads = _run_step(window, store, num_mb, gen, counted)
+            stats = window.take_stats()
+            want = sum(4 * NUMEL[b] * (1 if b in resident else num_mb) for b in BLOCKS)
+            assert (stats["d2h_bytes"] == want) == (counted or not resident), (stats, want)
+            if counted and num_mb == 2 and resident in ACCUM_BYTES:
+                assert stats["accum_host_bytes"] == ACCUM_BYTES[resident]
+            ref = _plain_sums(offloads)
+            for u in (1, 2, 3):  # one block binds each: the device sums in the host's order
+                assert torch.equal(store.grad(u), ref[u]), u
+            torch.testing.assert_close(store.grad(0), ref[0], rtol=1e-6, atol=1e-6)  # tied: order differs
+    finally:
+        window.close()
+
+
+@pytest.mark.parametrize("resident", [(), (3,), (0, 1, 2, 3)], ids=str)
+def test_planner_counts_the_windows_resident_bytes(store, resident) -> None:
+    """``costs.stage_memory`` (the planner and the automatic budget) holds what the Window allocates:
+    the slots sized by the largest streamed block, and each resident block's weights plus its fp32
+    gradient accumulator, 8 B/element in fp32."""
+    from nodetrain.costs import ModelShape, stage_memory
+
+    shape = ModelShape(
+        unit_numels=UNIT_NUMELS,
+        load_numels=tuple(NUMEL[b] for b in BLOCKS),
+        largest_tensors=(32, 16, 16, 32),
+        costs=(0, 20, 20, 52),
+        tied=True,
+        hidden=4,
+        intermediate=8,
+        vocab=8,
+        heads=1,
+        kv_heads=1,
+        head_dim=4,
+        qk_norm=False,
+    )
+    mem = stage_memory(
+        shape, range(4), 0, 1, b=1, t=2, m=2, g=1, schedule="1f1b", slots=2, itemsize=4, resident=resident
+    )
+    window = Window(store, BINDINGS, BLOCKS, BLOCKS, 2, "cpu", resident=resident)
+    try:
+        assert mem.resident_bytes == window.resident_nbytes == 8 * sum(NUMEL[b] for b in resident)
+        assert mem.window_bytes == window.nbytes - window.resident_nbytes
+        assert mem.total_bytes == mem.window_bytes + mem.resident_bytes + mem.activation_bytes
     finally:
         window.close()
