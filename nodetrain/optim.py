@@ -1,10 +1,11 @@
 """CPU optimizer on the host store's flat per-unit buffers.
 
-Owns: AdamW (``torch.optim.AdamW(fused=True)``, arXiv:1711.05101) over views of the store, unit by
-unit, with its ``exp_avg`` / ``exp_avg_sq`` living in the store (one copy per node); the
-learning-rate schedule; the global-norm gradient clip; and refreshing the compute-dtype transfer
-copy. Does not own: computing gradients or reducing them across ranks (engine.py does the one
-all-reduce), or running updates in the background (overlap.py).
+Owns: AdamW (the kernel of ``torch.optim.AdamW(fused=True)``, arXiv:1711.05101) over views of the
+store, unit by unit, with its ``exp_avg`` / ``exp_avg_sq`` living in the store (one copy per node);
+the learning-rate schedule; the global-norm gradient clip; and refreshing the compute-dtype transfer
+copy — clip scale, finiteness flag, update and refresh in one pass over a unit's memory.
+Does not own: computing gradients or reducing them across ranks (engine.py does the one all-reduce),
+or running updates in the background (overlap.py).
 
 Each unit's flat buffer is laid out decay-first, so a unit is two parameter tensors: its
 matrices (weight decay applies) and its norms/biases (no decay).
@@ -60,7 +61,8 @@ def chunk_numel() -> int:
 class StoreAdamW:
     """AdamW over the units this stage owns, state kept in the host store.
 
-    One ``torch.optim.AdamW(fused=True)`` per unit (its decay and no-decay groups), so a unit can be
+    One ``torch.optim.AdamW(fused=True)`` per unit (its decay and no-decay groups) holds the
+    hyper-parameters and state; :meth:`step_unit` calls its kernel on chunks of them, so a unit can be
     updated on its own as soon as its gradient is final (overlap.py); AdamW is elementwise, so the
     per-unit split gives bit-for-bit the result of one optimizer over every unit.
 
