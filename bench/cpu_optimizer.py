@@ -2,7 +2,7 @@
 
     python bench/cpu_optimizer.py                       # 8 units × 4M fp32 elements, 1 and all threads
     python bench/cpu_optimizer.py --units 16 --numel 8000000
-    python bench/cpu_optimizer.py --chunk-per-thread 1048576   # optim.CHUNK_NUMEL_PER_THREAD
+    python bench/cpu_optimizer.py --chunk 1048576   # optim.CHUNK_NUMEL
 
 All rows run on the same tensors (the store's master weights, gradients and moments), interleaved
 rep by rep so a busy neighbour slows every row alike; each figure is the best of ``--reps``:
@@ -112,9 +112,9 @@ def main() -> None:
     ap.add_argument("--units", type=int, default=8)
     ap.add_argument("--numel", type=int, default=4_000_000, help="elements per unit")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--chunk-per-thread", type=int, default=optim.CHUNK_NUMEL_PER_THREAD, help="elements")
+    ap.add_argument("--chunk", type=int, default=optim.CHUNK_NUMEL, help="elements")
     args = ap.parse_args()
-    optim.CHUNK_NUMEL_PER_THREAD = args.chunk_per_thread
+    optim.CHUNK_NUMEL = args.chunk
     cfg = OptimConfig()
     n = args.numel
     units = [Unit(i, f"u{i}", (), n, n - 1024) for i in range(args.units)]  # a matrix + a norm each
@@ -127,7 +127,7 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     print(
         f"{args.units} units × {n / 1e6:.1f}M fp32 elements ({total / 1e6:.0f}M), best of {args.reps}, "
-        f"chunks of {args.chunk_per_thread} elements per thread"
+        f"chunks of {args.chunk} elements (1 thread only)"
     )
     head = ("threads", "ms/step", "Melem/s", "GB/s", "vs fused", "CPU ms")
     print(f"  {'':44s} " + " ".join(f"{h:>8s}" for h in head))

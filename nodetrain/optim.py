@@ -46,16 +46,23 @@ def clip_coef(total_norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (total_norm + 1e-6))
 
 
-CHUNK_NUMEL_PER_THREAD = 1 << 18
-"""Elements per OpenMP thread in one chunk of :meth:`StoreAdamW.step_unit`: 1 MiB of fp32 master
-weights per thread (~4.5 MiB with its gradient, moments and bf16 copy), so a chunk's master is still
-in L2/L3 when its transfer copy is written; measured on a 2-core EPYC (bench/cpu_optimizer.py)."""
+CHUNK_NUMEL = 1 << 18
+"""Elements per chunk of :meth:`StoreAdamW.step_unit` on a one-thread OpenMP team: 1 MiB of fp32
+master weights (~4.5 MiB with its gradient, moments and bf16 copy), so the chunk's master is still
+in cache when its transfer copy is written (bench/cpu_optimizer.py, 1 thread: 0.74 → 0.80 of torch's
+fused AdamW alone on an idle 2-core EPYC)."""
 
 
-def chunk_numel() -> int:
-    """Elements per chunk of one fused update: :data:`CHUNK_NUMEL_PER_THREAD` × the calling thread's
-    OpenMP team (``torch.get_num_threads()``, which the optimizer thread sets for itself)."""
-    return CHUNK_NUMEL_PER_THREAD * torch.get_num_threads()
+def chunk_numel() -> int | None:
+    """Elements per chunk of one fused update on the calling thread, or ``None``: one chunk per group.
+
+    Chunks only on a one-thread OpenMP team (``torch.get_num_threads()``, which the optimizer thread
+    sets for itself). A larger team meets at a barrier after every parallel region, two per chunk:
+    measured on the shared 2-core machine, 2 threads gained nothing from chunks when idle (12.3 vs
+    12.8 ms for 32M elements) and lost 4-6x when another job held a core (each barrier waited out
+    a scheduler time slice), so there the update and the refresh each run once per group.
+    """
+    return CHUNK_NUMEL if torch.get_num_threads() == 1 else None
 
 
 class StoreAdamW:
@@ -146,7 +153,8 @@ class StoreAdamW:
         self, unit: int, lr: float, grad_scale: float = 1.0, found_inf: torch.Tensor | None = None
     ) -> None:
         """Update one owned unit in one pass over its memory: clip scale, finiteness flag, AdamW and
-        the transfer-copy refresh, chunk by chunk (see :func:`chunk_numel`).
+        the transfer-copy refresh, chunk by chunk (one chunk per group on a larger OpenMP team, see
+        :func:`chunk_numel`).
 
         Each chunk is one ``torch._fused_adamw_`` call (the kernel of ``torch.optim.AdamW(fused=True)``)
         given the gradient scale and the flag, then that chunk's ``compute.copy_(master)`` while the
@@ -165,8 +173,8 @@ class StoreAdamW:
         """
         scale = None if grad_scale == 1.0 else torch.tensor(1.0 / grad_scale, dtype=torch.float32)
         skipped = found_inf is not None and bool(found_inf)
-        opt = self._opts[unit]
-        for group, chunks in zip(opt.param_groups, self._chunks(unit, chunk_numel()), strict=True):
+        opt, numel = self._opts[unit], chunk_numel() or self.store.master(unit).numel()
+        for group, chunks in zip(opt.param_groups, self._chunks(unit, numel), strict=True):
             step = opt.state[group["params"][0]]["step"]
             step += 1
             beta1, beta2 = group["betas"]

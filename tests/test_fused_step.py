@@ -2,7 +2,8 @@
 
 The reference is what the pass replaces: ``torch.nn.utils.clip_grad_norm_`` then ``torch.optim.AdamW``
 (its default, non-fused implementation), with a unit whose gradient is NaN left out of that step.
-Chunks are made tiny (64 elements) so every unit is cut into several, one of them partial.
+Chunks are made tiny (64 elements) so every unit is cut into several, one of them partial; each test
+also runs with whole groups (what a multi-thread OpenMP team gets, ``optim.chunk_numel``).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ STEPS = [(1e-2, None), (5e-3, 1), (2e-3, None)]  # (lr, the unit whose gradient 
 ATOL = 1e-6
 
 
-@pytest.fixture
-def store(shm_dir, monkeypatch):
-    monkeypatch.setattr(optim, "CHUNK_NUMEL_PER_THREAD", 64)
+@pytest.fixture(params=[64, None], ids=["chunks", "whole-groups"])
+def store(shm_dir, monkeypatch, request):
+    monkeypatch.setattr(optim, "chunk_numel", lambda: request.param)
     s = HostStore.create(StoreLayout(tuple(u.numel for u in UNITS), torch.bfloat16), shm_dir, "fused-test")
     s.unlink()
     gen = torch.Generator().manual_seed(0)
