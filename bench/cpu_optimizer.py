@@ -1,17 +1,25 @@
-"""CPU optimizer throughput: our AdamW step over the host store vs torch.optim.AdamW, elements/s.
+"""CPU optimizer throughput: our fused pass over the host store vs torch's fused AdamW, elements/s.
 
     python bench/cpu_optimizer.py                       # 8 units × 4M fp32 elements, 1 and all threads
     python bench/cpu_optimizer.py --units 16 --numel 8000000
+    python bench/cpu_optimizer.py --chunk 1048576   # optim.CHUNK_NUMEL
 
-Ours: ``StoreAdamW.step`` (optim.py) over units in a shared-memory host store: the fused AdamW
-update of master weights and moments, plus refreshing the bf16 transfer copy (what a training
-step needs; the gradient accumulator is not zeroed: the next step's first offload overwrites
-it). torch: ``torch.optim.AdamW(foreach=True)`` and ``fused=True`` over ordinary fp32 tensors of
-the same sizes, update only. Gradients are refilled (untimed) before every step. Each figure is
-the best of ``--reps`` steps; AdamW on CPU is bound by memory bandwidth (~16 bytes read + 12
-written per element for the update alone), so the GB/s column counts those 28 bytes (+ 4 read
-and 2 written by the refresh, for ours). Wall times are the figure; the CPU column (all threads)
-is steadier on a shared machine.
+All rows run on the same tensors (the store's master weights, gradients and moments), interleaved
+rep by rep so a busy neighbour slows every row alike; each figure is the best of ``--reps``:
+
+- torch AdamW(fused=True): the update alone, one call over every unit (the reference, "vs fused" 1.00).
+- before: what ``StoreAdamW.step_unit`` did until issue 14: ``g.mul_(coef)``, fused AdamW over the
+  whole unit, then ``compute.copy_(master)`` (three passes over memory).
+- ours: ``step_unit(unit, lr, coef, found_inf)`` (optim.py): clip scale and finiteness flag in the
+  fused kernel, the bf16 refresh chunk by chunk while the chunk is in cache; coef = 1 (no clip) and
+  0.5 (the kernel then also writes the scaled gradient back, as ``mul_`` did).
+- pieces: the bf16 refresh alone and the clip scale alone, each a separate pass over all units.
+
+AdamW on CPU moves ~16 bytes read + 12 written per element; the refresh adds 2 written (+2 read for
+ownership of the destination's cache line), the clip 4 written; the GB/s column counts each row's
+bytes that must come from or go to DRAM. Wall times are the figure; the CPU columns (all threads;
+"CPU vs": torch fused's CPU seconds ÷ the row's) are steadier on a shared machine at 1 thread (at 2,
+OpenMP threads spinning at a barrier while the other is descheduled count as CPU time).
 """
 
 from __future__ import annotations
@@ -27,26 +35,77 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from nodetrain import optim
 from nodetrain.config import OptimConfig
 from nodetrain.model.hf import Unit
 from nodetrain.optim import StoreAdamW
 from nodetrain.store import HostStore, StoreLayout
 
-UPDATE_BYTES, OURS_EXTRA_BYTES = 28, 6
+UPDATE_BYTES, REFRESH_BYTES, CLIP_BYTES = 28, 2, 4
+FUSED = "torch AdamW(fused=True)"
 
 
-def best_step(step, grads: list[torch.Tensor], reps: int) -> tuple[float, float]:
-    """Shortest wall and shortest CPU seconds (all threads) of ``step()`` over ``reps`` calls,
-    gradients refilled before each; the first call is a warm-up."""
-    wall, cpu = [], []
+def best_times(rows: dict, grads: list[torch.Tensor], reps: int) -> dict[str, tuple[float, float]]:
+    """Per row, the shortest wall and CPU seconds (all threads) of its step over ``reps`` rounds, the
+    rows interleaved within a round, gradients refilled (untimed) before each; round 0 warms up."""
+    wall = {name: [] for name in rows}
+    cpu = {name: [] for name in rows}
     for _ in range(reps + 1):
-        for g in grads:
-            g.uniform_(-1e-3, 1e-3)
-        t0, c0 = time.perf_counter(), time.process_time()
-        step()
-        wall.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    return min(wall[1:]), min(cpu[1:])
+        for name, step in rows.items():
+            for g in grads:
+                g.uniform_(-1e-3, 1e-3)
+            t0, c0 = time.perf_counter(), time.process_time()
+            step()
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    return {name: (min(wall[name][1:]), min(cpu[name][1:])) for name in rows}
+
+
+def _rows(ours: StoreAdamW, store: HostStore, units: list[Unit], lr: float) -> dict[str, tuple]:
+    """Row name -> (step function, DRAM bytes per element)."""
+    decay = [p for u in units for p, _ in ours._params[u.index][:1]]
+    no_decay = [p for u in units for p, _ in ours._params[u.index][1:]]
+    groups = [
+        {"params": decay, "weight_decay": ours.cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    fused = torch.optim.AdamW(
+        groups, lr=lr, betas=(ours.cfg.beta1, ours.cfg.beta2), eps=ours.cfg.eps, fused=True
+    )
+    for u in units:  # the same moments as ours (the step counts are its own)
+        for p, _ in ours._params[u.index]:
+            st = ours._opts[u.index].state[p]
+            fused.state[p] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": st["exp_avg"],
+                "exp_avg_sq": st["exp_avg_sq"],
+            }
+    found_inf = torch.zeros(())
+
+    def before():
+        for u in units:
+            store.grad(u.index).mul_(0.5)
+        fused.step()
+        for u in units:
+            store.compute(u.index).copy_(store.master(u.index))
+
+    def ours_step(coef):
+        return lambda: [ours.step_unit(u.index, lr, coef, found_inf) for u in units]
+
+    return {
+        FUSED: (fused.step, UPDATE_BYTES),
+        "before: mul_(0.5) + fused + copy_": (before, UPDATE_BYTES + CLIP_BYTES + 4 + 2 * REFRESH_BYTES),
+        "ours: flag + AdamW + bf16, coef 1": (ours_step(1.0), UPDATE_BYTES + 2 * REFRESH_BYTES),
+        "ours: flag + clip + AdamW + bf16, coef 0.5": (
+            ours_step(0.5),
+            UPDATE_BYTES + CLIP_BYTES + 2 * REFRESH_BYTES,
+        ),
+        "piece: bf16 refresh alone (copy_)": (
+            lambda: [store.compute(u.index).copy_(store.master(u.index)) for u in units],
+            4 + 2 * REFRESH_BYTES,
+        ),
+        "piece: clip scale alone (mul_)": (lambda: [store.grad(u.index).mul_(0.5) for u in units], 8),
+    }
 
 
 def main() -> None:
@@ -54,7 +113,9 @@ def main() -> None:
     ap.add_argument("--units", type=int, default=8)
     ap.add_argument("--numel", type=int, default=4_000_000, help="elements per unit")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--chunk", type=int, default=optim.CHUNK_NUMEL, help="elements")
     args = ap.parse_args()
+    optim.CHUNK_NUMEL = args.chunk
     cfg = OptimConfig()
     n = args.numel
     units = [Unit(i, f"u{i}", (), n, n - 1024) for i in range(args.units)]  # a matrix + a norm each
@@ -62,32 +123,25 @@ def main() -> None:
     store = HostStore.create(StoreLayout(tuple(u.numel for u in units), torch.bfloat16), shm, "bench-optim")
     store.unlink()
     ours = StoreAdamW(store, units, cfg)
-    ours_grads = [store.grad(u.index) for u in units]
-    params = [torch.zeros(s) for u in units for s in (n - 1024, 1024)]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
-    torch_opts = {
-        "torch AdamW(foreach=True)": torch.optim.AdamW(params, foreach=True, **kw),
-        "torch AdamW(fused=True)": torch.optim.AdamW(params, fused=True, **kw),
-    }
+    rows = _rows(ours, store, units, cfg.lr)
     total = args.units * n
     cores = len(os.sched_getaffinity(0))
-    print(f"{args.units} units × {n / 1e6:.1f}M fp32 elements ({total / 1e6:.0f}M), best of {args.reps}")
-    head = ("threads", "ms/step", "Melem/s", "GB/s", "vs fused", "CPU ms")
+    print(
+        f"{args.units} units × {n / 1e6:.1f}M fp32 elements ({total / 1e6:.0f}M), best of {args.reps}, "
+        f"chunks of {args.chunk} elements (1 thread only)"
+    )
+    head = ("threads", "ms/step", "Melem/s", "GB/s", "vs fused", "CPU ms", "CPU vs")
     print(f"  {'':44s} " + " ".join(f"{h:>8s}" for h in head))
     for threads in sorted({1, cores}):
         torch.set_num_threads(threads)
-        ours_step = lambda: ours.step(cfg.lr, 1.0)  # noqa: E731
-        times = {"ours: StoreAdamW.step (+bf16 refresh)": best_step(ours_step, ours_grads, args.reps)}
-        for name, opt in torch_opts.items():
-            times[name] = best_step(opt.step, [p.grad for p in params], args.reps)
-        fused = times["torch AdamW(fused=True)"][0]
+        grads = [store.grad(u.index) for u in units]
+        times = best_times({name: step for name, (step, _) in rows.items()}, grads, args.reps)
+        fused, fused_cpu = times[FUSED]
         for name, (t, c) in times.items():
-            nbytes = UPDATE_BYTES + (OURS_EXTRA_BYTES if name.startswith("ours") else 0)
+            nbytes = rows[name][1]
             print(
                 f"  {name:44s} {threads:8d} {t * 1e3:8.1f} {total / t / 1e6:8.1f} "
-                f"{total * nbytes / t / 1e9:8.1f} {fused / t:8.2f} {c * 1e3:8.1f}"
+                f"{total * nbytes / t / 1e9:8.1f} {fused / t:8.2f} {c * 1e3:8.1f} {fused_cpu / c:8.2f}"
             )
     del store
     shutil.rmtree(shm, ignore_errors=True)

@@ -1,10 +1,11 @@
 """CPU optimizer on the host store's flat per-unit buffers.
 
-Owns: AdamW (``torch.optim.AdamW(fused=True)``, arXiv:1711.05101) over views of the store, unit by
-unit, with its ``exp_avg`` / ``exp_avg_sq`` living in the store (one copy per node); the
-learning-rate schedule; the global-norm gradient clip; and refreshing the compute-dtype transfer
-copy. Does not own: computing gradients or reducing them across ranks (engine.py does the one
-all-reduce), or running updates in the background (overlap.py).
+Owns: AdamW (the kernel of ``torch.optim.AdamW(fused=True)``, arXiv:1711.05101) over views of the
+store, unit by unit, with its ``exp_avg`` / ``exp_avg_sq`` living in the store (one copy per node);
+the learning-rate schedule; the global-norm gradient clip; and refreshing the compute-dtype transfer
+copy — clip scale, finiteness flag, update and refresh in one pass over a unit's memory.
+Does not own: computing gradients or reducing them across ranks (engine.py does the one all-reduce),
+or running updates in the background (overlap.py).
 
 Each unit's flat buffer is laid out decay-first, so a unit is two parameter tensors: its
 matrices (weight decay applies) and its norms/biases (no decay).
@@ -20,7 +21,7 @@ from nodetrain.config import OptimConfig
 from nodetrain.model import Unit
 from nodetrain.store import HostStore
 
-__all__ = ["lr_at", "clip_coef", "StoreAdamW"]
+__all__ = ["lr_at", "clip_coef", "chunk_numel", "StoreAdamW"]
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -45,10 +46,30 @@ def clip_coef(total_norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (total_norm + 1e-6))
 
 
+CHUNK_NUMEL = 1 << 18
+"""Elements per chunk of :meth:`StoreAdamW.step_unit` on a one-thread OpenMP team: 1 MiB of fp32
+master weights (~4.5 MiB with its gradient, moments and bf16 copy), so the chunk's master is still
+in cache when its transfer copy is written (bench/cpu_optimizer.py, 1 thread: 0.74 → 0.80 of torch's
+fused AdamW alone on an idle 2-core EPYC)."""
+
+
+def chunk_numel() -> int | None:
+    """Elements per chunk of one fused update on the calling thread, or ``None``: one chunk per group.
+
+    Chunks only on a one-thread OpenMP team (``torch.get_num_threads()``, which the optimizer thread
+    sets for itself). A larger team meets at a barrier after every parallel region, two per chunk:
+    measured on the shared 2-core machine, 2 threads gained nothing from chunks when idle (12.3 vs
+    12.8 ms for 32M elements) and lost 4-6x when another job held a core (each barrier waited out
+    a scheduler time slice), so there the update and the refresh each run once per group.
+    """
+    return CHUNK_NUMEL if torch.get_num_threads() == 1 else None
+
+
 class StoreAdamW:
     """AdamW over the units this stage owns, state kept in the host store.
 
-    One ``torch.optim.AdamW(fused=True)`` per unit (its decay and no-decay groups), so a unit can be
+    One ``torch.optim.AdamW(fused=True)`` per unit (its decay and no-decay groups) holds the
+    hyper-parameters and state; :meth:`step_unit` calls its kernel on chunks of them, so a unit can be
     updated on its own as soon as its gradient is final (overlap.py); AdamW is elementwise, so the
     per-unit split gives bit-for-bit the result of one optimizer over every unit.
 
@@ -80,6 +101,7 @@ class StoreAdamW:
             opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
             opt.state.update(state)
             self._opts[u.index] = opt
+        self._chunk_views: dict[tuple[int, int], list[list[tuple[torch.Tensor, ...]]]] = {}
 
     def steps_by_name(self) -> dict[str, float]:
         """AdamW's update count of every owned HF tensor (all tensors of a parameter share it)."""
@@ -127,18 +149,67 @@ class StoreAdamW:
         """Sum of squared fp32 gradients of one owned unit (float64 sum of its groups' fp32 dots)."""
         return sum(float(torch.dot(g, g)) for _, g in self._params[unit])
 
-    def step_unit(self, unit: int, lr: float, grad_scale: float) -> None:
-        """Update one owned unit: scale its gradient by ``grad_scale`` (the clip coefficient), AdamW,
-        refresh its transfer copy. The gradient accumulator is left as is: the next step's first
-        offload into it overwrites it (stream.py)."""
-        opt = self._opts[unit]
-        for group in opt.param_groups:
-            group["lr"] = lr
-        if grad_scale != 1.0:
-            for _, g in self._params[unit]:
-                g.mul_(grad_scale)
-        opt.step()
-        self.store.compute(unit).copy_(self.store.master(unit))
+    def step_unit(
+        self, unit: int, lr: float, grad_scale: float = 1.0, found_inf: torch.Tensor | None = None
+    ) -> None:
+        """Update one owned unit in one pass over its memory: clip scale, finiteness flag, AdamW and
+        the transfer-copy refresh, chunk by chunk (one chunk per group on a larger OpenMP team, see
+        :func:`chunk_numel`).
+
+        Each chunk is one ``torch._fused_adamw_`` call (the kernel of ``torch.optim.AdamW(fused=True)``)
+        given the gradient scale and the flag, then that chunk's ``compute.copy_(master)`` while the
+        chunk is still in cache. The kernel *divides* gradients by its ``grad_scale``, so it gets
+        ``1 / grad_scale`` (≤ 1 ulp from multiplying; none when ``grad_scale`` is a power of two), and
+        writes the scaled gradient back, as ``g.mul_(grad_scale)`` did. The gradient accumulator is
+        otherwise left as is: the next step's first offload into it overwrites it (stream.py).
+
+        Args:
+            unit: an owned unit's index.
+            lr: learning rate of this update.
+            grad_scale: the clip coefficient (``clip_coef``), multiplied into the gradient; 1: none.
+            found_inf: optional 0-d fp32 CPU tensor; nonzero: the kernel skips the update and AdamW's
+                step count is restored (torch's ``found_inf`` semantics), so master weights,
+                ``exp_avg``, ``exp_avg_sq``, the step count and the transfer copy stay as they were.
+        """
+        scale = None if grad_scale == 1.0 else torch.tensor(1.0 / grad_scale, dtype=torch.float32)
+        skipped = found_inf is not None and bool(found_inf)
+        opt, numel = self._opts[unit], chunk_numel() or self.store.master(unit).numel()
+        for group, chunks in zip(opt.param_groups, self._chunks(unit, numel), strict=True):
+            step = opt.state[group["params"][0]]["step"]
+            step += 1
+            beta1, beta2 = group["betas"]
+            for master, grad, exp_avg, exp_avg_sq, compute in chunks:
+                torch._fused_adamw_(
+                    [master], [grad], [exp_avg], [exp_avg_sq], [], [step], amsgrad=False, lr=lr,
+                    beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                    maximize=False, grad_scale=scale, found_inf=found_inf,
+                )  # fmt: skip
+                if not skipped:
+                    compute.copy_(master)
+            if found_inf is not None:
+                step -= found_inf
+
+    def _chunks(self, unit: int, numel: int) -> list[list[tuple[torch.Tensor, ...]]]:
+        """Per parameter group of ``unit``, its (master, grad, exp_avg, exp_avg_sq, compute) views cut
+        into chunks of ``numel`` elements (built once per chunk size: slicing costs µs per view)."""
+        key = (unit, numel)
+        if key not in self._chunk_views:
+            views, offset = [], 0
+            compute = self.store.compute(unit)
+            for group in self._opts[unit].param_groups:
+                (p,) = group["params"]
+                state = self._opts[unit].state[p]
+                whole = (
+                    p,
+                    p.grad,
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    compute[offset : offset + p.numel()],
+                )
+                offset += p.numel()
+                views.append([tuple(t[lo : lo + numel] for t in whole) for lo in range(0, p.numel(), numel)])
+            self._chunk_views[key] = views
+        return self._chunk_views[key]
 
     def step(self, lr: float, grad_scale: float) -> None:
         """Update every owned unit, in order (see :meth:`step_unit`)."""
