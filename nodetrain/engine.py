@@ -164,6 +164,9 @@ class Engine:
         self._poison = _nan_injection(cfg.test, self.store, self.units[-1].index, self._step)
         self.updates = self._make_updates(device)
         self._peak = self._peak_flops()  # before the residency budget reads free device memory
+        resident = resident_blocks(
+            cfg, model, self.blocks, topo.stage, topo.num_stages, device, self.grad_accum
+        )
         self.window = Window(
             self.store,
             model.bindings,
@@ -172,9 +175,8 @@ class Engine:
             cfg.stream.slots,
             device,
             cfg.stream.test_copy_delay_s,
-            resident=resident_blocks(
-                cfg, model, self.blocks, topo.stage, topo.num_stages, device, self.grad_accum
-            ),
+            resident=resident,
+            rows=[0] if 0 in self.blocks and 0 not in resident else [],  # a streamed embedding: by rows
         )
         self.window.gate, self.window.on_offloaded = self.updates.gate, self.updates.offloaded
         self.runner = StageRunner(model, self.blocks, self.window, self.dtype)
@@ -280,9 +282,9 @@ class Engine:
     # ---- one step ----------------------------------------------------------------------------
 
     def _offload_sequence(self, actions) -> list[int]:
-        """Blocks in the order their gradients are offloaded in a step (every backward, in reverse)."""
-        backwards = [a for a in actions if a.kind == "B"] * self.grad_accum
-        return [b for _ in backwards for b in self.blocks[::-1]]
+        """Blocks in the order their gradients are offloaded in a step (``StageRunner.offloads``: the
+        head at each forward, the other blocks at each backward, in reverse)."""
+        return [b for a in actions * self.grad_accum for b in self.runner.offloads(a.kind)]
 
     def _settle_grads(self) -> float:
         """Make the step's gradients final; returns this stage's Σ gradient² (0 on replicas ≠ 0,
@@ -328,7 +330,7 @@ class Engine:
         seq = []
         for _ in range(rounds):
             for a in actions:
-                seq += self.blocks if a.kind == "F" else self.blocks[::-1]
+                seq += self.runner.loads(a.kind)
         return seq
 
     def _run_round(self, actions, r: int, inputs, labels, loss_scale: float, train: bool, positions) -> float:
@@ -342,8 +344,8 @@ class Engine:
             lab = labels[mb].to(self.device) if self.runner.is_last else None
             pos = None if positions is None else positions[mb].to(self.device)
             if a.kind == "F":
-                x = inputs[mb] if self.runner.is_first else got
-                out = self.runner.forward(mb, x.to(self.device), lab, keep=train, position_ids=pos)
+                x = inputs[mb] if self.runner.is_first else got.to(self.device)  # ids stay on the host
+                out = self.runner.forward(mb, x, lab, train, pos, loss_scale)
                 if self.runner.is_last:
                     loss_sum += float(out)
             else:
