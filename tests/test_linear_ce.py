@@ -53,7 +53,7 @@ def _reference(hf, params, h, labels, scale):
     return loss.detach(), {"norm.weight": norm.weight.grad, "lm_head.weight": w.grad}, x.grad
 
 
-@pytest.mark.parametrize("chunk", [None, 7, B * T], ids=["rule", "uneven-7", "one-chunk"])
+@pytest.mark.parametrize("chunk", [None, 1, 7, B * T], ids=["rule", "one-token", "uneven-7", "all-tokens"])
 def test_chunked_head_matches_full_logits_and_autograd(head_case, chunk) -> None:
     hf, head, params, h, labels = head_case
     scale = 1.0 / int((labels != IGNORE_INDEX).sum())
@@ -75,18 +75,7 @@ def test_forward_only_returns_the_loss(head_case) -> None:
     assert grads is None and grad_h is None
 
 
-def test_chunk_rule_makes_chunk_logits_the_size_of_the_input() -> None:
-    assert chunk_tokens(4096, 4096, 128_256) == 128  # 32 chunks; 128 × 128k ≈ 4096 × 4096
-    assert chunk_tokens(32, 64, 256) == 8
-    assert chunk_tokens(10, 64, 32) == 10  # V < D: one chunk
-    assert chunk_tokens(0, 64, 256) == 1
-
-
-def test_gradients_also_under_no_grad(head_case) -> None:
-    """The pipeline's forward runs under ``torch.no_grad()``; the head's gradients must still come."""
-    hf, head, params, h, labels = head_case
-    _, want_grads, want_h = _reference(hf, params, h, labels, 0.5)
-    with torch.no_grad():
-        _, grads, grad_h = linear_cross_entropy(head, params, h, labels, loss_scale=0.5, chunk=16)
-    torch.testing.assert_close(grad_h, want_h, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(grads["lm_head.weight"], want_grads["lm_head.weight"], rtol=1e-5, atol=1e-7)
+def test_chunk_rule_bounds_the_chunk_logits() -> None:
+    assert chunk_tokens(128_256) == 1046  # 1046 × 128,256 × 4 bytes ≤ 512 MiB
+    assert chunk_tokens(32_000) == 4194
+    assert chunk_tokens(1 << 40) == 1
