@@ -105,7 +105,7 @@ def main() -> None:
         if out.returncode != 0:
             sys.exit(f"{mode} failed:\n{out.stderr[-2000:]}")
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    c = chunk_tokens(a.tokens, a.hidden, a.vocab)
+    c = chunk_tokens(a.vocab)
     logits_gb = a.tokens * a.vocab * 4 / 1e9
     print(
         f"head: vocab {a.vocab:,} × {a.tokens} tokens, hidden {a.hidden}, fp32 on CPU; "
