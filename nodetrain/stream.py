@@ -128,7 +128,8 @@ class Window:
         rows: blocks of a single [V, D] binding (the embedding) that travel as the rows a
             micro-batch uses (:meth:`gather_rows`, :meth:`offload_rows`), never through a slot.
 
-    Memory: ``slots × max streamed block numel × compute itemsize`` bytes plus each resident block's
+    Memory: ``slots × max streamed block numel × compute itemsize`` bytes (row blocks are not
+    streamed: their gathered rows and row gradients are per micro-batch) plus each resident block's
     bytes on the device (``nbytes``; ``resident_nbytes`` the latter); ``slots × max block numel ×
     compute itemsize`` bytes of host staging (``staging_nbytes``; page-locked on CUDA).
 

@@ -114,6 +114,10 @@ def _engine_grads(hf, shm_dir, ids, labels, scale: float, rows: bool):
         assert runner.backward(0, None) is None
         window.flush()
         stats = window.take_stats()
+        window.begin(runner.loads("F"))  # evaluation: the loss only, nothing offloaded or kept
+        assert runner.forward(1, ids, labels, keep=False) == loss
+        window.flush()
+        assert window.take_stats()["d2h_bytes"] == 0 and not runner._saved
     finally:
         window.close()
     grads = {p.hf_name: store.grad(u.index)[p.offset : p.offset + p.numel].view(p.shape).clone()
