@@ -72,7 +72,10 @@ def linear_cross_entropy(
         labels: [B, T] int64 next-token ids, -100 (``IGNORE_INDEX``) = no loss.
         loss_scale: the gradients are those of ``loss_scale × Σ CE`` (1 / valid tokens of the step).
         grads: also return the gradients (training); False: the loss only, no autograd.
-        chunk: tokens per chunk; default :func:`chunk_tokens` of the shapes.
+        chunk: tokens per chunk; default :func:`chunk_tokens` of the vocabulary.
+
+    Memory (on h's device): one chunk's logits, softmax and gradient (≈ 3 × c × V × 4 bytes),
+    the fp32 sums of the weight gradients (4 bytes per head parameter) and ``grad_h``.
 
     Returns:
         (loss, param_grads, grad_h): the unscaled fp32 sum of token cross-entropies (scalar, on

@@ -365,12 +365,13 @@ class Window:
         self.d2h_bytes += grad_rows.numel() * grad_rows.element_size()
         staged = self._staging.issue(self._num_offloads % len(self._staging), [grad_rows])
         self._num_offloads += 1
+        shape = grad_rows.shape  # not the device tensor: its memory goes back once the copy landed
 
         def accumulate():
             (src,) = staged.wait()
             if first:
                 dst.zero_()
-            dst.index_add_(0, index, src.view(grad_rows.shape).float())
+            dst.index_add_(0, index, src.view(shape).float())
             if self.on_offloaded is not None:
                 self.on_offloaded(block)
 
