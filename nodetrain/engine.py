@@ -58,7 +58,7 @@ from nodetrain.overlap import UnitUpdates, fair_share_threads, update_mode
 from nodetrain.pipeline import P2P, Action, build_schedule, p2p_groups, partition, step_rounds
 from nodetrain.replicas import ReplicaGradSum, Topology, node_group, replica_slice
 from nodetrain.residency import resident_blocks
-from nodetrain.stage import IGNORE_INDEX, StageRunner
+from nodetrain.stage import IGNORE_INDEX, StageRunner, stage_loads, stage_offloads
 from nodetrain.store import HostStore, StoreLayout
 from nodetrain.stream import Window, arrival_order
 
@@ -165,6 +165,9 @@ class Engine:
         self._poison = _nan_injection(cfg.test, self.store, self.units[-1].index, self._step)
         self.updates = self._make_updates(device)
         self._peak = self._peak_flops()  # before the residency budget reads free device memory
+        resident = resident_blocks(
+            cfg, model, self.blocks, topo.stage, topo.num_stages, device, self.grad_accum, self._uses()
+        )
         self.window = Window(
             self.store,
             model.bindings,
@@ -173,9 +176,8 @@ class Engine:
             cfg.stream.slots,
             device,
             cfg.stream.test_copy_delay_s,
-            resident=resident_blocks(
-                cfg, model, self.blocks, topo.stage, topo.num_stages, device, self.grad_accum, self._uses()
-            ),
+            resident=resident,
+            rows=[0] if 0 in self.blocks and 0 not in resident else [],  # a streamed embedding: by rows
         )
         self.window.gate, self.window.on_offloaded = self.updates.gate, self.updates.offloaded
         self.runner = StageRunner(model, self.blocks, self.window, self.dtype)
@@ -279,21 +281,23 @@ class Engine:
         dist.barrier()  # the tied embedding's transfer copy is read by the last stage
 
     def _uses(self) -> dict[int, tuple[int, int]]:
-        """Per block, (loads, backwards) in one step of this stage's schedule (residency's ranking)."""
+        """Per block, (loads, backwards) in one step of this stage's schedule (residency's ranking; the
+        embedding counted as if it streamed whole: whether it goes by rows depends on this choice)."""
         rounds, per_round = step_rounds(
             self.cfg.pipeline.schedule, self.grad_accum, self.cfg.pipeline.microbatches
         )
-        actions = build_schedule(self.cfg.pipeline.schedule, self.num_stages, self.stage, per_round)
-        loads = Counter(self._load_sequence(actions, rounds))
-        backwards = Counter(self._offload_sequence(actions, rounds))
+        actions = build_schedule(self.cfg.pipeline.schedule, self.num_stages, self.stage, per_round) * rounds
+        is_last = self.stage == self.num_stages - 1
+        loads = Counter(b for a in actions for b in stage_loads(self.blocks, is_last, (), a.kind))
+        backwards = Counter(b for a in actions for b in stage_offloads(self.blocks, is_last, a.kind))
         return {b: (loads[b], backwards[b]) for b in self.blocks}
 
     # ---- one step ----------------------------------------------------------------------------
 
     def _offload_sequence(self, actions, rounds: int) -> list[int]:
-        """Blocks in the order their gradients are offloaded in a step (every backward, in reverse)."""
-        backwards = [a for a in actions if a.kind == "B"] * rounds
-        return [b for _ in backwards for b in self.blocks[::-1]]
+        """Blocks in the order their gradients are offloaded in a step (``StageRunner.offloads``: the
+        head at each forward, the other blocks at each backward, in reverse)."""
+        return [b for a in actions * rounds for b in self.runner.offloads(a.kind)]
 
     def _settle_grads(self) -> float:
         """Make the step's gradients final; returns this stage's Σ gradient² (0 on replicas ≠ 0,
@@ -339,7 +343,7 @@ class Engine:
         seq = []
         for _ in range(rounds):
             for a in actions:
-                seq += self.blocks if a.kind == "F" else self.blocks[::-1]
+                seq += self.runner.loads(a.kind)
         return seq
 
     def _run_round(self, actions, r: int, inputs, labels, loss_scale: float, train: bool, positions) -> float:
@@ -352,8 +356,8 @@ class Engine:
             lab = labels[mb].to(self.device) if self.runner.is_last else None
             pos = None if positions is None else positions[mb].to(self.device)
             if a.kind == "F":
-                x = inputs[mb] if self.runner.is_first else got
-                out = self.runner.forward(mb, x.to(self.device), lab, keep=train, position_ids=pos)
+                x = inputs[mb] if self.runner.is_first else got.to(self.device)  # ids stay on the host
+                out = self.runner.forward(mb, x, lab, train, pos, loss_scale)
                 if self.runner.is_last:
                     loss_sum += float(out)
             else:

@@ -36,6 +36,11 @@ would have added them, and only the block's last backward of the step (``begin(.
 gives the count) queues one D2H copy of the accumulator into the store (4 bytes/parameter per step,
 whatever the micro-batch count).
 The waits enter the ``stall``, ``d2h_wait`` and ``optim`` phases of ``timeline`` (breakdown.py).
+
+Row blocks (``rows``: the embedding, one [V, D] binding) never enter a slot: ``gather_rows`` copies
+only the rows a micro-batch uses (H2D U × D instead of V × D) and ``offload_rows`` scatter-adds
+their gradient rows into the fp32 accumulator (``index_add_``), zeroing it at the first offload of
+the sequence (O(V × D) once per step, not per micro-batch), on the same D2H worker and staging.
 """
 
 from __future__ import annotations
@@ -148,8 +153,11 @@ class Window:
         device: compute device.
         delay_s: test-only sleep before each copy.
         resident: blocks held in buffers of their own for the whole sequence.
+        rows: blocks of a single [V, D] binding (the embedding) that travel as the rows a
+            micro-batch uses (:meth:`gather_rows`, :meth:`offload_rows`), never through a slot.
 
-    Memory: ``slots × max streamed block numel × compute itemsize`` bytes plus each resident block's
+    Memory: ``slots × max streamed block numel × compute itemsize`` bytes (row blocks are not
+    streamed: their gathered rows and row gradients are per micro-batch) plus each resident block's
     ``numel × (compute itemsize + 4)`` bytes (its weights and its fp32 gradient accumulator) on the
     device (``nbytes``; ``resident_nbytes`` the latter); ``slots × max block numel ×
     compute itemsize`` bytes of host staging (``staging_nbytes``; page-locked on CUDA).
@@ -159,12 +167,15 @@ class Window:
     """
 
     def __init__(self, store: HostStore, bindings, blocks, owned_units, slots: int, device, delay_s=0.0,
-                 resident=()):  # fmt: skip
+                 resident=(), rows=()):  # fmt: skip
         self.store, self.bindings, self.device = store, bindings, torch.device(device)
         dtype = store.layout.compute_dtype
         self.resident = sorted(set(resident))
         assert set(self.resident) <= set(blocks), f"resident blocks {self.resident} not in {list(blocks)}"
-        streamed = [i for i in blocks if i not in self.resident]
+        self.rows = sorted(set(rows))
+        assert not set(self.rows) & set(self.resident), "a block is either resident or gathered as rows"
+        assert all(len(bindings[i]) == 1 and len(bindings[i][0].shape) == 2 for i in self.rows), self.rows
+        streamed = [i for i in blocks if i not in self.resident and i not in self.rows]
         numel = max((self._numel(i) for i in streamed), default=0)
         self._slots = [torch.empty(numel, dtype=dtype, device=self.device) for _ in range(slots)]
         self._resident = {i: torch.empty(self._numel(i), dtype=dtype, device=self.device) for i in resident}
@@ -346,10 +357,7 @@ class Window:
         if block in self._backwards_left:
             self._accumulate_on_device(block, grads)
             return
-        if len(self._offloads) >= len(self._staging):  # bound gradient memory in flight, free a buffer
-            with self.timeline.phase("d2h_wait"):
-                while len(self._offloads) >= len(self._staging):
-                    self._offloads.pop(0).result()
+        self._free_staging()
         targets = self._grad_targets[block]
         jobs = []
         for name in grads:
@@ -415,6 +423,72 @@ class Window:
                 self.on_offloaded(block)
 
         self._ships.append(self._d2h.submit(ship))
+
+    def _free_staging(self) -> None:
+        """Bound gradient memory in flight: wait until a staging buffer is free."""
+        if len(self._offloads) >= len(self._staging):
+            with self.timeline.phase("d2h_wait"):
+                while len(self._offloads) >= len(self._staging):
+                    self._offloads.pop(0).result()
+
+    def gather_rows(self, block: int, index: torch.Tensor) -> torch.Tensor:
+        """The rows ``index`` of a row block's transfer copy, on the device.
+
+        Waits for the block's pending AdamW updates (``gate``) first, as a load does.
+
+        Args:
+            block: one of ``rows``.
+            index: [U] int64 row indices on the host (unique: each row crosses once).
+
+        Returns:
+            [U, D] compute dtype on the device.
+        """
+        (b,) = self.bindings[block]
+        gate = self.gate(block) if self.gate is not None else []
+        with self.timeline.phase("optim"):
+            for f in gate:
+                f.result()
+        t0 = time.perf_counter()
+        with self.timeline.phase("stall"):
+            table = self.store.compute(b.unit)[b.offset : b.offset + b.numel].view(b.shape)  # [V, D]
+            rows = table.index_select(0, index).to(self.device)  # [U, D]
+        self.stall_s += time.perf_counter() - t0
+        self.h2d_bytes += rows.numel() * rows.element_size()
+        return rows
+
+    def offload_rows(self, block: int, index: torch.Tensor, grad_rows: torch.Tensor) -> None:
+        """Queue D2H of a row block's gradient rows, scatter-added into its host accumulator.
+
+        The first offload into the accumulator since :meth:`begin` zeroes it before adding (rows
+        no micro-batch used have zero gradient), the later ones only add, as :meth:`offload` does.
+
+        Args:
+            block: one of ``rows``.
+            index: [U] int64 row indices on the host, unique.
+            grad_rows: [U, D] compute dtype on the device, the gradient of those rows.
+        """
+        self._free_staging()
+        (b,) = self.bindings[block]
+        dst = self._grad_targets[block][b.local_name].view(b.shape)  # [V, D] fp32, host
+        first = dst.data_ptr() not in self._written
+        self._written.add(dst.data_ptr())
+        self.d2h_bytes += grad_rows.numel() * grad_rows.element_size()
+        staged = self._staging.issue(self._num_offloads % len(self._staging), [grad_rows])
+        self._num_offloads += 1
+        shape = grad_rows.shape  # not the device tensor: its memory goes back once the copy landed
+
+        def accumulate():
+            (src,) = staged.wait()
+            if first:
+                dst.zero_()
+            dst.index_add_(0, index, src.view(shape).float())
+            # host bytes: the zeroing pass (4 B per element of [V, D]) once, then per row element the
+            # staged gradient read and the accumulator's read and write
+            self.accum_host_bytes += dst.numel() * 4 * first + src.numel() * (src.element_size() + 8)
+            if self.on_offloaded is not None:
+                self.on_offloaded(block)
+
+        self._offloads.append(self._d2h.submit(accumulate))
 
     def flush(self) -> None:
         """Wait for every queued offload; the host accumulators are then complete."""

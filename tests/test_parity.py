@@ -38,6 +38,8 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
 
+from nodetrain.pipeline import build_schedule, step_rounds
+
 WORKER = Path(__file__).resolve().parent / "parity_worker.py"
 IGNORE = -100
 
@@ -324,21 +326,20 @@ def _block_numels(state: dict[str, torch.Tensor]) -> dict[str, int]:
     return out
 
 
-def _step_h2d_numel(case: Case, stage: int, blocks: list[int]) -> int:
-    """Closed form of one step's H2D elements of a stage (no residency) with ``blocks`` elements per
-    block: two uses per micro-batch, less one load per turn that reuses a block (stream.py). 1f1b runs
-    G·M micro-batches in ONE round (w = min(S - s - 1, G·M) warm-up forwards: max(G·M - w, 1) F→B
-    turns reuse the last block, max(G·M - w - 1, 0) B→F turns the first); gpipe G rounds (G F→B and
-    G - 1 B→F turns). A one-block stage loads once per step. G rounds of 1f1b would reuse fewer."""
-    g, m = case.grad_accum, case.microbatches
-    if len(blocks) == 1:
-        return blocks[0]
-    if case.schedule == "1f1b":
-        w = min(case.stages - stage - 1, g * m)
-        f_to_b, b_to_f = max(g * m - w, 1), max(g * m - w - 1, 0)
-    else:
-        f_to_b, b_to_f = g, g - 1
-    return 2 * g * m * sum(blocks) - f_to_b * blocks[-1] - b_to_f * blocks[0]
+def _step_h2d_numel(case: Case, stage: int, names: list[str], numel: dict[str, int], rows: int) -> int:
+    """Closed form of one step's H2D elements of a stage (no residency): the stage's load sequence
+    over the step's schedule (1f1b: ONE round of G·M micro-batches; gpipe: G rounds of M), a forward
+    loading every block but the embedding, a backward every block but the embedding and the last
+    stage's head (its gradients are taken in its forward), in reverse; a use right after a use of the
+    same block shares its load (stream.py). The embedding moves only ``rows`` (the step's distinct
+    ids × hidden, summed over micro-batches). G rounds of 1f1b would reuse fewer."""
+    rounds, per_round = step_rounds(case.schedule, case.grad_accum, case.microbatches)
+    actions = build_schedule(case.schedule, case.stages, stage, per_round) * rounds
+    fwd = [n for n in names if n != "embed"]
+    bwd = [n for n in fwd if not (stage == case.stages - 1 and n == "head")][::-1]
+    seq = [n for a in actions for n in (fwd if a.kind == "F" else bwd)]
+    loaded = [n for k, n in enumerate(seq) if k == 0 or seq[k - 1] != n]
+    return sum(numel[n] for n in loaded) + (rows if "embed" in names else 0)
 
 
 def unit_of(hf_name: str) -> str:
@@ -404,9 +405,11 @@ def check_parity(case: Case, tmp_path: Path, shm_dir: Path, torchrun, device: st
 
     if not case.resident:
         numel = _block_numels(ref.weights)
+        hidden = ref.weights["model.embed_tokens.weight"].shape[1]
+        rows = [sum(len(torch.unique(mb)) for mb in inputs[i]) * hidden for i in range(STEPS)]
         for s, names in enumerate(run.units):
-            want = 4 * _step_h2d_numel(case, s, [numel[n] for n in names])
-            assert [st["breakdown"][f"stage{s}/h2d_bytes"] for st in run.steps] == [want] * STEPS, s
+            want = [4 * _step_h2d_numel(case, s, names, numel, r) for r in rows]
+            assert [st["breakdown"][f"stage{s}/h2d_bytes"] for st in run.steps] == want, s
 
     if case.tied:
         assert ref.tied_ok, "the reference model does not tie lm_head to the embedding"
