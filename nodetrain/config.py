@@ -196,6 +196,11 @@ class StreamConfig:
     """Device bytes for resident units (loaded once per step instead of once per micro-batch pass);
     units that do not fit stream through the slots. -1 = auto: on CUDA what the device has free
     after the slots, the estimated activations and a 2 GiB margin; on CPU 0. 0 = stream every unit."""
+    accum_threads: int = 0
+    """CPU threads (an OpenMP team) of the D2H worker that adds each offloaded gradient into the host
+    store's fp32 accumulators; 0 = auto: the rank's core share (cores of its GPU's NUMA node, or of
+    the node, over the ranks sharing them) minus ``optim.threads`` (auto: half, rounded up). Logged at
+    start-up, independent of the ``OMP_NUM_THREADS=1`` torchrun sets."""
 
 
 @dataclass
@@ -231,7 +236,8 @@ class OptimConfig:
     every stage (overlapped with the next step's forward instead). Ignored with clipping or
     ``overlap=false``."""
     threads: int = 0
-    """CPU threads (an OpenMP team) for the AdamW update; 0 = the node's cores / ranks on the node."""
+    """CPU threads (an OpenMP team) for the AdamW update; 0 = auto: half the rank's core share,
+    rounded up (the rest goes to ``stream.accum_threads``; see nodetrain/host_threads.py)."""
     test_delay_s: float = 0.0
     """Test-only: seconds the optimizer worker sleeps before each unit update, to expose staleness."""
 

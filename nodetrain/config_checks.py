@@ -154,6 +154,7 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("stream.device_budget", lambda v: v >= -1, "must be >= -1", "use -1 for auto, 0 to stream all"),
     ("train.peak_flops", lambda v: v >= 0, "must be >= 0", "use 0 to measure it at start-up"),
     ("optim.threads", lambda v: v >= 0, "must be >= 0", "use 0 for a fair share of the cores"),
+    ("stream.accum_threads", lambda v: v >= 0, "must be >= 0", "use 0 for a share of the rank's cores"),
     ("optim.test_delay_s", lambda v: v >= 0, "must be >= 0", "use 0 outside tests"),
     ("optim.lr", lambda v: 0 < v <= 1, "must be in (0, 1]", "the default is 3e-3"),
     ("optim.min_lr", lambda v: v >= 0, "must be >= 0", "use 0 to decay to zero"),
