@@ -21,6 +21,7 @@ __all__ = [
     "resident_blocks",
     "choose_resident",
     "auto_device_budget",
+    "device_budget_bytes",
     "stage_activation_bytes",
     "MARGIN_BYTES",
 ]
@@ -68,6 +69,13 @@ def stage_activation_bytes(cfg, model, blocks, stage: int, num_stages: int, grad
     return mem.activation_bytes
 
 
+def device_budget_bytes(free: int, window_bytes: int, activations: int) -> int:
+    """The automatic resident budget: ``free`` device bytes minus the window's slots, the activations
+    (``costs.stage_memory``) and :data:`MARGIN_BYTES`, at least 0. The planner predicts the same
+    figure from the profile's device memory (plan.py), the engine from the memory free at start-up."""
+    return max(0, free - window_bytes - activations - MARGIN_BYTES)
+
+
 def auto_device_budget(device: torch.device, activations: int, window_bytes: int) -> int:
     """``stream.device_budget=-1``: on CUDA the free device memory (read now: call it after the
     process group, the peak measurement and their cached blocks are settled) minus the window's
@@ -76,7 +84,7 @@ def auto_device_budget(device: torch.device, activations: int, window_bytes: int
     if device.type != "cuda":
         return 0
     free, _ = torch.cuda.mem_get_info(device)
-    budget = max(0, free - window_bytes - activations - MARGIN_BYTES)
+    budget = device_budget_bytes(free, window_bytes, activations)
     log.info(
         "automatic device budget: %.2f GB free - %.2f GB window - %.2f GB activations - %.2f GB margin "
         "(allocator, NCCL, cuBLAS) = %.2f GB",
@@ -105,7 +113,7 @@ def resident_blocks(
     itemsize = torch.empty(0, dtype=getattr(torch, cfg.train.dtype)).element_size()
     block_bytes = {i: sum(b.numel for b in model.bindings[i]) * itemsize for i in blocks}
     budget = cfg.stream.device_budget
-    if budget < 0:
+    if budget == "auto" or budget < 0:
         acts = stage_activation_bytes(cfg, model, blocks, stage, num_stages, grad_accum, device)
         budget = auto_device_budget(torch.device(device), acts, cfg.stream.slots * max(block_bytes.values()))
     chosen = choose_resident(block_bytes, budget)
