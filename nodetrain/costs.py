@@ -489,6 +489,7 @@ def step_time(
     overlap_optimizer: bool,
     schedule: str = "1f1b",
     resident: list[frozenset[int]] | None = None,
+    node_flops_per_s: float = 0.0,
 ) -> StepTime:
     """Step time when the window overlaps H2D, compute, D2H and the host accumulation on each stage.
 
@@ -500,7 +501,10 @@ def step_time(
 
     Args:
         flops_per_s: achieved FLOP/s of one stage's device; rates: the host side;
-            resident: per stage, the blocks kept on the device (none when omitted).
+            resident: per stage, the blocks kept on the device (none when omitted);
+        node_flops_per_s: > 0 when the stages share one set of cores (a CPU profile): a stage idle
+            in the bubble leaves its core to the others, so the pipeline takes at least every
+            stage's compute over the node's FLOP/s (work-conserving), not only the critical path.
     """
     from nodetrain.pipeline import build_schedule  # pure; imported here to keep costs import-light
 
@@ -521,6 +525,10 @@ def step_time(
     optimizer = max(x.optimizer_bytes for x in traffic) / optim_rate
     host_dram = sum(x.host_bytes for x in traffic) / rates.host_bytes_per_s
     pipeline, bubble = (g * m + s - 1) * slot, (s - 1) * slot
+    if node_flops_per_s > 0:
+        total = g * m * sum(_stage_flops(shape, blocks, n, t) for blocks in stage_blocks) / node_flops_per_s
+        if total > pipeline:
+            pipeline, bubble = total, max(0.0, total - g * m * slot)
     step = max(pipeline, optimizer) if overlap_optimizer else pipeline + optimizer
     step = max(step, host_dram)
     parts = {

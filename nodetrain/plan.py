@@ -351,8 +351,12 @@ def host_rates(cfg: Config, num_stages: int) -> HostRates:
 
 
 def _time(cfg: Config, node: _Node, b: int, resident: list[frozenset[int]]) -> StepTime:
+    """The step time of ``node`` at micro-batch size ``b``. A CPU profile's ranks each compute on one
+    thread (torchrun's ``OMP_NUM_THREADS=1``): a core's share of the peak, and all of them
+    together at most the node's peak (``node_flops_per_s``)."""
     hw, num_stages = cfg.hardware, len(node.stage_blocks)
-    share = 1 if hw.gpus_per_node else num_stages  # a CPU's cores are shared by its ranks
+    achieved = hw.peak_flops * hw.matmul_efficiency
+    share = 1 if hw.gpus_per_node else max(num_stages, hw.cores)
     return step_time(
         node.shape,
         node.stage_blocks,
@@ -361,11 +365,12 @@ def _time(cfg: Config, node: _Node, b: int, resident: list[frozenset[int]]) -> S
         m=node.microbatches,
         g=node.grad_accum,
         itemsize=node.itemsize,
-        flops_per_s=hw.peak_flops * hw.matmul_efficiency / share,
+        flops_per_s=achieved / share,
         rates=host_rates(cfg, num_stages),
         overlap_optimizer=cfg.plan.overlap_optimizer,
         schedule=node.schedule,
         resident=resident,
+        node_flops_per_s=0.0 if hw.gpus_per_node else achieved,
     )
 
 
