@@ -356,7 +356,7 @@ def _time(cfg: Config, node: _Node, b: int, resident: list[frozenset[int]]) -> S
     together at most the node's peak (``node_flops_per_s``)."""
     hw, num_stages = cfg.hardware, len(node.stage_blocks)
     achieved = hw.peak_flops * hw.matmul_efficiency
-    share = 1 if hw.gpus_per_node else max(num_stages, hw.cores)
+    share = 1 if hw.gpus_per_node else hw.cores  # one thread per rank: a core's share of the peak
     return step_time(
         node.shape,
         node.stage_blocks,
