@@ -125,7 +125,8 @@ def _host_threads(cfg, device: torch.device, local_rank: int) -> CoreSplit:
     the D2H accumulation and the optimizer (host_threads.py); both logged, whatever OMP_NUM_THREADS is."""
     sharing = 0
     if device.type == "cuda":
-        binding = numa_binding(cuda_pci_bus_ids(), device.index if device.index is not None else local_rank)
+        index = device.index if device.index is not None else local_rank
+        binding = numa_binding(cuda_pci_bus_ids(), index, allowed=os.sched_getaffinity(0))
         if binding.cpus is not None:
             bind_threads(binding.cpus)
         sharing = binding.ranks_sharing

@@ -18,8 +18,11 @@ initializer.
 NUMA: on a host with more than one NUMA node, every thread of the rank is bound
 (``os.sched_setaffinity``) to the cores of its GPU's node (``/sys/bus/pci/devices/<bus id>/numa_node``
 and ``/sys/devices/system/node/node<N>/cpulist``), and the rank's core share is that node's cores
-over the ranks whose GPU sits on it. The host store is one shared file read by every rank, so its
-pages are left where first touch puts them (``mbind`` per rank's units is not done).
+over the ranks whose GPU sits on it. Only CPUs the process may use count (a container's cpuset).
+torchrun's ``--numa-binding=node`` (``torch.numa.binding``, torch >= 2.9) binds a rank to the same
+CPUs before it starts; binding again here is then a no-op, and keeps the binding (and its log line)
+for launches without the flag. The host store is one shared file read by every rank, so its pages
+are left where first touch puts them (``mbind`` per rank's units is not done).
 """
 
 from __future__ import annotations
@@ -163,13 +166,16 @@ class NumaBinding:
     """One line for the start-up log."""
 
 
-def numa_binding(pci_bus_ids: list[str], local_rank: int, sysfs: str | Path = "/sys") -> NumaBinding:
+def numa_binding(
+    pci_bus_ids: list[str], local_rank: int, sysfs: str | Path = "/sys", allowed: set[int] | None = None
+) -> NumaBinding:
     """The CPUs of the NUMA node of ``local_rank``'s GPU, from sysfs (pure: reads files only).
 
     Args:
         pci_bus_ids: PCI bus id (``"0000:1b:00.0"``) of each local rank's GPU, in local-rank order.
         local_rank: this rank.
         sysfs: the sysfs root (a fake tree in tests).
+        allowed: CPUs this process may use (``os.sched_getaffinity(0)``); None = all.
     """
     sysfs = Path(sysfs)
     nodes = _node_cpus(sysfs)
@@ -181,6 +187,14 @@ def numa_binding(pci_bus_ids: list[str], local_rank: int, sysfs: str | Path = "/
         what = f"GPU {pci_bus_ids[local_rank]} has no NUMA node in sysfs ({node})"
         return NumaBinding(None, 0, f"{len(nodes)} NUMA nodes but {what}: threads not bound")
     cpus, sharing = nodes[node], where.count(node)
+    if allowed is not None:
+        cpus = [c for c in cpus if c in allowed]
+    if not cpus:
+        return NumaBinding(
+            None,
+            0,
+            f"node {node} of GPU {pci_bus_ids[local_rank]} has no CPU this process may use: not bound",
+        )
     reason = (
         f"{len(nodes)} NUMA nodes: local rank {local_rank}'s GPU {pci_bus_ids[local_rank]} is on node "
         f"{node}; threads bound to its {len(cpus)} CPUs ({cpus[0]}-{cpus[-1]}), shared by {sharing} rank(s)"

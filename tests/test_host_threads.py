@@ -65,6 +65,11 @@ def test_numa_binding_two_nodes(tmp_path) -> None:
     assert "node 1" in b.reason and "112 CPUs" in b.reason
     b0 = numa_binding(ids, 0, sysfs)
     assert b0.cpus == [*range(0, 56), *range(112, 168)] and b0.ranks_sharing == 2
+    # a cpuset (container) that allows only some of node 0's CPUs: only those; none: not bound
+    b0 = numa_binding(ids, 0, sysfs, allowed={3, 4, 60, 113})
+    assert b0.cpus == [3, 4, 113]
+    b0 = numa_binding(ids, 0, sysfs, allowed={60, 61})
+    assert b0.cpus is None and "no CPU this process may use: not bound" in b0.reason
 
 
 def test_numa_binding_one_node_or_unknown(tmp_path) -> None:
