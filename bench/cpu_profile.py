@@ -85,6 +85,8 @@ def main() -> None:
     print(f"peak_flops: {max(bf16, fp32):.3e}  # best of bf16/fp32 mm, {threads} threads")
     print(f"host_link_gbps: {link:.1f}")
     print(f"host_memory_bandwidth_gbps: {triad:.1f}")
+    torch.set_num_threads(1)
+    print(f"core_memory_bandwidth_gbps: {triad_gbps():.1f}  # the triad on 1 thread")
 
 
 if __name__ == "__main__":

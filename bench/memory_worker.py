@@ -7,6 +7,7 @@ steps, and reports, per rank: the host store and window bytes of the engine's ob
 resident growth during the last step (``VmHWM`` − ``VmRSS`` before it, after resetting the peak
 through ``/proc/self/clear_refs``; every page of the store is mapped into the rank first, so the
 growth is the step's own memory, not store pages the rank happens to touch for the first time),
+the wall seconds of the steps between the first and the last (``step_s``),
 and the rank's proportional set size (``Pss`` of ``/proc/self/smaps_rollup``: shared pages divided
 among the processes mapping them, so the ranks' PSS add up to the node's memory without counting
 the host store twice), after the steps and before the engine is built (``base_pss_bytes``: the
@@ -16,9 +17,11 @@ with every rank's figures.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -75,6 +78,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(cfg.seed)
     tokens = torch.randint(0, model.config.vocab_size, (shape[0], shape[1], shape[2] + 1), generator=gen)
     x, y = tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous()
+    ends = [time.perf_counter()]
     try:
         for step in range(spec.get("steps", 2)):
             last = step == spec.get("steps", 2) - 1
@@ -85,6 +89,7 @@ def main() -> None:
                 Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
                 rss_before = _status_kb("VmRSS")
             engine.train_step(step, x, y)
+            ends.append(time.perf_counter())
         peak_growth = (_status_kb("VmHWM") - rss_before) * 1024
         shmem_growth = (_status_kb("RssShmem") - shmem_before) * 1024
         dist.barrier()  # every rank still maps the store while PSS is read
@@ -100,6 +105,9 @@ def main() -> None:
             "base_pss_bytes": base_pss,
             "pss_shmem_bytes": rollup.get("Pss_Shmem", 0) * 1024,
             "rss_bytes": rollup["Rss"] * 1024,
+            # wall seconds between the ends of consecutive steps, from the 2nd step to the one before
+            # the last (the last is preceded by the store mapping above)
+            "step_s": [b - a for a, b in itertools.pairwise(ends[1:-1])],
         }
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)

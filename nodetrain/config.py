@@ -140,8 +140,10 @@ class TrainConfig:
     """Optimizer steps to run (>= 1)."""
     seq_len: int = 128
     """Tokens per sequence (T), >= 2 and <= model.hf.max_position_embeddings when that is set."""
-    micro_batch_size: int = 4
-    """Sequences per micro-batch (B)."""
+    micro_batch_size: Any = 4
+    """Sequences per micro-batch (B), >= 1, or ``auto``: the planner (nodetrain/plan.py
+    ``resolve_auto``) picks the power of two that fits the device (the same activation model as
+    ``python -m nodetrain.plan``) and gives the most tokens/s on ``hardware``; logged at start-up."""
     grad_accum: int = 1
     """Accumulation factor; a step is grad_accum × pipeline.microbatches micro-batches, run by 1f1b as
     one pipeline round of all of them (one fill and drain per step), by gpipe as grad_accum rounds
@@ -182,9 +184,11 @@ class PipelineConfig:
     runs one replica of the pipeline (data parallel, see nodetrain/replicas.py): world = stages × K."""
     schedule: str = "1f1b"
     """gpipe (arXiv:1811.06965) | 1f1b (PipeDream-Flush, arXiv:2104.04473)."""
-    microbatches: int = 4
+    microbatches: Any = 4
     """Micro-batches per pipeline round (M; 1f1b runs grad_accum × M in one round); ≥ stages keeps
-    the bubble (S-1)/(M+S-1) small."""
+    the bubble (S-1)/(M+S-1) small. ``auto``: the planner picks the smallest multiple of the stages
+    (up to 8×) within 2% of the best predicted tokens/s on ``hardware`` (a divisor of the batch when
+    ``train.batch_size`` is set); logged."""
 
 
 @dataclass
@@ -195,13 +199,18 @@ class StreamConfig:
     """Device buffers the stage's units stream through (1 = no overlap, 2 = double buffering)."""
     test_copy_delay_s: float = 0.0
     """Test-only: seconds the CPU copy worker sleeps before each copy, to expose a missing wait."""
-    device_budget: int = -1
+    device_budget: Any = -1
     """Device bytes for resident units (loaded once per step instead of once per micro-batch pass),
     each costing its weights plus an fp32 gradient accumulator (e + 4 bytes/parameter; its gradient
     leaves the device once per step), chosen by link bytes saved per device byte with the last
-    stage's head first (residency.py); units that do not fit stream through the slots. -1 = auto:
+    stage's head first (residency.py); units that do not fit stream through the slots. -1 or ``auto``:
     on CUDA what the device has free after the slots, the estimated activations and a 2 GiB
     margin; on CPU 0. 0 = stream every unit."""
+    accum_threads: int = 0
+    """CPU threads (an OpenMP team) of the D2H worker that adds each offloaded gradient into the host
+    store's fp32 accumulators; 0 = auto: the rank's core share (cores of its GPU's NUMA node, or of
+    the node, over the ranks sharing them) minus ``optim.threads`` (auto: half, rounded up). Logged at
+    start-up, independent of the ``OMP_NUM_THREADS=1`` torchrun sets."""
 
 
 @dataclass
@@ -237,7 +246,8 @@ class OptimConfig:
     every stage (overlapped with the next step's forward instead). Ignored with clipping or
     ``overlap=false``."""
     threads: int = 0
-    """CPU threads (an OpenMP team) for the AdamW update; 0 = the node's cores / ranks on the node."""
+    """CPU threads (an OpenMP team) for the AdamW update; 0 = auto: half the rank's core share,
+    rounded up (the rest goes to ``stream.accum_threads``; see nodetrain/host_threads.py)."""
     test_delay_s: float = 0.0
     """Test-only: seconds the optimizer worker sleeps before each unit update, to expose staleness."""
 
@@ -337,8 +347,12 @@ class HardwareConfig:
     host_memory_bandwidth_gbps: float = MISSING
     """Host memory bandwidth of the node (all sockets), GB/s; bounds the CPU optimizer."""
     cores: int = MISSING
-    """CPU cores of the node (≥ 1; shown, not used: the planner's CPU AdamW time is bound by
-    ``host_memory_bandwidth_gbps``, see costs.py)."""
+    """CPU cores of the node (≥ 1); each rank gets cores / ranks, split between the gradient
+    accumulation and the optimizer as the engine splits them (``host_threads.split_cores``)."""
+    core_memory_bandwidth_gbps: float = 10.0
+    """What one core's stream of loads and stores reaches, GB/s (a one-thread STREAM triad,
+    ``bench/cpu_profile.py --threads 1``); a team of k threads reaches k × this, at most the rank's
+    share of ``host_memory_bandwidth_gbps``."""
     gpus_per_node: int = MISSING
     """GPUs of the node; 0 = no accelerator (stages are CPU processes)."""
     device_names: list[str] = field(default_factory=list)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the schema imports this module: types only, no runtime impo
     from nodetrain.config import Config, FaultInjectionConfig, ModelConfig, PipelineConfig, TrainConfig
 
 __all__ = [
+    "AUTO_KEYS",
     "DATA_FORMATS",
     "DTYPES",
     "FAIL_MODES",
@@ -38,6 +39,15 @@ __all__ = [
     "float_fields",
     "validate",
 ]
+
+
+AUTO_KEYS = {
+    "train.micro_batch_size": "use a number of sequences, or auto to let the planner pick it",
+    "pipeline.microbatches": "use a number of micro-batches, or auto to let the planner pick it",
+    "stream.device_budget": "use bytes, -1 or auto for the automatic budget, 0 to stream all",
+}
+"""Keys that accept ``auto`` (resolved by ``plan.resolve_auto`` before anything reads them), with the
+fix a wrong value gets; every other integer key refuses it (OmegaConf's type check)."""
 
 
 class ConfigError(ValueError):
@@ -154,6 +164,7 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("stream.device_budget", lambda v: v >= -1, "must be >= -1", "use -1 for auto, 0 to stream all"),
     ("train.peak_flops", lambda v: v >= 0, "must be >= 0", "use 0 to measure it at start-up"),
     ("optim.threads", lambda v: v >= 0, "must be >= 0", "use 0 for a fair share of the cores"),
+    ("stream.accum_threads", lambda v: v >= 0, "must be >= 0", "use 0 for a share of the rank's cores"),
     ("optim.test_delay_s", lambda v: v >= 0, "must be >= 0", "use 0 outside tests"),
     ("optim.lr", lambda v: 0 < v <= 1, "must be in (0, 1]", "the default is 3e-3"),
     ("optim.min_lr", lambda v: v >= 0, "must be >= 0", "use 0 to decay to zero"),
@@ -213,6 +224,12 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("hardware.host_link_gbps", lambda v: v > 0, "must be > 0", "the host link's GB/s per direction"),
     ("hardware.host_memory_gb", lambda v: v > 0, "must be > 0", "the node's RAM in GB"),
     ("hardware.host_memory_bandwidth_gbps", lambda v: v > 0, "must be > 0", "the node's GB/s"),
+    (
+        "hardware.core_memory_bandwidth_gbps",
+        lambda v: v > 0,
+        "must be > 0",
+        "one core's GB/s: bench/cpu_profile.py --threads 1",
+    ),
     ("test.fail_mode", lambda v: v in FAIL_MODES, f"not one of {', '.join(FAIL_MODES)}", "test-only"),
     ("seed", lambda v: v >= 0, "must be >= 0", "use any non-negative integer"),
 ]
@@ -240,6 +257,11 @@ def _check_fields(cfg: Config, problems: Problems) -> None:
     for key, ok, what, fix in _FIELD_CHECKS:
         value = functools.reduce(getattr, key.split("."), cfg)
         if value == "???":  # MISSING: a hardware profile the caller did not compose (not a user's key)
+            continue
+        if key in AUTO_KEYS and value == "auto":
+            continue
+        if key in AUTO_KEYS and (isinstance(value, bool) or not isinstance(value, int)):
+            problems.add(key, value, "must be an integer or auto", AUTO_KEYS[key])
             continue
         if key not in infinite and not ok(value):
             problems.add(key, value, what, fix)
@@ -345,6 +367,8 @@ def _check_stages(
 
 
 def _check_batch(train: TrainConfig, pipeline: PipelineConfig, nodes: int, problems: Problems) -> None:
+    if not all(type(v) is int for v in (train.micro_batch_size, pipeline.microbatches)):
+        return  # auto (the planner picks a divisor) or already reported
     per_round = train.micro_batch_size * pipeline.microbatches * nodes
     if train.batch_size <= 0 or train.micro_batch_size < 1 or pipeline.microbatches < 1:
         return

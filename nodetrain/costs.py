@@ -1,11 +1,12 @@
 """Cost model: the bytes and seconds a model costs on the engine, as pure arithmetic.
 
-Owns: host store bytes per field, each stage's peak device bytes (window + activations), and a
-step's time split into compute, H2D, D2H, CPU optimizer and pipeline bubble, plus the model FLOPs
-used for MFU. Does not own: hardware profiles or verdicts (plan.py), measuring (``bench/``), or
-anything that needs torch.distributed. Byte counts of the store and the stage partition come from
-the engine's own code (``StoreLayout``, ``partition`` in the caller), so the model cannot drift
-from what a run allocates.
+Owns: host store bytes per field, each stage's peak device bytes (window + activations), the bytes
+a step moves (H2D, D2H, and through host DRAM: the DMA, the gradient accumulation, the optimizer),
+and a step's time split into compute, H2D, D2H, host accumulation, CPU optimizer, host DRAM and
+pipeline bubble, plus the model FLOPs used for MFU. Does not own: hardware profiles or verdicts
+(plan.py), measuring (``bench/``), or anything that needs torch.distributed. Byte counts of the
+store and the stage partition come from the engine's own code (``StoreLayout``, ``partition`` in
+the caller), so the model cannot drift from what a run allocates.
 
 Shapes: B = micro-batch size, T = sequence length, n = B·T tokens, D = hidden size, F = MLP width,
 V = vocab, H / K = query / key-value heads, Q = head dim, e = compute-dtype bytes, S = stages,
@@ -33,6 +34,10 @@ __all__ = [
     "resident_bytes_per_param",
     "model_flops",
     "optimizer_bytes_per_param",
+    "StageTraffic",
+    "load_sequence",
+    "stage_traffic",
+    "HostRates",
     "StepTime",
     "step_time",
 ]
@@ -325,31 +330,174 @@ def optimizer_bytes_per_param(itemsize: int) -> int:
 
 
 @dataclass(frozen=True)
+class StageTraffic:
+    """What one stage moves in one optimizer step (bytes), under the engine's transfer rules."""
+
+    loads: int
+    """H2D loads of blocks (a resident block's one load counted once)."""
+    h2d_bytes: int
+    """Host → device: every load's bytes (the embedding's: the gathered rows only)."""
+    d2h_bytes: int
+    """Device → host: streamed blocks' gradients per backward (e bytes), resident ones' once (fp32)."""
+    accum_bytes: int
+    """Host DRAM bytes the D2H worker touches adding gradients into the fp32 accumulators (reads of
+    the staged gradients, reads and writes of the accumulators; not the DMA itself)."""
+    optimizer_bytes: int
+    """Host DRAM bytes of the CPU AdamW over the stage's units (``optimizer_bytes_per_param``)."""
+
+    @property
+    def host_bytes(self) -> int:
+        """Everything through host DRAM: the DMA reads (H2D) and writes (D2H) plus the host's passes."""
+        return self.h2d_bytes + self.d2h_bytes + self.accum_bytes + self.optimizer_bytes
+
+
+def load_sequence(shape: ModelShape, blocks: range, actions, resident=frozenset()) -> list[int]:
+    """The blocks one round of ``actions`` loads, in order, under the engine's rules.
+
+    A forward visits the stage's blocks in order, a backward in reverse, except the last stage's
+    head (it takes its gradients in the forward, so its backward needs no second load) and stage
+    0's embedding (it gathers rows outside the load sequence; its backward scatter-adds a row
+    gradient and needs no weights). Resident blocks
+    are loaded once per step, not here; a block used twice in a row is loaded once (1F1B's last
+    block between F(i + w) and B(i), the first between B(i) and F(i + 1 + w)).
+
+    Args:
+        shape: the model; blocks: this stage's blocks; actions: ``pipeline.build_schedule``'s list
+            for one round of G·M micro-batches; resident: blocks kept on the device.
+    """
+    last = len(shape.unit_numels) - 1
+    seq: list[int] = []
+    for a in actions:
+        order = (
+            [i for i in blocks if i != 0]
+            if a.kind == "F"
+            else [i for i in reversed(blocks) if i not in (0, last)]
+        )
+        for i in order:
+            if i not in resident and (not seq or seq[-1] != i):
+                seq.append(i)
+    return seq
+
+
+def _embed_sparse(block: int) -> bool:
+    """Stage 0's embedding moves gathered rows, not V×D (tied or not: the tied head, on the last
+    stage, binds the whole matrix as its own load)."""
+    return block == 0
+
+
+def stage_traffic(
+    shape: ModelShape, blocks: range, actions, *, n: int, itemsize: int, resident=frozenset()
+) -> StageTraffic:
+    """Bytes one stage moves per step (see :func:`load_sequence` for which loads happen).
+
+    Gradients: a streamed block offloads ``load × e`` after each of its backwards (the last stage's
+    head after each forward) and the D2H worker adds it into the fp32 accumulator: it reads the
+    staged copy (e) and the accumulator (4) and writes the accumulator (4), except that the step's
+    first offload overwrites it (no read). A resident block accumulates on the device and offloads
+    its fp32 gradient once per step, copied into the accumulator (read 4 + write 4). Stage 0's
+    embedding gathers only the n used rows (n·D·e in) and offloads an n-row gradient (n·D·e
+    and the 8-byte ids out) that is scatter-added into an accumulator zeroed once per step.
+
+    Args:
+        n: tokens per micro-batch (B·T); itemsize: compute-dtype bytes (e); the rest as
+            :func:`load_sequence`.
+    """
+    e, d = itemsize, shape.hidden
+    num_mb = sum(1 for a in actions if a.kind == "F")
+    seq = load_sequence(shape, blocks, actions, resident)
+    row_bytes = n * d * e
+    h2d = sum(shape.load_numels[i] * e for i in seq)
+    h2d += num_mb * row_bytes if 0 in blocks and 0 not in resident else 0  # the gathered rows
+    h2d += sum(shape.load_numels[i] * e for i in resident)
+    d2h = accum = 0
+    for i in blocks:
+        p = shape.load_numels[i]
+        if i in resident:
+            d2h, accum = d2h + 4 * p, accum + 8 * p
+        elif _embed_sparse(i):
+            d2h += num_mb * (row_bytes + 8 * n)
+            accum += 4 * p + num_mb * (row_bytes + 8 * n + 8 * n * d)
+        else:
+            d2h += num_mb * p * e
+            accum += num_mb * p * e + 4 * p + (num_mb - 1) * 8 * p
+    owned = sum(shape.unit_numels[i] for i in blocks)
+    opt = owned * optimizer_bytes_per_param(e)
+    return StageTraffic(len(seq) + len(resident), h2d, d2h, accum, opt)
+
+
+@dataclass(frozen=True)
+class HostRates:
+    """The node's host side as the planner sees one rank's share of it (bytes/s)."""
+
+    link_bytes_per_s: float
+    """One device's host link, per direction."""
+    host_bytes_per_s: float
+    """The node's DRAM bandwidth, shared by all its ranks."""
+    core_bytes_per_s: float
+    """What one core's stream of loads and stores reaches (``hardware.core_memory_bandwidth_gbps``)."""
+    ranks: int
+    """Ranks (one per GPU) sharing the node's DRAM and cores."""
+    accum_threads: int
+    """The D2H worker's OpenMP team (``host_threads.split_cores``)."""
+    optim_threads: int
+    """The optimizer thread's OpenMP team."""
+
+    def rate(self, threads: int) -> tuple[float, str]:
+        """Bytes/s of a team of ``threads`` on one rank, and what bounds it: its cores, or its share
+        of the node's DRAM bandwidth."""
+        cores, share = threads * self.core_bytes_per_s, self.host_bytes_per_s / self.ranks
+        return (cores, "cores") if cores < share else (share, "host DRAM")
+
+
+@dataclass(frozen=True)
 class StepTime:
     """Predicted seconds of one optimizer step, split by what the slowest stage waits for."""
 
     tokens: int
     model_flops: float
     compute_s: float
-    """Busy compute of the slowest stage: forward + recompute + backward, 8·N_s·n (+ attention)."""
+    """Busy compute of the slowest stage: forward + recompute + backward, 8·N_s·n (+ attention); the
+    last stage's head 6·N·n (its gradients come with the forward, no recompute)."""
     h2d_s: float
-    """Weight prefetch of the busiest stage: every block loaded for each forward and backward."""
+    """Weight prefetch of the busiest stage (:func:`stage_traffic`'s loads)."""
     d2h_s: float
-    """Gradient offload of the busiest stage: every block's gradients once per backward (e bytes)."""
+    """Gradient offload of the busiest stage (streamed: per backward; resident: once, fp32)."""
+    accum_s: float
+    """Host accumulation of the busiest stage's D2H worker on its ``accum_threads`` cores."""
     bubble_s: float
-    """Pipeline fill and drain, (S − 1) micro-batch slots per round."""
+    """Pipeline fill and drain: (S − 1) micro-batch slots, once per step (one round of G·M)."""
     optimizer_s: float
-    """CPU AdamW over the whole store, bound by the node's host memory bandwidth."""
+    """CPU AdamW of the slowest stage on its ``optim_threads`` cores (or DRAM share)."""
+    host_dram_s: float
+    """All stages' host bytes (:attr:`StageTraffic.host_bytes`) over the node's DRAM bandwidth."""
     step_s: float
     bottleneck: str
+    """compute, H2D, D2H, host accumulation, pipeline bubble, host DRAM or optimizer cores."""
+    traffic: tuple[StageTraffic, ...] = ()
+    """Per stage, the bytes behind these times."""
 
     @property
     def tokens_per_day(self) -> float:
         return self.tokens / self.step_s * 86400
 
+    @property
+    def host_bytes(self) -> int:
+        """Host DRAM bytes per step, all stages together."""
+        return sum(x.host_bytes for x in self.traffic)
+
     def mfu(self, peak_flops: float) -> float:
         """Model FLOPs per second over ``peak_flops`` (all devices together)."""
         return self.model_flops / self.step_s / peak_flops
+
+
+def _stage_flops(shape: ModelShape, blocks: range, n: int, t: int) -> float:
+    """FLOPs of one micro-batch on a stage: 8·cost·n per block (forward, recompute, backward), the
+    head 6·cost·n (no recompute), plus 4 × the forward attention 4·n·T·H·Q per layer."""
+    last = len(shape.unit_numels) - 1
+    attention = 16 * n * t * shape.heads * shape.head_dim
+    return sum(
+        (6 if i == last else 8) * shape.costs[i] * n + (attention if 0 < i < last else 0) for i in blocks
+    )
 
 
 def step_time(
@@ -362,39 +510,66 @@ def step_time(
     g: int,
     itemsize: int,
     flops_per_s: float,
-    link_bytes_per_s: float,
-    host_bytes_per_s: float,
+    rates: HostRates,
     overlap_optimizer: bool,
+    schedule: str = "1f1b",
+    resident: list[frozenset[int]] | None = None,
+    node_flops_per_s: float = 0.0,
 ) -> StepTime:
-    """Step time when the window overlaps H2D, compute and D2H on each stage.
+    """Step time when the window overlaps H2D, compute, D2H and the host accumulation on each stage.
 
-    A micro-batch on stage s takes max(compute, H2D, D2H) of that stage; a round of M micro-batches
-    over S stages takes (M + S − 1) of the slowest stage's micro-batch times (GPipe arXiv:1811.06965,
-    same for 1F1B); a step is G rounds. The CPU optimizer runs after the step, or hidden behind it
-    when ``overlap_optimizer``.
+    1F1B runs the G rounds as one pipeline round of G·M micro-batches, GPipe as G rounds of M
+    (``pipeline.step_rounds``); a round of M' takes (M' + S − 1) slots (GPipe arXiv:1811.06965, same
+    for 1F1B), a slot being the slowest stage's per-micro-batch
+    max(compute, H2D, D2H, accumulation). The CPU optimizer runs after the step, or hidden behind
+    it when ``overlap_optimizer``; either way the node's DRAM must carry every stage's host bytes
+    within the step, so the step is at least ``host_dram_s``.
 
     Args:
-        flops_per_s: achieved FLOP/s of one stage's device; link_bytes_per_s: its host link, per
-            direction; host_bytes_per_s: the node's host memory bandwidth.
+        flops_per_s: achieved FLOP/s of one stage's device; rates: the host side;
+            resident: per stage, the blocks kept on the device (none when omitted);
+        node_flops_per_s: > 0 when the stages share one set of cores (a CPU profile): a stage idle
+            in the bubble leaves its core to the others, so the pipeline takes at least every
+            stage's compute over the node's FLOP/s (work-conserving), not only the critical path.
     """
-    n, e, s = b * t, itemsize, len(stage_blocks)
-    attn_per_layer = 16 * n * t * shape.heads * shape.head_dim  # 4 × forward: fwd + recompute + bwd
-    last = len(shape.unit_numels) - 1
-    per_mb = []  # (compute, h2d, d2h) seconds of one micro-batch, per stage
-    for blocks in stage_blocks:
-        flops = sum(8 * shape.costs[i] * n + (attn_per_layer if 0 < i < last else 0) for i in blocks)
-        load = sum(shape.load_numels[i] for i in blocks) * e
-        per_mb.append((flops / flops_per_s, 2 * load / link_bytes_per_s, load / link_bytes_per_s))
-    slot = max(max(x) for x in per_mb)
-    compute, h2d, d2h = (g * m * max(x[k] for x in per_mb) for k in range(3))
-    optimizer = shape.num_params * optimizer_bytes_per_param(e) / host_bytes_per_s
-    pipeline = g * (m + s - 1) * slot
+    from nodetrain.pipeline import build_schedule, step_rounds  # pure; imported here: costs stays light
+
+    n, s = b * t, len(stage_blocks)
+    rounds, per_round = step_rounds(schedule, g, m)
+    resident = resident or [frozenset()] * s
+    accum_rate, _ = rates.rate(rates.accum_threads)
+    optim_rate, optim_bound = rates.rate(rates.optim_threads)
+    traffic, per_stage = [], []  # per stage: (compute, h2d, d2h, accum) seconds per step
+    for k, blocks in enumerate(stage_blocks):
+        actions = build_schedule(schedule, s, k, per_round) * rounds  # the engine's rounds
+        x = stage_traffic(shape, blocks, actions, n=n, itemsize=itemsize, resident=resident[k])
+        traffic.append(x)
+        compute = g * m * _stage_flops(shape, blocks, n, t) / flops_per_s
+        link = rates.link_bytes_per_s
+        per_stage.append((compute, x.h2d_bytes / link, x.d2h_bytes / link, x.accum_bytes / accum_rate))
+    slot = max(max(p) for p in per_stage) / (g * m)
+    compute, h2d, d2h, accum = (max(p[j] for p in per_stage) for j in range(4))
+    optimizer = max(x.optimizer_bytes for x in traffic) / optim_rate
+    host_dram = sum(x.host_bytes for x in traffic) / rates.host_bytes_per_s
+    pipeline, bubble = rounds * (per_round + s - 1) * slot, rounds * (s - 1) * slot
+    if node_flops_per_s > 0:
+        total = g * m * sum(_stage_flops(shape, blocks, n, t) for blocks in stage_blocks) / node_flops_per_s
+        if total > pipeline:
+            pipeline, bubble = total, max(0.0, total - g * m * slot)
     step = max(pipeline, optimizer) if overlap_optimizer else pipeline + optimizer
-    bubble = g * (s - 1) * slot
-    parts = {"compute": compute, "H2D": h2d, "D2H": d2h, "pipeline bubble": bubble}
+    step = max(step, host_dram)
+    parts = {
+        "compute": compute,
+        "H2D": h2d,
+        "D2H": d2h,
+        "host accumulation": accum,
+        "pipeline bubble": bubble,
+    }
     bottleneck = max(parts, key=parts.get)
     if optimizer > (pipeline if overlap_optimizer else max(parts.values())):
-        bottleneck = "CPU optimizer"
+        bottleneck = "optimizer cores" if optim_bound == "cores" else "host DRAM"
+    if host_dram >= step and host_dram > pipeline:
+        bottleneck = "host DRAM"
     tokens = g * m * n
     return StepTime(
         tokens=tokens,
@@ -402,8 +577,11 @@ def step_time(
         compute_s=compute,
         h2d_s=h2d,
         d2h_s=d2h,
+        accum_s=accum,
         bubble_s=bubble,
         optimizer_s=optimizer,
+        host_dram_s=host_dram,
         step_s=step,
         bottleneck=bottleneck,
+        traffic=tuple(traffic),
     )

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -52,9 +53,17 @@ from nodetrain.breakdown import (
 from nodetrain.comm import Comm
 from nodetrain.config import Config, grad_accum_of
 from nodetrain.faults import poison_grads
+from nodetrain.host_threads import (
+    CoreSplit,
+    bind_threads,
+    cuda_pci_bus_ids,
+    fair_share_threads,
+    numa_binding,
+    split_cores,
+)
 from nodetrain.model import HFModel
 from nodetrain.optim import StoreAdamW, clip_coef, lr_at
-from nodetrain.overlap import UnitUpdates, fair_share_threads, update_mode
+from nodetrain.overlap import UnitUpdates, update_mode
 from nodetrain.pipeline import P2P, Action, build_schedule, p2p_groups, partition, step_rounds
 from nodetrain.replicas import ReplicaGradSum, Topology, node_group, replica_slice
 from nodetrain.residency import resident_blocks
@@ -112,6 +121,24 @@ def _nan_injection(test, store: HostStore, last_unit: int, step: list[int]):
     return poison
 
 
+def _host_threads(cfg, device: torch.device, local_rank: int) -> CoreSplit:
+    """Bind this rank's threads to its GPU's NUMA node (more than one node) and split its cores between
+    the D2H accumulation and the optimizer (host_threads.py); both logged, whatever OMP_NUM_THREADS is."""
+    sharing = 0
+    if device.type == "cuda":
+        index = device.index if device.index is not None else local_rank
+        binding = numa_binding(cuda_pci_bus_ids(), index, allowed=os.sched_getaffinity(0))
+        if binding.cpus is not None:
+            bind_threads(binding.cpus)
+        sharing = binding.ranks_sharing
+        log.info("NUMA: %s", binding.reason)
+    else:
+        log.info("NUMA: device %s is not a GPU: threads not bound", device)
+    split = split_cores(fair_share_threads(sharing), cfg.stream.accum_threads, cfg.optim.threads)
+    log.info("%s (OMP_NUM_THREADS=%s)", split.reason, os.environ.get("OMP_NUM_THREADS", "unset"))
+    return split
+
+
 class Engine:
     """This rank's stage: owns a contiguous range of units and trains them.
 
@@ -163,6 +190,7 @@ class Engine:
         self.grad_sum_optim = ReplicaGradSum(topo, cfg.dist.timeout_s, self.comm, kind="stage_optim")
         self._step = [0]  # the step being run, read by the NaN injection (on the optimizer thread too)
         self._poison = _nan_injection(cfg.test, self.store, self.units[-1].index, self._step)
+        self.host_threads = _host_threads(cfg, device, topo.local_rank)
         self.updates = self._make_updates(device)
         self._peak = self._peak_flops()  # before the residency budget reads free device memory
         resident = resident_blocks(
@@ -178,6 +206,7 @@ class Engine:
             cfg.stream.test_copy_delay_s,
             resident=resident,
             rows=[0] if 0 in self.blocks and 0 not in resident else [],  # a streamed embedding: by rows
+            accum_threads=self.host_threads.accum_threads,
         )
         self.window.gate, self.window.on_offloaded = self.updates.gate, self.updates.offloaded
         self.runner = StageRunner(model, self.blocks, self.window, self.dtype)
@@ -212,7 +241,7 @@ class Engine:
             shared_units=(0,) if self._tied_across and self.stage == 0 else (),
             overlap=cfg.optim.overlap,
             clip=cfg.optim.max_grad_norm > 0,
-            threads=cfg.optim.threads or fair_share_threads(),
+            threads=self.host_threads.optim_threads,
             delay_s=cfg.optim.test_delay_s,
             defer=not cfg.optim.update_in_backward,
             grad_sum=self.grad_sum_optim,  # in-backward: each unit's replica sum, on the optimizer thread

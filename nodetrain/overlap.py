@@ -35,64 +35,28 @@ NaN/inf semantics (issue: faults; no non-finite value ever reaches master weight
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 
 from nodetrain.config import OptimConfig
+from nodetrain.host_threads import limit_thread
 from nodetrain.optim import StoreAdamW
 
-__all__ = ["UnitUpdates", "fair_share_threads", "update_mode", "final_order", "update_host_bytes"]
+__all__ = ["UnitUpdates", "update_mode", "final_order", "update_host_bytes"]
 
 log = logging.getLogger(__name__)
-
-
-def fair_share_threads() -> int:
-    """The node's usable cores divided by the ranks on it (``LOCAL_WORLD_SIZE``), at least 1."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-
-
-def _openmp_runtime() -> ctypes.CDLL | None:
-    """The OpenMP runtime torch loaded (libgomp/libiomp), found in this process's mappings (Linux)."""
-    maps = Path("/proc/self/maps")
-    if not maps.exists():
-        return None
-    for line in maps.read_text().splitlines():
-        path = line.split()[-1]
-        name = os.path.basename(path)
-        if name.startswith(("libgomp", "libiomp5")) and ".so" in name:
-            return ctypes.CDLL(path)
-    return None
-
-
-def _limit_thread(threads: int) -> None:
-    """Give the calling thread an OpenMP team of ``threads``.
-
-    ``torch.set_num_threads`` would also change MKL's process-wide count (the training thread's
-    matmuls); ``omp_set_num_threads`` sets only the calling thread's team size, which is what
-    torch's ``parallel_for`` (and so the fused AdamW kernel) reads.
-    """
-    torch.get_num_threads()  # torch's lazy per-thread init first, so it does not undo ours
-    runtime = _openmp_runtime()
-    if runtime is None:
-        log.warning("no OpenMP runtime found; the optimizer thread uses torch's thread count")
-        return
-    runtime.omp_set_num_threads(threads)
 
 
 def _init_thread(threads: int, device: torch.device | None) -> None:
     """The optimizer thread's set-up: its OpenMP team and, on CUDA, the rank's device and a stream of
     its own (the cross-replica sum stages gradients through the device, replicas.py; the current
     device and stream are per thread)."""
-    _limit_thread(threads)
+    limit_thread(threads)
     if device is not None and device.type == "cuda" and torch.cuda.is_available():
         torch.cuda.set_device(device)
         torch.cuda.set_stream(torch.cuda.Stream(device))

@@ -12,10 +12,12 @@ arithmetic itself is in ``costs.py``; printing is in ``plan_report.py``.
 
 from __future__ import annotations
 
+import copy
 import math
 import shutil
 import sys
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
@@ -33,25 +35,34 @@ from nodetrain.config import (
     validate,
 )
 from nodetrain.costs import (
+    HostRates,
     ModelShape,
     StageMemory,
     StepTime,
     field_bytes,
+    load_sequence,
     pin_overhead_bytes,
+    resident_bytes_per_param,
     shape_of,
     stage_memory,
     step_time,
     store_layout,
 )
+from nodetrain.host_threads import split_cores
 from nodetrain.model import HFModel, build_hf_config
-from nodetrain.pipeline import partition
+from nodetrain.pipeline import build_schedule, partition, step_rounds
+from nodetrain.residency import choose_resident, device_budget_bytes, saved_transfer_bytes
 from nodetrain.store import remove_stale_stores
 
-__all__ = ["GB", "Plan", "make_plan", "model_of", "host_problems", "preflight", "main"]
+__all__ = ["GB", "Plan", "make_plan", "model_of", "host_problems", "preflight", "resolve_auto", "main"]
 
 GB = 1e9
 """Bytes in the GB of every figure here (decimal, as datasheets and ``psutil`` totals are quoted)."""
 _MAX_MICRO_BATCH = 1 << 16
+_AUTO_WITHIN = 0.02
+"""An automatic choice takes the smallest batch within this fraction of the best predicted tokens/s."""
+_AUTO_MAX_ROUNDS = 8
+"""``pipeline.microbatches=auto`` tries S, 2S, 4S … up to this many × the stages."""
 
 
 def model_of(cfg: Config) -> HFModel:
@@ -193,6 +204,33 @@ class _Node:
             return host <= self.host_bytes
         return max(x.total_bytes for x in stages) <= self.device_limit_bytes
 
+    def resident(self, cfg: Config, b: int) -> list[frozenset[int]]:
+        """Per stage, the blocks kept on the device at micro-batch size ``b``: ``stream.device_budget``
+        bytes, or the automatic budget (``residency.device_budget_bytes`` of the usable device memory,
+        the same arithmetic the engine applies to the memory it finds free); a resident block costs its
+        compute-dtype copy and its fp32 gradient accumulator on the device (e + 4 bytes/parameter)."""
+        if self.cpu:
+            return [frozenset()] * len(self.stage_blocks)
+        rounds, per_round = step_rounds(self.schedule, self.grad_accum, self.microbatches)
+        head, num_stages = len(self.shape.unit_numels) - 1, len(self.stage_blocks)
+        out = []
+        for k, st in enumerate(self.memory(b)[0]):
+            budget = cfg.stream.device_budget
+            if budget == "auto" or budget < 0:
+                budget = device_budget_bytes(self.device_limit_bytes, st.window_bytes, st.activation_bytes)
+            actions = build_schedule(self.schedule, num_stages, k, per_round) * rounds
+            loads = Counter(load_sequence(self.shape, st.blocks, actions))
+            numel = {i: self.shape.load_numels[i] for i in st.blocks}
+            cost = {i: p * resident_bytes_per_param(self.itemsize) for i, p in numel.items()}
+            saved = {
+                i: saved_transfer_bytes(p, self.itemsize, loads[i], rounds * per_round)
+                for i, p in numel.items()
+            }
+            out.append(
+                frozenset(choose_resident(cost, saved, budget, first=(head,) if head in numel else ()))
+            )
+        return out
+
     def max_micro_batch(self) -> int:
         """Largest b in [1, 65536] that fits (peak memory grows with b); 0 if none does."""
         if not self.fits(1):
@@ -230,6 +268,12 @@ class Plan:
     """Nodes to train ``train_tokens`` within ``plan.days`` days (0 when ``plan.days`` is 0)."""
     problems: list[str]
     hints: list[str]
+    resident: list[frozenset[int]] = field(default_factory=list)
+    """Per stage, the blocks the plan keeps on the device (``stream.device_budget``)."""
+    rates: HostRates | None = None
+    """The host side the step time assumes (link, DRAM, cores, the accumulation/optimizer split)."""
+    choices: list[str] = field(default_factory=list)
+    """What ``auto`` became (:func:`resolve_auto`), one line each."""
 
     @property
     def fits(self) -> bool:
@@ -303,35 +347,155 @@ def _node(cfg: Config, shape: ModelShape, num_stages: int) -> _Node:
     )
 
 
-def make_plan(cfg: Config, model: HFModel | None = None) -> Plan:
-    """Plan ``cfg`` (model, batch shape, pipeline, ``hardware`` profile) without allocating anything.
+def host_rates(cfg: Config, num_stages: int) -> HostRates:
+    """The host side of one rank: its link (a CPU profile's copy bandwidth shared by its ranks), the
+    node's DRAM bandwidth shared by all ranks, and the engine's split of its cores (``cores`` /
+    ranks, ``host_threads.split_cores`` of ``stream.accum_threads`` and ``optim.threads``)."""
+    hw = cfg.hardware
+    share = 1 if hw.gpus_per_node else num_stages
+    split = split_cores(max(1, hw.cores // num_stages), cfg.stream.accum_threads, cfg.optim.threads)
+    return HostRates(
+        link_bytes_per_s=hw.host_link_gbps * GB / share,
+        host_bytes_per_s=hw.host_memory_bandwidth_gbps * GB,
+        core_bytes_per_s=hw.core_memory_bandwidth_gbps * GB,
+        ranks=num_stages,
+        accum_threads=split.accum_threads,
+        optim_threads=split.optim_threads,
+    )
 
-    Stages: ``pipeline.stages``, else one per GPU of the profile (1 on a CPU profile).
 
-    Raises:
-        ConfigError: the config is invalid for that many stages, or the profile is.
-    """
-    hw, b = cfg.hardware, cfg.train.micro_batch_size
-    num_stages = cfg.pipeline.stages or max(1, hw.gpus_per_node)
-    validate(cfg, world_size=num_stages)
-    _check_hardware(cfg, num_stages)
-    shape = shape_of(model if model is not None else model_of(cfg))
-    node = _node(cfg, shape, num_stages)
-    stages, host_need = node.memory(b)
-    share = num_stages if node.cpu else 1  # a CPU's cores and memory bus are shared by its ranks
-    time = step_time(
-        shape,
+def _time(cfg: Config, node: _Node, b: int, resident: list[frozenset[int]]) -> StepTime:
+    """The step time of ``node`` at micro-batch size ``b``. A CPU profile's ranks each compute on one
+    thread (torchrun's ``OMP_NUM_THREADS=1``): a core's share of the peak, and all of them
+    together at most the node's peak (``node_flops_per_s``)."""
+    hw, num_stages = cfg.hardware, len(node.stage_blocks)
+    achieved = hw.peak_flops * hw.matmul_efficiency
+    share = 1 if hw.gpus_per_node else hw.cores  # one thread per rank: a core's share of the peak
+    return step_time(
+        node.shape,
         node.stage_blocks,
         b=b,
         t=node.seq_len,
         m=node.microbatches,
         g=node.grad_accum,
         itemsize=node.itemsize,
-        flops_per_s=hw.peak_flops * hw.matmul_efficiency / share,
-        link_bytes_per_s=hw.host_link_gbps * GB / share,
-        host_bytes_per_s=hw.host_memory_bandwidth_gbps * GB,
+        flops_per_s=achieved / share,
+        rates=host_rates(cfg, num_stages),
         overlap_optimizer=cfg.plan.overlap_optimizer,
+        schedule=node.schedule,
+        resident=resident,
+        node_flops_per_s=0.0 if hw.gpus_per_node else achieved,
     )
+
+
+def _with_batch(cfg: Config, b: int, m: int) -> Config:
+    out = copy.deepcopy(cfg)
+    out.train.micro_batch_size, out.pipeline.microbatches = b, m
+    return out
+
+
+def _candidates(cfg: Config, num_stages: int, nodes: int) -> list[tuple[int, int]]:
+    """(micro-batch size, micro-batches) pairs to try: the given value of each, or for ``auto`` powers
+    of two (sizes) and S, 2S, 4S … (micro-batches); with ``train.batch_size`` only pairs dividing it."""
+    b, m = cfg.train.micro_batch_size, cfg.pipeline.microbatches
+    sizes = [1 << k for k in range(17)] if b == "auto" else [b]
+    counts = [num_stages << k for k in range(_AUTO_MAX_ROUNDS.bit_length())] if m == "auto" else [m]
+    if cfg.train.batch_size > 0:
+        fits = [(x, y) for x in sizes for y in counts if cfg.train.batch_size % (x * y * nodes) == 0]
+        if m == "auto" and not any(y for _, y in fits):
+            counts = [y for y in range(1, _AUTO_MAX_ROUNDS * num_stages + 1)]
+            fits = [(x, y) for x in sizes for y in counts if cfg.train.batch_size % (x * y * nodes) == 0]
+        return fits
+    return [(x, y) for x in sizes for y in counts]
+
+
+def resolve_auto(
+    cfg: Config, model: HFModel | None = None, num_stages: int = 0, nodes: int = 1
+) -> tuple[Config, list[str]]:
+    """Replace ``auto`` in ``train.micro_batch_size``, ``pipeline.microbatches`` and
+    ``stream.device_budget`` by the planner's choice, with one log line per choice.
+
+    Sizes and counts are chosen by the step-time model (:func:`make_plan`'s, ``costs.step_time``)
+    among those whose peak fits the device (``costs.stage_memory``, the one activation model, also
+    behind the automatic device budget): the smallest micro-batch size × count within 2% of the
+    best predicted tokens/s (a smaller batch for the same speed). ``stream.device_budget=auto``
+    becomes -1: the engine sizes it from the device memory free at start-up with the same model.
+
+    Args:
+        cfg: a validated config (``auto`` allowed in those keys); model: its adapter (built if None);
+        num_stages: stages (0 = ``pipeline.stages``, else one per GPU of ``hardware``); nodes: pipeline
+            replicas sharing ``train.batch_size``.
+
+    Returns:
+        (a config without ``auto``, the lines saying what was chosen and why).
+
+    Raises:
+        ConfigError: no candidate fits (the message gives the memory needed for the smallest).
+    """
+    b_auto, m_auto = cfg.train.micro_batch_size == "auto", cfg.pipeline.microbatches == "auto"
+    if not (b_auto or m_auto or cfg.stream.device_budget == "auto"):
+        return cfg, []
+    cfg, lines = copy.deepcopy(cfg), []
+    if cfg.stream.device_budget == "auto":
+        cfg.stream.device_budget = -1
+        lines.append(
+            "stream.device_budget=auto: sized at start-up from the free device memory (residency.py)"
+        )
+    if not (b_auto or m_auto):
+        return cfg, lines
+    num_stages = num_stages or cfg.pipeline.stages or max(1, cfg.hardware.gpus_per_node)
+    shape = shape_of(model if model is not None else model_of(cfg))
+    scored = []
+    for b, m in _candidates(cfg, num_stages, nodes):
+        trial = _with_batch(cfg, b, m)
+        node = _node(trial, shape, num_stages)
+        if node.fits(b):
+            t = _time(trial, node, b, node.resident(trial, b))
+            scored.append((t.tokens / t.step_s, b, m, t))
+    if not scored:
+        keys = " and ".join(
+            k for k, a in (("train.micro_batch_size", b_auto), ("pipeline.microbatches", m_auto)) if a
+        )
+        raise ConfigError(
+            f"{keys}=auto: no candidate fits {cfg.hardware.name} (see `python -m nodetrain.plan` with "
+            "train.micro_batch_size=1); shorten train.seq_len, use more stages or a larger device"
+        )
+    best = max(x[0] for x in scored)
+    rate, b, m, t = min(
+        (x for x in scored if x[0] >= (1 - _AUTO_WITHIN) * best), key=lambda x: (x[1] * x[2], x[2])
+    )
+    cfg.train.micro_batch_size, cfg.pipeline.microbatches = b, m
+    lines.append(
+        f"planner chose train.micro_batch_size={b}, pipeline.microbatches={m} on "
+        f"hardware={cfg.hardware.name}: "
+        f"{rate:,.0f} tokens/s predicted ({t.bottleneck}-bound), the smallest batch within "
+        f"{_AUTO_WITHIN:.0%} of the best of {len(scored)} that fit ({best:,.0f} tokens/s)"
+    )
+    return cfg, lines
+
+
+def make_plan(cfg: Config, model: HFModel | None = None) -> Plan:
+    """Plan ``cfg`` (model, batch shape, pipeline, ``hardware`` profile) without allocating anything.
+
+    Stages: ``pipeline.stages``, else one per GPU of the profile (1 on a CPU profile). ``auto`` sizes
+    are chosen first (:func:`resolve_auto`).
+
+    Raises:
+        ConfigError: the config is invalid for that many stages, or the profile is.
+    """
+    hw = cfg.hardware
+    num_stages = cfg.pipeline.stages or max(1, hw.gpus_per_node)
+    validate(cfg, world_size=num_stages)
+    _check_hardware(cfg, num_stages)
+    model = model if model is not None else model_of(cfg)
+    cfg, choices = resolve_auto(cfg, model, num_stages)
+    validate(cfg, world_size=num_stages)  # the chosen sizes divide train.batch_size
+    b = cfg.train.micro_batch_size
+    shape = shape_of(model)
+    node = _node(cfg, shape, num_stages)
+    stages, host_need = node.memory(b)
+    resident = node.resident(cfg, b)
+    time = _time(cfg, node, b, resident)
     train_tokens = cfg.plan.train_tokens or 20 * shape.num_params
     days_one_node = train_tokens / time.tokens_per_day
     max_b = node.max_micro_batch()
@@ -350,6 +514,9 @@ def make_plan(cfg: Config, model: HFModel | None = None) -> Plan:
         nodes=math.ceil(days_one_node / cfg.plan.days) if cfg.plan.days > 0 else 0,
         problems=_problems(cfg, node, stages, host_need, max_b),
         hints=_hints(cfg, time, max_b, num_stages),
+        resident=resident,
+        rates=host_rates(cfg, num_stages),
+        choices=choices,
     )
 
 
@@ -398,8 +565,19 @@ def _hints(cfg: Config, t: StepTime, max_b: int, num_stages: int) -> list[str]:
             f"the pipeline bubble is {t.bubble_s / t.step_s:.0%} of the step: raise pipeline.microbatches "
             f"(now {cfg.pipeline.microbatches}) to ≥ {4 * (num_stages - 1)}"
         )
-    if t.bottleneck == "CPU optimizer":
-        hints.append("the CPU AdamW is bound by host memory bandwidth: more tokens per step amortise it")
+    if t.bottleneck == "optimizer cores":
+        hints.append(
+            "the CPU AdamW is bound by its cores: raise optim.threads, or more tokens per step amortise it"
+        )
+    if t.bottleneck == "host DRAM":
+        hints.append(
+            "host DRAM carries every rank's D2H, accumulation and optimizer bytes: keep more units resident "
+            "(stream.device_budget) or more tokens per step amortise the optimizer"
+        )
+    if t.bottleneck == "host accumulation":
+        hints.append(
+            "the D2H worker's gradient adds are the slot: raise stream.accum_threads or keep units resident"
+        )
     if max_b > tr.micro_batch_size:
         hints.append(f"up to train.micro_batch_size={max_b} fits")
     return hints

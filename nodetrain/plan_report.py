@@ -87,7 +87,8 @@ def _time_table(plan: Plan) -> Table:
     t, over = plan.time, plan.cfg.plan.overlap_optimizer
     how = "the optimizer hidden behind them" if over else "then the optimizer"
     title = (
-        f"Predicted step time of the slowest stage (parts overlap: max(compute, H2D, D2H) + bubble, {how})"
+        "Predicted step time of the slowest stage (parts overlap: max(compute, H2D, D2H, accumulation) + "
+        f"bubble, {how}; at least the host DRAM time)"
     )
     table = Table(title=title, title_justify="left")
     for col in ("part", "seconds", "of step"):
@@ -96,8 +97,13 @@ def _time_table(plan: Plan) -> Table:
         ("compute: forward + recompute + backward", t.compute_s),
         ("H2D: weight prefetch (overlapped)", t.h2d_s),
         ("D2H: gradient offload (overlapped)", t.d2h_s),
+        (f"host accumulation, {plan.rates.accum_threads} thread(s)/rank (overlapped)", t.accum_s),
         ("pipeline bubble", t.bubble_s),
-        (f"CPU optimizer ({'overlapped' if over else 'after the step'})", t.optimizer_s),
+        (
+            f"CPU optimizer, {plan.rates.optim_threads} thread(s)/rank ({'overlapped' if over else 'after'})",
+            t.optimizer_s,
+        ),
+        (f"host DRAM: {t.host_bytes / GB:,.1f} GB/step of all ranks (overlapped)", t.host_dram_s),
     ]
     for label, seconds in rows:
         table.add_row(label, f"{seconds:,.3f}", f"{seconds / t.step_s:.0%}")
@@ -105,12 +111,34 @@ def _time_table(plan: Plan) -> Table:
     return table
 
 
+def _traffic_table(plan: Plan) -> Table:
+    table = Table(
+        title="Bytes per step per stage (GB): what the times above are made of", title_justify="left"
+    )
+    for col in ("stage", "resident", "loads", "H2D", "D2H", "accumulation", "optimizer", "host DRAM"):
+        table.add_column(col, justify="right")
+    units = plan.shape.num_layers + 2
+    for k, x in enumerate(plan.time.traffic):
+        res = sorted(plan.resident[k]) if plan.resident else []
+        names = ", ".join("embed" if i == 0 else "head" if i == units - 1 else f"L{i - 1}" for i in res)
+        table.add_row(
+            str(k), names or "-", f"{x.loads:,}", _gb(x.h2d_bytes), _gb(x.d2h_bytes), _gb(x.accum_bytes),
+            _gb(x.optimizer_bytes), _gb(x.host_bytes),
+        )  # fmt: skip
+    return table
+
+
 def _summary(plan: Plan) -> list[str]:
     t, hw = plan.time, plan.cfg.hardware
     tokens_budget = plan.cfg.plan.train_tokens
     budget = "plan.train_tokens" if tokens_budget else "20 × parameters, Chinchilla"
+    r = plan.rates
     lines = [
+        *plan.choices,
         f"bottleneck: [bold]{t.bottleneck}[/]",
+        f"host side: {r.ranks} rank(s) share {r.host_bytes_per_s / GB:,.0f} GB/s of DRAM; each rank's "
+        f"{r.accum_threads} accumulation + {r.optim_threads} optimizer thread(s) at "
+        f"{r.core_bytes_per_s / GB:,.1f} GB/s per core; link {r.link_bytes_per_s / GB:,.1f} GB/s each way",
         f"throughput: {t.tokens / t.step_s:,.0f} tokens/s = {t.tokens_per_day / 1e9:,.3f}B tokens/day; "
         f"MFU {t.mfu(plan.peak_flops):.1%} (model FLOPs 6·N·tokens + attention, PaLM arXiv:2204.02311, "
         f"over {plan.peak_flops / 1e12:,.1f} TFLOP/s peak at {hw.matmul_efficiency:.0%} matmul efficiency)",
@@ -135,6 +163,7 @@ def render(plan: Plan, console: Console | None = None) -> None:
     console.print(_store_table(plan))
     console.print(_stage_table(plan))
     console.print(_time_table(plan))
+    console.print(_traffic_table(plan))
     for line in _summary(plan):
         console.print(line)
     color = "red" if plan.problems else "green"

@@ -25,6 +25,7 @@ __all__ = [
     "choose_resident",
     "saved_transfer_bytes",
     "auto_device_budget",
+    "device_budget_bytes",
     "stage_activation_bytes",
     "MARGIN_BYTES",
 ]
@@ -94,6 +95,13 @@ def stage_activation_bytes(cfg, model, blocks, stage: int, num_stages: int, grad
     return mem.activation_bytes
 
 
+def device_budget_bytes(free: int, window_bytes: int, activations: int) -> int:
+    """The automatic resident budget: ``free`` device bytes minus the window's slots, the activations
+    (``costs.stage_memory``) and :data:`MARGIN_BYTES`, at least 0. The planner predicts the same
+    figure from the profile's device memory (plan.py), the engine from the memory free at start-up."""
+    return max(0, free - window_bytes - activations - MARGIN_BYTES)
+
+
 def auto_device_budget(device: torch.device, activations: int, window_bytes: int) -> int:
     """``stream.device_budget=-1``: on CUDA the free device memory (read now: call it after the
     process group, the peak measurement and their cached blocks are settled) minus the window's
@@ -102,7 +110,7 @@ def auto_device_budget(device: torch.device, activations: int, window_bytes: int
     if device.type != "cuda":
         return 0
     free, _ = torch.cuda.mem_get_info(device)
-    budget = max(0, free - window_bytes - activations - MARGIN_BYTES)
+    budget = device_budget_bytes(free, window_bytes, activations)
     log.info(
         "automatic device budget: %.2f GB free - %.2f GB window - %.2f GB activations - %.2f GB margin "
         "(allocator, NCCL, cuBLAS) = %.2f GB",
@@ -138,7 +146,7 @@ def resident_blocks(
     cost = {i: n * resident_bytes_per_param(itemsize) for i, n in numel.items()}
     saved = {i: saved_transfer_bytes(n, itemsize, *uses[i]) for i, n in numel.items()}
     budget = cfg.stream.device_budget
-    if budget < 0:
+    if budget == "auto" or budget < 0:
         acts = stage_activation_bytes(cfg, model, blocks, stage, num_stages, grad_accum, device)
         window = cfg.stream.slots * max(numel.values()) * itemsize
         budget = auto_device_budget(torch.device(device), acts, window)

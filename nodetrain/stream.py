@@ -54,6 +54,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from nodetrain.breakdown import NULL_TIMELINE
+from nodetrain.host_threads import limit_thread
 from nodetrain.model import Binding
 from nodetrain.staging import GradStaging
 from nodetrain.store import HostStore
@@ -82,13 +83,14 @@ class _CopyWorker:
     copy). Without a stream a job runs as it is (the D2H jobs wait for their own copy's event).
     On a CUDA ``device`` the thread first selects it: a thread's current device starts as GPU 0,
     and a CUDA call there (an event wait, a stream context) would create a context on GPU 0 in
-    every rank's process."""
+    every rank's process. With ``threads`` the thread first sets its OpenMP team to that many
+    (``host_threads.limit_thread``: the D2H worker's accumulation adds run on a team of their own)."""
 
-    def __init__(self, name: str, stream: torch.cuda.Stream | None, delay_s: float, device=None):
+    def __init__(self, name: str, stream: torch.cuda.Stream | None, delay_s: float, device=None,
+                 threads: int = 0):  # fmt: skip
         device = torch.device(device) if device is not None else None
-        cuda = device is not None and device.type == "cuda"
-        init, args = (torch.cuda.set_device, (device,)) if cuda else (None, ())
-        self._pool = ThreadPoolExecutor(1, name, initializer=init, initargs=args)
+        cuda = device if device is not None and device.type == "cuda" else None
+        self._pool = ThreadPoolExecutor(1, name, initializer=_init_worker, initargs=(cuda, threads))
         self._stream = stream
         self._delay_s = delay_s
         self.busy_s = 0.0
@@ -127,6 +129,14 @@ class _CopyWorker:
         self._pool.shutdown(wait=True)
 
 
+def _init_worker(device: torch.device | None, threads: int) -> None:
+    """A copy worker's set-up: the rank's CUDA device (if any), then its OpenMP team (if given)."""
+    if device is not None:
+        torch.cuda.set_device(device)
+    if threads:
+        limit_thread(threads)
+
+
 def _wait_for_compute(ready: torch.cuda.Event) -> None:
     """The slot-reuse wait: block the copy worker until the compute queued before its job was
     submitted (the kernels still reading the slot the copy overwrites) has finished. A hook point:
@@ -155,6 +165,8 @@ class Window:
         resident: blocks held in buffers of their own for the whole sequence.
         rows: blocks of a single [V, D] binding (the embedding) that travel as the rows a
             micro-batch uses (:meth:`gather_rows`, :meth:`offload_rows`), never through a slot.
+        accum_threads: OpenMP team of the D2H worker, which adds the offloaded gradients into the
+            host store (``stream.accum_threads``, split by ``host_threads.split_cores``); 0 = torch's.
 
     Memory: ``slots × max streamed block numel × compute itemsize`` bytes (row blocks are not
     streamed: their gathered rows and row gradients are per micro-batch) plus each resident block's
@@ -167,7 +179,7 @@ class Window:
     """
 
     def __init__(self, store: HostStore, bindings, blocks, owned_units, slots: int, device, delay_s=0.0,
-                 resident=(), rows=()):  # fmt: skip
+                 resident=(), rows=(), accum_threads: int = 0):  # fmt: skip
         self.store, self.bindings, self.device = store, bindings, torch.device(device)
         dtype = store.layout.compute_dtype
         self.resident = sorted(set(resident))
@@ -191,7 +203,8 @@ class Window:
         self._written: set[int] = set()  # data_ptr of accumulators offloaded into since begin()
         h2d_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._h2d = _CopyWorker("h2d", h2d_stream, delay_s, self.device)
-        self._d2h = _CopyWorker("d2h", None, delay_s, self.device)  # copies on the staging's stream
+        # copies on the staging's stream; the accumulation adds on a team of accum_threads
+        self._d2h = _CopyWorker("d2h", None, delay_s, self.device, accum_threads)
         self._staging = GradStaging(slots, max(self._numel(i) for i in blocks), dtype, self.device)
         self._num_offloads = 0
         self.gate = None

@@ -48,7 +48,7 @@ from nodetrain.jobs import REFUSALS, Job, Release, current_job, fail_fast, refus
 from nodetrain.metrics import MetricsLogger
 from nodetrain.model import HFModel, build_hf_config
 from nodetrain.outputs import RunOutputs, check_space, checkpoint_bytes, checkpoint_dir
-from nodetrain.plan import preflight
+from nodetrain.plan import preflight, resolve_auto
 from nodetrain.replicas import Topology
 
 __all__ = ["main", "run"]
@@ -178,7 +178,13 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
     job = job or Job.plain(run_dir, cfg.logging)
     if dist.is_initialized():  # a later job of a sweep: every rank checks it together, so that rank 0
         dist.barrier()  # (not still finishing the previous job) is there to print a refusal
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    validate(cfg, world, local)
+    stages = cfg.pipeline.stages or local or world
+    cfg, choices = resolve_auto(cfg, num_stages=stages, nodes=max(1, world // stages))
+    for line in choices:  # the same arithmetic on every rank: the same choice
+        log.info("%s", line)
+    validate(cfg, world, local)
     ranks = _init_distributed(cfg.dist.timeout_s, cfg.dist.backend)
     c = cfg.checkpoint
     outputs = RunOutputs(run_dir, checkpoint_dir(cfg, run_dir), c.resume, config_hash(resolved))

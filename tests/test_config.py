@@ -224,6 +224,12 @@ INVALID = [
     (["test.fail_rank=2"], 2, ["test.fail_rank", "not a rank of 2"]),
     (["test.nan_step=0"], 2, ["test.nan_step"]),
     (["test.fail_mode=crash"], 2, ["test.fail_mode"]),
+    (["stream.accum_threads=-1"], 2, ["stream.accum_threads=-1: must be >= 0"]),
+    (["hardware.core_memory_bandwidth_gbps=0"], 2, ["hardware.core_memory_bandwidth_gbps"]),
+    (["train.micro_batch_size=many"], 2, ["train.micro_batch_size=many: must be an integer or auto"]),
+    (["pipeline.microbatches=2.5"], 2, ["pipeline.microbatches=2.5: must be an integer or auto", "or auto"]),
+    (["stream.device_budget=big"], 2, ["stream.device_budget=big: must be an integer or auto", "-1 or auto"]),
+    (["train.micro_batch_size=0"], 2, ["train.micro_batch_size=0: must be >= 1"]),
 ]
 
 
@@ -256,7 +262,7 @@ def test_every_float_key_must_be_finite(key: str, value: str) -> None:
 def test_every_float_key_has_a_range() -> None:
     ranged = {key for key, *_ in _FIELD_CHECKS}
     assert set(_float_keys()) - ranged == set()
-    assert len(_float_keys()) == 23  # the walk finds the nested fields, not an empty list
+    assert len(_float_keys()) == 24  # the walk finds the nested fields, not an empty list
 
 
 def test_all_problems_are_gathered_in_one_error() -> None:
@@ -434,3 +440,15 @@ def test_torchrun_makes_one_run_dir_with_a_log_per_rank(tmp_path: Path) -> None:
     )
     (run_dir,) = solo.iterdir()
     assert sorted(p.name for p in run_dir.iterdir()) == ["rank1.log"]
+
+
+def test_auto_is_accepted_only_where_meant() -> None:
+    """``auto`` passes validation in the three keys the planner resolves; an integer key refuses it
+    at composition, naming the key (OmegaConf's type check)."""
+    cfg = _compose(["train.micro_batch_size=auto", "pipeline.microbatches=auto", "stream.device_budget=auto"])
+    validate(cfg, world_size=2)
+    cfg = _compose(["train.micro_batch_size=auto", "train.batch_size=12"])
+    validate(cfg, world_size=2)  # the batch divisibility is checked for the chosen size
+    for key in ("train.steps", "train.grad_accum", "optim.threads", "stream.accum_threads"):
+        with pytest.raises(Exception, match=re.escape(key)):
+            _compose([f"{key}=auto"])

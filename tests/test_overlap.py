@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from nodetrain.config import OptimConfig
+from nodetrain.host_threads import limit_thread
 from nodetrain.model import Binding
 from nodetrain.model.hf import Unit
 from nodetrain.optim import StoreAdamW
-from nodetrain.overlap import UnitUpdates, _limit_thread
+from nodetrain.overlap import UnitUpdates
 from nodetrain.store import HostStore, StoreLayout
 from nodetrain.stream import Window
 
@@ -223,7 +224,7 @@ def test_optimizer_thread_has_its_own_team_size() -> None:
     seen = []
 
     def worker() -> None:
-        _limit_thread(want)
+        limit_thread(want)
         seen.append(torch.get_num_threads())
 
     t = threading.Thread(target=worker)

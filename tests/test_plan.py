@@ -142,31 +142,118 @@ def test_config_a_device_memory_by_hand() -> None:
     assert s1.total_bytes == 147_968 + 8_192 + 8_192 + 279_552 == 443_904
 
 
+def _rates_a() -> tuple[float, float]:
+    """Config A's host rates: 8 cores / 2 ranks = 4, split 2 accumulation + 2 optimizer threads at
+    10 GB/s per core (HardwareConfig's default), below each rank's 100 GB/s share of 200 GB/s."""
+    return 2 * 10e9, 2 * 10e9
+
+
 def test_config_a_step_time_by_hand() -> None:
+    """The 10 GB device keeps every block resident (automatic budget): each is loaded once per step
+    and offloads its fp32 gradient once (4 B/param), whatever the micro-batch count."""
     plan = make_plan(_config_a())
+    assert plan.resident == [frozenset({0, 1}), frozenset({2, 3})]
     t = plan.time
-    n, tq = 32, 16
+    n, tq, e = 32, 16, 2
     attn = 16 * n * tq * 4 * 16  # one layer: 4 × forward attention 4·n·T·H·Q
-    flops = [8 * A_LAYER * n + attn, 8 * (A_LAYER + A_HEAD) * n + attn]  # per micro-batch, per stage
+    # per micro-batch: 8·N·n (forward, recompute, backward); the head 6·N·n (gradients in its forward)
+    flops = [8 * A_LAYER * n + attn, 8 * A_LAYER * n + 6 * A_HEAD * n + attn]
     rate = 1e12 * 0.5
     slot = flops[1] / rate  # stage 1's compute is the slowest part of any micro-batch
-    h2d = [2 * (A_EMBED + A_LAYER) * 2 / 10e9, 2 * (A_LAYER + A_HEAD) * 2 / 10e9]
-    assert max(h2d) < slot
+    s0, s1 = A_EMBED + A_LAYER, A_LAYER + A_HEAD
+    assert [x.loads for x in t.traffic] == [2, 2]
+    assert [x.h2d_bytes for x in t.traffic] == [s0 * e, s1 * e]
+    assert [x.d2h_bytes for x in t.traffic] == [4 * s0, 4 * s1]  # once per step, fp32
+    assert [x.accum_bytes for x in t.traffic] == [8 * s0, 8 * s1]  # read staged + write accumulator
+    assert [x.optimizer_bytes for x in t.traffic] == [42 * s0, 42 * s1]
+    accum_rate, optim_rate = _rates_a()
     assert t.compute_s == pytest.approx(2 * slot, rel=1e-12)  # G·M = 2 micro-batches
-    assert t.h2d_s == pytest.approx(2 * max(h2d), rel=1e-12)
-    assert t.d2h_s == pytest.approx(max(h2d), rel=1e-12)
+    assert t.h2d_s == pytest.approx(s1 * e / 10e9, rel=1e-12)
+    assert t.d2h_s == pytest.approx(4 * s1 / 10e9, rel=1e-12)
+    assert t.accum_s == pytest.approx(8 * s1 / accum_rate, rel=1e-12)
     assert t.bubble_s == pytest.approx(1 * slot, rel=1e-12)  # (S - 1) slots
+    assert t.optimizer_s == pytest.approx(42 * s1 / optim_rate, rel=1e-12)
+    host = (2 + 4 + 8 + 42) * (s0 + s1)
+    assert t.host_bytes == host and t.host_dram_s == pytest.approx(host / 200e9, rel=1e-12)
     params = A_EMBED + 2 * A_LAYER + A_HEAD
-    assert t.optimizer_s == pytest.approx(params * (40 + 2) / 200e9, rel=1e-12)
-    assert t.step_s == pytest.approx((2 + 2 - 1) * slot, rel=1e-12)
-    assert t.bottleneck == "compute"
+    # the pipeline takes (G·M + S − 1) slots; 2 optimizer threads at 10 GB/s take longer, overlapped
+    assert t.optimizer_s > (2 + 2 - 1) * slot
+    assert t.step_s == pytest.approx(t.optimizer_s, rel=1e-12)
+    assert t.bottleneck == "optimizer cores"
     assert t.tokens == 2 * n
     # PaLM: 6·N + 12·L·H·Q·T per token, N = matmul weights (2 layers + lm_head)
     assert t.model_flops == (6 * (2 * A_LAYER + A_HEAD) + 12 * 2 * 4 * 16 * tq) * 64
     assert t.mfu(plan.peak_flops) == pytest.approx(t.model_flops / t.step_s / 2e12)
-    assert plan.fits and plan.verdict == "fits; compute-bound"
+    assert plan.fits and plan.verdict == "fits; optimizer cores-bound"
     assert plan.train_tokens == 20 * params
     assert plan.days_one_node == pytest.approx(20 * params / (64 / t.step_s * 86400))
+
+
+def test_config_a_streamed_transfers_by_hand() -> None:
+    """``stream.device_budget=0``: the load sequence of 1F1B under the engine's rules, by hand.
+
+    Stage 0 (embed, L0; warm-up 1): F0 F1 B0 B1 loads L0 | L0 | L0 | L0 -> a block used twice in a
+    row is loaded once: L0 once; the embedding never enters the load sequence (each forward gathers
+    its rows, the backward scatter-adds a row gradient).
+    Stage 1 (L1, head; no warm-up): F0 B0 F1 B1 loads L1 head | L1 | L1 head | L1 (the head takes
+    its gradients in the forward) -> L1, head, L1, head, L1."""
+    cfg = _config_a()
+    cfg.stream.device_budget = 0
+    plan = make_plan(cfg)
+    assert plan.resident == [frozenset(), frozenset()]
+    t0, t1 = plan.time.traffic
+    n, d, e = 32, 64, 2
+    rows = n * d * e  # the embedding moves the gathered rows only
+    assert (t0.loads, t1.loads) == (1, 5)
+    assert t0.h2d_bytes == 2 * rows + A_LAYER * e
+    assert t1.h2d_bytes == 3 * A_LAYER * e + 2 * A_HEAD * e
+    # one offload per backward (the head: per forward); the embedding's: its rows and 8-byte ids
+    assert t0.d2h_bytes == 2 * (rows + 8 * n) + 2 * A_LAYER * e
+    assert t1.d2h_bytes == 2 * A_LAYER * e + 2 * A_HEAD * e
+    # the worker reads each staged gradient; the first offload of the step writes the accumulator,
+    # later ones read and write it; the embedding's is zeroed once and scatter-added per row
+    layer = 2 * A_LAYER * e + 4 * A_LAYER + 8 * A_LAYER
+    assert t0.accum_bytes == 4 * A_EMBED + 2 * (rows + 8 * n + 8 * n * d) + layer
+    assert t1.accum_bytes == layer + 2 * A_HEAD * e + 4 * A_HEAD + 8 * A_HEAD
+    assert plan.time.h2d_s == pytest.approx(t1.h2d_bytes / 10e9, rel=1e-12)
+
+
+def test_more_microbatches_leave_resident_offload_unchanged() -> None:
+    """Invariant 8: with every unit resident, D2H bytes per step do not grow with the micro-batches
+    (4 B/param of the stage, once); streamed, they double when the micro-batches double."""
+    by_m = {}
+    for budget in (-1, 0):
+        for m in (4, 8):
+            cfg = _config_a()
+            cfg.pipeline.microbatches, cfg.stream.device_budget = m, budget
+            by_m[budget, m] = [x.d2h_bytes for x in make_plan(cfg).time.traffic]
+    assert by_m[-1, 4] == by_m[-1, 8] == [4 * (A_EMBED + A_LAYER), 4 * (A_LAYER + A_HEAD)]
+    assert [b / a for a, b in zip(by_m[0, 4], by_m[0, 8], strict=True)] == [2.0, 2.0]
+
+
+def test_grad_accum_runs_as_one_round() -> None:
+    """G rounds of M run as one 1F1B round of G·M: one fill and drain, (G·M + S − 1) slots."""
+    cfg = _config_a()
+    cfg.train.grad_accum = 3
+    cfg.plan.overlap_optimizer = False
+    t = make_plan(cfg).time
+    slot = t.bubble_s / 1
+    assert t.step_s == pytest.approx((3 * 2 + 2 - 1) * slot + t.optimizer_s, rel=1e-12)
+    assert t.compute_s == pytest.approx(3 * 2 * slot, rel=1e-12)
+
+
+def test_host_dram_bottleneck_named() -> None:
+    """A slow memory bus shared by the ranks bounds the step at all ranks' host bytes / bandwidth."""
+    cfg = _config_a()
+    cfg.stream.device_budget = 0
+    cfg.hardware.host_memory_bandwidth_gbps = 1e-4
+    t = make_plan(cfg).time
+    assert t.step_s == pytest.approx(t.host_bytes / 1e5, rel=1e-12)
+    assert t.bottleneck == "host DRAM"
+    cfg.hardware.host_memory_bandwidth_gbps, cfg.hardware.core_memory_bandwidth_gbps = 200.0, 1e-5
+    t = make_plan(cfg).time  # 2 threads × 10 kB/s: the optimizer's cores, not the bus
+    assert t.optimizer_s == pytest.approx(42 * (A_LAYER + A_HEAD) / 2e4, rel=1e-12)
+    assert t.bottleneck == "optimizer cores"
 
 
 # ----------------------------------------------------------------------------- config B
@@ -233,19 +320,28 @@ def test_config_b_memory_and_time_by_hand() -> None:
     assert plan.host_need_bytes == plan.store_bytes + int(0.5e9) + s0.total_bytes + s0.staging_bytes
     t = plan.time
     params = B_EMBED + 2 * B_LAYER + B_HEAD
-    assert t.optimizer_s == pytest.approx(params * (40 + 4) / 1e6, rel=1e-12)  # 1e-3 GB/s
-    assert t.bottleneck == "CPU optimizer"
-    assert t.step_s == pytest.approx(t.optimizer_s)  # overlapped: max(pipeline, optimizer)
+    # 4 optimizer threads (8 cores, 1 rank) at 10 GB/s each, bound by the 1e-3 GB/s bus
+    assert t.optimizer_s == pytest.approx(params * (40 + 4) / 1e6, rel=1e-12)
+    # the bus carries every host byte: it bounds the step (overlapped) and is named
+    assert t.host_dram_s == pytest.approx(t.host_bytes / 1e6, rel=1e-12) and t.host_dram_s > t.optimizer_s
+    assert t.bottleneck == "host DRAM"
+    assert t.step_s == pytest.approx(t.host_dram_s)
     assert t.tokens == 2 * 3 * n
+    # GPipe, G = 2 rounds of M = 3: forwards load L0, L1, head (the embedding gathers rows); backwards
+    # L1, L0 (the head's gradients come with its forward, the embedding's need no weights): 15 loads a
+    # round, none repeated within it; the second round's first L0 follows the first's last: 29
+    (x,) = t.traffic
+    assert x.loads == 2 * (3 * 3 + 3 * 2) - 1
+    h2d = 6 * n * d * e + 23 * B_LAYER * e + 6 * (B_HEAD + B_EMBED) * e  # the tied head binds V·D
+    assert x.h2d_bytes == h2d
+    assert x.d2h_bytes == 6 * (n * d * e + 8 * n) + 12 * B_LAYER * e + 6 * (B_HEAD + B_EMBED) * e
     cfg = _config_b()
     cfg.plan.overlap_optimizer = False
     serial = make_plan(cfg).time
-    # the slot is H2D: forward + backward load every block, (19,200 + 2·37,024 + 19,264 tied head) fp32
-    h2d = 2 * (B_EMBED + 2 * B_LAYER + B_HEAD + B_EMBED) * e / 10e9
-    flops = 8 * (2 * B_LAYER + B_EMBED) * n + 2 * 16 * n * 8 * 4 * 16  # head multiplies the tied V·D
-    assert flops / 5e11 < h2d
-    assert serial.h2d_s == pytest.approx(2 * 3 * h2d, rel=1e-12)
-    assert serial.step_s == pytest.approx(2 * (3 + 1 - 1) * h2d + serial.optimizer_s, rel=1e-12)
+    slot = max(serial.compute_s, serial.h2d_s, serial.d2h_s, serial.accum_s) / 6
+    assert serial.h2d_s == pytest.approx(h2d / 10e9, rel=1e-12)
+    want = max((6 + 1 - 1) * slot + serial.optimizer_s, serial.host_dram_s)
+    assert serial.step_s == pytest.approx(want, rel=1e-12)
     cfg.plan.train_tokens, cfg.plan.days = 1e9, 7.0
     p = make_plan(cfg)
     assert p.nodes == math.ceil(1e9 / p.time.tokens_per_day / 7.0)
@@ -325,7 +421,8 @@ def test_cli_llama2_70b_on_h100_fits() -> None:
     )  # fmt: skip
     # 18 bytes/param (4 fp32 fields + bf16) of the published 68.98B parameters
     assert re.search(r"host store\s+│\s+18\.00\s+│\s+1,241\.\d\d", out), out
-    for part in ("compute: forward", "H2D", "D2H", "pipeline bubble", "CPU optimizer", "tokens/day"):
+    for part in ("compute: forward", "H2D", "D2H", "host accumulation", "pipeline bubble", "CPU optimizer",
+                 "host DRAM", "tokens/day", "Bytes per step per stage", "host side: 8 rank(s)"):  # fmt: skip
         assert part in out
     assert "verdict: fits" in out and "largest micro-batch that fits" in out
 
@@ -401,3 +498,58 @@ def test_gpu_profile_counts_page_locking_the_transfer_copies() -> None:
     assert cpu.host_need_bytes - cpu.store_bytes - 2 * 0.5 * 1e9 - staging == sum(
         s.window_bytes + s.activation_bytes for s in cpu.stages
     )
+
+
+# ----------------------------------------------------------------------------- automatic sizes
+
+
+def _tokens_per_s(cfg: Config) -> float:
+    t = make_plan(cfg).time
+    return t.tokens / t.step_s
+
+
+def test_auto_micro_batch_and_microbatches_pick_the_smallest_fast_batch() -> None:
+    """``auto`` sizes: among the fitting powers of two × multiples of the stages, the smallest batch
+    within 2% of the fastest, checked against explicit plans of every candidate."""
+    cfg = _config_a()
+    cfg.hardware.device_memory_gb = 2.0 + 0.0015  # 1.5 MB usable: micro-batches of 11-16 fit
+    cfg.train.micro_batch_size, cfg.pipeline.microbatches = "auto", "auto"
+    plan = make_plan(cfg)
+    b, m = plan.cfg.train.micro_batch_size, plan.cfg.pipeline.microbatches
+    rates = {}
+    for bb in (1, 2, 4, 8, 16, 32):
+        for mm in (2, 4, 8, 16):
+            trial = _config_a()
+            trial.hardware.device_memory_gb = cfg.hardware.device_memory_gb
+            trial.train.micro_batch_size, trial.pipeline.microbatches = bb, mm
+            p = make_plan(trial)
+            if p.fits:
+                rates[bb, mm] = p.time.tokens / p.time.step_s
+    assert (b, m) in rates and max(bb for bb, _ in rates) < 32, rates  # the memory limit binds
+    best = max(rates.values())
+    want = min((k for k, r in rates.items() if r >= 0.98 * best), key=lambda k: (k[0] * k[1], k[1]))
+    assert (b, m) == want
+    assert plan.fits and plan.time.tokens / plan.time.step_s == pytest.approx(rates[want])
+    (line,) = plan.choices
+    assert f"train.micro_batch_size={b}, pipeline.microbatches={m}" in line and "tokens/s" in line
+
+
+def test_auto_sizes_divide_the_batch_and_refuse_when_nothing_fits() -> None:
+    cfg = _config_a()
+    cfg.train.batch_size, cfg.pipeline.microbatches = 24, "auto"
+    plan = make_plan(cfg)
+    m = plan.cfg.pipeline.microbatches
+    assert 24 % (2 * m) == 0 and plan.time.tokens == 24 * 16
+    cfg = _config_a()
+    cfg.hardware.device_memory_gb = 2.0 + 0.0001  # 100 kB: not even one sequence
+    cfg.train.micro_batch_size = "auto"
+    with pytest.raises(ConfigError, match=r"train\.micro_batch_size=auto: no candidate fits test"):
+        make_plan(cfg)
+
+
+def test_auto_device_budget_is_the_engines_automatic_one() -> None:
+    cfg = _config_a()
+    cfg.stream.device_budget = "auto"
+    plan = make_plan(cfg)
+    assert plan.cfg.stream.device_budget == -1 and "stream.device_budget=auto" in plan.choices[0]
+    assert plan.resident == make_plan(_config_a()).resident
