@@ -263,7 +263,8 @@ class StepBreakdown:
             busy: ``h2d_bytes``, ``d2h_bytes``, ``h2d_busy_s``, ``d2h_busy_s``, ``optim_busy_s``:
                 bytes moved and seconds the copy and optimizer workers worked (overlapped or not);
                 ``cpu_s``: CPU seconds of this process (all threads) during the step;
-                ``num_updates_in_backward``: unit updates that started before the backward ended.
+                ``num_updates_in_backward``: unit updates that started before the backward ended;
+                ``num_rollbacks``: speculative unit updates rolled back (``optim.speculative``).
         """
         flops = self.flops_per_token * tokens
         rec = {"step_s": step_s, **phases, "other_s": step_s - sum(phases.values()), **busy}
@@ -336,6 +337,7 @@ def combine_stages(records: list[dict], num_stages: int | None = None) -> dict:
     out["mfu"] = _rate(out["flops"], step_s * total("peak_flops"))
     out["window_bytes"] = max(r["window_bytes"] for r in records)
     out["num_resident"] = total("num_resident")
+    out["num_rollbacks"] = sum(r.get("num_rollbacks", 0) for r in records[:p])  # one pipeline's units
     out["store_bytes"] = records[0]["store_bytes"]
     if "peak_flops_source" in records[0]:  # what ``mfu`` is measured against (select_peak_flops)
         out["peak_flops_source"] = records[0]["peak_flops_source"]
