@@ -30,6 +30,7 @@ from test_parity import (
     run_nodetrain,
     save_seeded_model,
 )
+from test_plan import A_EMBED, A_HEAD, A_LAYER, _config_a
 from test_update_in_backward import (
     NAN_AT,
     NAN_CASE,
@@ -43,6 +44,7 @@ from test_update_in_backward import (
 from nodetrain.config import OptimConfig
 from nodetrain.optim import StoreAdamW, clip_coef
 from nodetrain.overlap import UnitUpdates, update_mode
+from nodetrain.plan import make_plan
 from nodetrain.stream import Window
 
 # ----------------------------------------------------------------------------- pure rule
@@ -54,6 +56,18 @@ def test_update_mode_speculative_needs_clipping_overlap_and_in_backward() -> Non
     assert not update_mode(OptimConfig(speculative=True, update_in_backward=False))[0]
     assert not update_mode(OptimConfig(speculative=True, overlap=False))[0]
     assert update_mode(OptimConfig(speculative=True, max_grad_norm=0.0))[1].startswith("no clipping")
+
+
+def test_planner_counts_the_backups_in_host_memory() -> None:
+    """config A of test_plan (112,448 parameters, counted by hand there): speculation adds 12 bytes
+    per parameter to the node's host need, and nothing when clipping is off (no backups then)."""
+    base = make_plan(_config_a())
+    cfg = _config_a()
+    cfg.optim.speculative = True
+    assert A_EMBED + 2 * A_LAYER + A_HEAD == 112_448
+    assert make_plan(cfg).host_need_bytes - base.host_need_bytes == 12 * 112_448
+    cfg.optim.max_grad_norm = 0.0
+    assert make_plan(cfg).host_need_bytes == base.host_need_bytes
 
 
 # ----------------------------------------------------------------------------- one process
