@@ -228,8 +228,8 @@ class OptimConfig:
     is then skipped unit by unit: a unit whose gradient is NaN/inf is not updated, but the finite
     units of that step already were (the step still counts as skipped, ``train.max_bad_steps``).
     False = every update waits for the step's all-reduce and a NaN/inf step is skipped whole on
-    every stage (overlapped with the next step's forward instead). Ignored with clipping or
-    ``overlap=false``."""
+    every stage (overlapped with the next step's forward instead). Ignored with ``overlap=false``,
+    and with clipping unless ``speculative`` (false there: no speculation)."""
     speculative: bool = False
     """With ``overlap``, clipping (``max_grad_norm`` > 0) and ``update_in_backward``: update each unit
     during the backward as if the step were neither clipped nor skipped (SuperOffload's

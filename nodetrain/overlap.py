@@ -171,7 +171,8 @@ class UnitUpdates:
         blocks: this stage's blocks.
         shared_units: owned units that another stage also reads (the tied embedding on stage 0).
         overlap: run updates on the background thread (else on the caller, at the step's end).
-        clip: global-norm clipping is on (updates wait for the step's all-reduce).
+        clip: global-norm clipping is on (updates wait for the step's all-reduce, unless
+            ``speculative``).
         threads: OpenMP threads of the optimizer thread (≥ 1).
         delay_s: test-only sleep before each update, to expose a missing wait.
         defer: no update starts during the backward; all wait for the engine's all-reduce
