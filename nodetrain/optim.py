@@ -128,6 +128,11 @@ class StoreAdamW:
             if name.startswith("grad"):
                 self.store.buffer(unit, name).zero_()
 
+    def unit_grad_dots(self, unit: int) -> list[torch.Tensor]:
+        """Σ gradient² of each of one owned unit's parameter groups: 0-dim fp32 tensors, the terms
+        :meth:`grad_sq_sum` adds (so a caller summing them in unit order gets its result bit for bit)."""
+        return [torch.dot(g, g) for _, g in self._params[unit]]
+
     def unit_grad_sq(self, unit: int) -> float:
         """Sum of squared fp32 gradients of one owned unit (float64 sum of its groups' fp32 dots)."""
         return sum(float(torch.dot(g, g)) for _, g in self._params[unit])

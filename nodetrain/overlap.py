@@ -201,6 +201,7 @@ class UnitUpdates:
         self._held: list[int] = []  # units held for finish_step: the step surely clips
         self._stage_sq = 0.0  # Σ norm² of this step's units measured so far (a lower bound)
         self._rollbacks = 0
+        self._dots: dict[int, list[torch.Tensor]] = {}  # speculative: each unit's fp32 Σ g² terms
         self._owned = [u.index for u in optimizer.units]
         self._shared = set(shared_units)
         self._units_of = {b: sorted({x.unit for x in bindings[b]} & set(self._owned)) for b in blocks}
@@ -270,6 +271,7 @@ class UnitUpdates:
         self._measured.clear()
         self.nonfinite = []
         self._speculated, self._held, self._stage_sq = [], [], 0.0
+        self._dots.clear()
         self._remaining = {
             u: offloads_per_block * len(self._users[u]) for u in self._owned if u not in self._shared
         }
@@ -308,7 +310,11 @@ class UnitUpdates:
                 self._on_final(unit)
             if self._grad_sum is not None:
                 self._grad_sum([self.opt.store.grad(unit)])
-            sq = self.opt.unit_grad_sq(unit)
+            if self.speculative:  # its terms kept: the step's norm then adds them as deferred does
+                self._dots[unit] = self.opt.unit_grad_dots(unit)
+                sq = sum(float(d) for d in self._dots[unit])
+            else:
+                sq = self.opt.unit_grad_sq(unit)
             if not math.isfinite(sq):  # left out: no NaN/inf into the master weights or AdamW's state
                 self.opt.drop_unit_grads(unit)
                 self.nonfinite.append(unit)
@@ -351,6 +357,10 @@ class UnitUpdates:
         self.wait_measured()
         missing = [u for u in self._owned if u not in self._shared and u not in self._grad_sq]
         assert not missing, f"units {missing} never became final; offload count mismatch"
+        if self.speculative:  # the deferred sum's own fp32 terms and order: the same clip coefficient
+            for u in self._shared:
+                self._dots[u] = self.opt.unit_grad_dots(u)
+            return float(sum(d for u in self._owned for d in self._dots[u]))
         for u in self._shared:
             self._grad_sq[u] = self.opt.unit_grad_sq(u)
         return sum(self._grad_sq[u] for u in self._owned)
