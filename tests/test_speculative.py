@@ -105,7 +105,10 @@ def _one_step(store, max_norm: float, grads, scale: float | None, *, rollback: b
             window.offload(block, grads[block])
         window.flush()
         updates.end_backward()
-        norm = math.sqrt(updates.grad_sq_sum())
+        sq = updates.grad_sq_sum()
+        want = opt.grad_sq_sum()  # the deferred path's sum (a scale-1 update leaves gradients as they are)
+        assert sq == want or (rollback and math.isnan(sq)), (sq, want)  # NaN: its unit's grads dropped
+        norm = math.sqrt(sq)
         if rollback:
             updates.rollback()
         else:
