@@ -13,6 +13,19 @@ thread waited for, StepResult), the optimizer thread's busy time, the share of s
 and rollbacks (units a step, and the share of steps with any). With one stage a step that clips
 is seen coming (the stage's own norm is the global one): its remaining units are held, not
 speculated, so rollbacks stay rare.
+
+Measured (2-core machine shared with other jobs, load average 5–9; step times are noise, the
+optimizer columns are the figure), ``--seq-len 32 --batch 2 --reps 4``::
+
+    max_grad_norm speculative   step ms  optim_s ms  busy ms  clipped  rollbacks
+    1             false           297.9         2.5     17.8     100%          0
+    1             true            134.7         0.4     18.8     100%          0
+    1e9           false           135.2         1.7     16.0       0%          0
+    1e9           true            143.3         0.4     25.0       0%          0
+
+and with the defaults (8×256 tokens): optim_s 1.9 / 1.5 ms (clipping 11% of steps, 0.89 units
+rolled back a step) and 2.0 / 2.9 ms (never clipping) of 6.6–8.8 s steps. On CPU the deferred
+updates are already hidden behind the next forward, so speculation has no exposed time to save.
 """
 
 from __future__ import annotations
