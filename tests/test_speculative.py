@@ -199,9 +199,16 @@ def test_speculative_parity_clipping_every_step(case: Case, tmp_path: Path, shm_
     # the redo path ran: some stage's own norm stayed under 0.3 while the global one did not
     # (measured: [[1], [1], [1], [2], [2]] and [[0, 1], [0, 1], [0, 1], [0, 2], [1, 2]])
     assert sum(map(sum, rollbacks)) > 0, f"no speculative update was rolled back: {rollbacks}"
-    assert rollbacks == _in_backward_counts(launch.steps(), case.stages), (
-        "a kept speculation in a clipped step"
-    )
+    # every update that started during a clipped step's backward was speculative: all rolled back
+    # (a speculative update may also start after the backward ends, so ≥, not =)
+    in_backward = _in_backward_counts(launch.steps(), case.stages)
+    kept = [
+        (r, n)
+        for rs, ns in zip(rollbacks, in_backward, strict=True)
+        for r, n in zip(rs, ns, strict=True)
+        if r < n
+    ]
+    assert not kept, f"a speculation kept in a clipped step: {rollbacks} vs {in_backward}"
 
 
 def test_speculative_never_clipping_and_a_nan_step_skipped_whole(
