@@ -265,7 +265,8 @@ class StepBreakdown:
                 ``accum_host_bytes``, ``optim_host_bytes``: host bytes read and written by the
                 gradient accumulation (``Window.take_stats``) and the optimizer's updates;
                 ``cpu_s``: CPU seconds of this process (all threads) during the step;
-                ``num_updates_in_backward``: unit updates that started before the backward ended.
+                ``num_updates_in_backward``: unit updates that started before the backward ended;
+                ``num_rollbacks``: speculative unit updates rolled back (``optim.speculative``).
         """
         flops = self.flops_per_token * tokens
         rec = {"step_s": step_s, **phases, "other_s": step_s - sum(phases.values()), **busy}
@@ -341,6 +342,7 @@ def combine_stages(records: list[dict], num_stages: int | None = None) -> dict:
     out["mfu"] = _rate(out["flops"], step_s * total("peak_flops"))
     out["window_bytes"] = max(r["window_bytes"] for r in records)
     out["num_resident"] = total("num_resident")
+    out["num_rollbacks"] = sum(r.get("num_rollbacks", 0) for r in records[:p])  # one pipeline's units
     out["store_bytes"] = records[0]["store_bytes"]
     if "peak_flops_source" in records[0]:  # what ``mfu`` is measured against (select_peak_flops)
         out["peak_flops_source"] = records[0]["peak_flops_source"]

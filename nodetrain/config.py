@@ -243,8 +243,19 @@ class OptimConfig:
     is then skipped unit by unit: a unit whose gradient is NaN/inf is not updated, but the finite
     units of that step already were (the step still counts as skipped, ``train.max_bad_steps``).
     False = every update waits for the step's all-reduce and a NaN/inf step is skipped whole on
-    every stage (overlapped with the next step's forward instead). Ignored with clipping or
-    ``overlap=false``."""
+    every stage (overlapped with the next step's forward instead). Ignored with ``overlap=false``,
+    and with clipping unless ``speculative`` (false there: no speculation)."""
+    speculative: bool = False
+    """With ``overlap``, clipping (``max_grad_norm`` > 0) and ``update_in_backward``: update each unit
+    during the backward as if the step were neither clipped nor skipped (SuperOffload's
+    speculation-then-validation, arXiv:2509.21271); once the all-reduce gives the global norm, a
+    step that needed clipping has its speculative updates rolled back from a backup (12 B/param of
+    private host RAM per rank, bit-exact) and redone with the clip coefficient, and a NaN/inf step
+    has them rolled back and is skipped whole. Once this stage's own norm already exceeds
+    ``max_grad_norm`` the step will surely clip, and its remaining units wait for the all-reduce.
+    False = with clipping every update waits for the all-reduce. Ignored without clipping. Off by
+    default: on the default job it is exact (bit for bit) but exposes no less optimizer time
+    (~1 ms a step either way) and costs RAM and optimizer work (README, "The optimizer")."""
     threads: int = 0
     """CPU threads (an OpenMP team) for the AdamW update; 0 = auto: half the rank's core share,
     rounded up (the rest goes to ``stream.accum_threads``; see nodetrain/host_threads.py)."""

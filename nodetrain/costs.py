@@ -38,6 +38,8 @@ __all__ = [
     "load_sequence",
     "stage_traffic",
     "HostRates",
+    "speculative_backup_bytes",
+    "speculative_bytes_per_param",
     "StepTime",
     "step_time",
 ]
@@ -327,6 +329,20 @@ def optimizer_bytes_per_param(itemsize: int) -> int:
     reads the grad (4); refreshing the transfer copy reads master (4) and writes ``itemsize``;
     zeroing the grad writes 4. (An active clip adds 8 more.)"""
     return 40 + itemsize
+
+
+def speculative_backup_bytes(shape: ModelShape, speculative: bool) -> int:
+    """Private host RAM of ``optim.speculative``'s backups, all ranks of a node together: master
+    weights, ``exp_avg`` and ``exp_avg_sq`` of every unit updated during the backward, 12 bytes per
+    parameter (StoreAdamW.backup_unit); 0 without speculation."""
+    return 12 * shape.num_params if speculative else 0
+
+
+def speculative_bytes_per_param(rolled_back: bool) -> int:
+    """Extra host memory traffic of ``optim.speculative`` per parameter and step, over
+    :func:`optimizer_bytes_per_param`: the backup reads and writes 12 (24); a step that clipped
+    adds the restore (24) and a second AdamW update and transfer-copy refresh (36)."""
+    return 24 + (24 + 36 if rolled_back else 0)
 
 
 @dataclass(frozen=True)

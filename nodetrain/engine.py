@@ -13,6 +13,9 @@ When each unit is updated (overlap.py decides; logged once at start-up):
         soon as the unit's gradient is final, during the rest of the backward; its cross-replica
         sum and norm² run on the optimizer thread just before. Only the tied embedding shared
         across stages waits for the step's all-reduce (its gradient is final after the tied sum).
+    speculative (clipping, ``optim.speculative``)  as in-backward with coefficient 1; a step that
+        clipped rolls them back and redoes them (overlapped with the next forward), a NaN/inf step
+        rolls them back (skipped whole); ``num_rollbacks`` counts the units rolled back.
     deferred (clipping, or ``optim.update_in_backward=false``)  every unit after the all-reduce,
         overlapped with the next step's forward; the cross-replica sum runs here, before it.
     ``optim.overlap=false``  every unit at the end of the step, on the training thread.
@@ -247,6 +250,8 @@ class Engine:
             grad_sum=self.grad_sum_optim,  # in-backward: each unit's replica sum, on the optimizer thread
             on_final=self._poison,
             device=device,
+            speculative=cfg.optim.speculative,
+            max_grad_norm=cfg.optim.max_grad_norm,
         )
         assert updates.in_backward == in_backward
         return updates
@@ -351,8 +356,18 @@ class Engine:
     def _skip_step(self, step: int) -> None:
         """A NaN/inf step: no further update, gradients dropped (after every running update)."""
         self.updates.wait_all()  # an update still reading its gradient must not see it zeroed
+        rolled_back = self.updates.rollback()  # speculative updates undone: the step skipped whole
         self.optimizer.drop_grads()
-        if not self.updates.in_backward:
+        if rolled_back:
+            names = [self.model.units[u].name for u in rolled_back]
+            log.warning(
+                "step %d: loss or gradient norm is NaN/inf; speculative updates of %s rolled back, "
+                "update skipped on every stage",
+                step + 1,
+                names,
+            )
+            return
+        if not self.updates.in_backward or self.updates.speculative:
             log.warning("step %d: loss or gradient norm is NaN/inf; update skipped on every stage", step + 1)
             return
         names = [self.model.units[u].name for u in self.updates.nonfinite]
@@ -472,6 +487,7 @@ class Engine:
         busy = {**self.window.take_stats(), "optim_busy_s": self.updates.take_busy_s()}
         busy["optim_host_bytes"] = self.updates.take_host_bytes()
         busy["num_updates_in_backward"] = self.updates.take_in_backward_count()
+        busy["num_rollbacks"] = self.updates.take_rollbacks()
         busy["cpu_s"] = time.process_time() - cpu0
         record = self.breakdown.stage_record(now - t0, inputs.numel(), phases, busy)
         loss = loss_all / max(tokens, 1)

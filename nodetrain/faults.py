@@ -120,9 +120,9 @@ class BadSteps:
             raise NonFiniteError(
                 f"train.max_bad_steps={self.max_in_a_row}: steps {first}-{step} all had a NaN/inf loss or "
                 "gradient norm, so their updates were skipped (the weights are those after step "
-                f"{first - 1}, except that with optim.update_in_backward the finite units of those steps "
-                "were updated); fix: lower optim.lr, use optim.max_grad_norm > 0, train.dtype=bfloat16 "
-                "instead of float16, or check the data"
+                f"{first - 1}, except that with optim.update_in_backward and no clipping the finite units "
+                "of those steps were updated); fix: lower optim.lr, use optim.max_grad_norm > 0, "
+                "train.dtype=bfloat16 instead of float16, or check the data"
             )
 
 

@@ -23,6 +23,9 @@ from nodetrain.store import HostStore
 
 __all__ = ["lr_at", "clip_coef", "chunk_numel", "StoreAdamW"]
 
+_STATE_FIELDS = ("master", "exp_avg", "exp_avg_sq")
+"""The store fields an AdamW update writes (besides the transfer copy, rewritten from ``master``)."""
+
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     """Learning rate of optimizer update ``step`` (0-based): linear warmup, then cosine decay.
@@ -102,6 +105,8 @@ class StoreAdamW:
             opt.state.update(state)
             self._opts[u.index] = opt
         self._chunk_views: dict[tuple[int, int], list[list[tuple[torch.Tensor, ...]]]] = {}
+        self._backups: dict[int, torch.Tensor] = {}  # unit -> [3, numel] fp32 (speculative updates)
+        self._backup_steps: dict[int, list[torch.Tensor]] = {}
 
     def steps_by_name(self) -> dict[str, float]:
         """AdamW's update count of every owned HF tensor (all tensors of a parameter share it)."""
@@ -144,6 +149,11 @@ class StoreAdamW:
         for name in self.store.layout.fields_of(unit):
             if name.startswith("grad"):
                 self.store.buffer(unit, name).zero_()
+
+    def unit_grad_dots(self, unit: int) -> list[torch.Tensor]:
+        """Σ gradient² of each of one owned unit's parameter groups: 0-dim fp32 tensors, the terms
+        :meth:`grad_sq_sum` adds (so a caller summing them in unit order gets its result bit for bit)."""
+        return [torch.dot(g, g) for _, g in self._params[unit]]
 
     def unit_grad_sq(self, unit: int) -> float:
         """Sum of squared fp32 gradients of one owned unit (float64 sum of its groups' fp32 dots)."""
@@ -210,6 +220,47 @@ class StoreAdamW:
                 views.append([tuple(t[lo : lo + numel] for t in whole) for lo in range(0, p.numel(), numel)])
             self._chunk_views[key] = views
         return self._chunk_views[key]
+
+    def backup_unit(self, unit: int) -> None:
+        """Save one owned unit's master weights, ``exp_avg``, ``exp_avg_sq`` (fp32, 12 B/param in a
+        private buffer kept for the run) and AdamW step counts, so :meth:`rollback_unit` can undo
+        the next update exactly (a speculative update, overlap.py)."""
+        n = self.store.master(unit).numel()
+        backup = self._backups.get(unit)
+        if backup is None:
+            backup = self._backups[unit] = torch.empty(3, n, dtype=torch.float32)  # [3, P] fp32
+        for row, name in zip(backup, _STATE_FIELDS, strict=True):
+            row.copy_(self.store.buffer(unit, name))
+        opt = self._opts[unit]
+        self._backup_steps[unit] = [opt.state[p]["step"].clone() for p, _ in self._params[unit]]
+
+    def rollback_unit(self, unit: int, refresh: bool = True) -> None:
+        """Undo the updates of one owned unit since its :meth:`backup_unit`, bit for bit (master
+        weights, ``exp_avg``, ``exp_avg_sq``, step counts); the gradient is left as is. A copy, not
+        AdamW's closed-form inverse: that inverse leaves an absolute error of ~1 ulp of the
+        unclipped ``exp_avg_sq`` (and ``exp_avg``), which a redo with a clip coefficient c adds to
+        c² times the same quantity, a relative error of ~6e-8/c² (0.06 at c = 1e-3).
+
+        Args:
+            unit: an owned unit with a backup.
+            refresh: rewrite the unit's transfer copy from the restored master weights (False when
+                :meth:`step_unit` follows and rewrites it anyway).
+
+        Raises:
+            KeyError: the unit has no backup.
+        """
+        backup, steps = self._backups[unit], self._backup_steps.pop(unit)
+        for row, name in zip(backup, _STATE_FIELDS, strict=True):
+            self.store.buffer(unit, name).copy_(row)
+        opt = self._opts[unit]
+        for (p, _), step in zip(self._params[unit], steps, strict=True):
+            opt.state[p]["step"].copy_(step)
+        if refresh:
+            self.store.compute(unit).copy_(self.store.master(unit))
+
+    def backup_nbytes(self) -> int:
+        """Bytes of private host RAM held by the backups made so far (12 per parameter backed up)."""
+        return sum(b.numel() * b.element_size() for b in self._backups.values())
 
     def step(self, lr: float, grad_scale: float) -> None:
         """Update every owned unit, in order (see :meth:`step_unit`)."""

@@ -14,6 +14,15 @@ When a unit is updated (:func:`update_mode` decides, the engine logs its reason 
         ``on_final`` hook (test-only NaN injection), sums the gradient over the replicas (several
         nodes: an all-reduce in the stage's group, which only this thread uses during the
         backward), takes its norm², and applies AdamW only if that norm² is finite.
+    speculative (clipping, ``optim.speculative``; SuperOffload's speculation-then-validation,
+        arXiv:2509.21271)  as in-backward, with coefficient 1 and a backup of the unit first
+        (``StoreAdamW.backup_unit``). Once the all-reduce gives the clip coefficient: 1, the updates
+        stand; < 1, each speculated unit is rolled back from its backup and redone with it (on the
+        optimizer thread, in forward order, gated like a deferred update); NaN/inf, they are rolled
+        back and the step is skipped whole, as deferred. Once the stage's own norm so far exceeds
+        ``max_grad_norm`` the step surely clips: the rest of its units are held for the all-reduce.
+        Rollback is a copy (bit-exact, 12 B/param of private RAM), not AdamW's closed-form inverse,
+        whose ~1 ulp error in ``exp_avg_sq`` a small clip coefficient c magnifies by 1/c².
     deferred (clipping, or ``optim.update_in_backward=false``)  after the step's all-reduce gives
         the clip coefficient (and says whether the step is finite), unit by unit in the order the
         next step's forward loads them; the forward of unit i waits only for unit i. The engine
@@ -26,6 +35,7 @@ With ``optim.overlap=false`` every unit is updated at the end of the step on the
 NaN/inf semantics (issue: faults; no non-finite value ever reaches master weights or AdamW state):
     deferred  the whole step is skipped on every stage: no unit is updated, AdamW's step counts
         stay, gradients are dropped (engine.py).
+    speculative  as deferred: the speculative updates are rolled back (``UnitUpdates.rollback``).
     in-backward  a unit whose gradient is NaN/inf is not updated (its accumulators are zeroed, its
         master weights, ``exp_avg``, ``exp_avg_sq`` and step count stay) and shows in
         :attr:`UnitUpdates.nonfinite`; the finite units of that step were already updated. The
@@ -66,13 +76,21 @@ def update_mode(cfg: OptimConfig) -> tuple[bool, str]:
     """Whether units are updated during the backward, and why (one line for the start-up log).
 
     Args:
-        cfg: the optimizer config (``overlap``, ``max_grad_norm``, ``update_in_backward``).
+        cfg: the optimizer config (``overlap``, ``max_grad_norm``, ``update_in_backward``,
+            ``speculative``).
 
     Returns:
         (in_backward, reason).
     """
     if not cfg.overlap:
         return False, "optim.overlap=false: every unit is updated at the step's end on the training thread"
+    if cfg.max_grad_norm > 0 and cfg.speculative and cfg.update_in_backward:
+        return True, (
+            f"optim.max_grad_norm={cfg.max_grad_norm} with optim.speculative=true: each unit is updated "
+            "during the backward as if the step were not clipped; a step that clips has those updates "
+            "rolled back and redone with the clip coefficient, a NaN/inf step has them rolled back "
+            "(skipped whole)"
+        )
     if cfg.max_grad_norm > 0:
         return False, (
             f"optim.max_grad_norm={cfg.max_grad_norm}: the clip needs the global norm, so updates run after "
@@ -128,7 +146,8 @@ class UnitUpdates:
         blocks: this stage's blocks.
         shared_units: owned units that another stage also reads (the tied embedding on stage 0).
         overlap: run updates on the background thread (else on the caller, at the step's end).
-        clip: global-norm clipping is on (updates wait for the step's all-reduce).
+        clip: global-norm clipping is on (updates wait for the step's all-reduce, unless
+            ``speculative``).
         threads: OpenMP threads of the optimizer thread (≥ 1).
         delay_s: test-only sleep before each update, to expose a missing wait.
         defer: no update starts during the backward; all wait for the engine's all-reduce
@@ -139,12 +158,25 @@ class UnitUpdates:
             unit's gradient is final, before the replica sum and its norm² (test-only NaN injection).
         device: the compute device; on CUDA the optimizer thread selects it (``grad_sum`` stages
             through it).
+        speculative: with ``clip``: update in the backward as if unclipped, backing each unit up
+            first; :meth:`finish_step` rolls back and redoes them when the step clipped,
+            :meth:`rollback` when it was NaN/inf (``optim.speculative``).
+        max_grad_norm: the clip threshold (speculative only): once this stage's own norm exceeds
+            it, the step surely clips and the remaining units are held for :meth:`finish_step`.
     """
 
     def __init__(self, optimizer: StoreAdamW, bindings, blocks, shared_units=(), *, overlap: bool,
                  clip: bool, threads: int, delay_s: float = 0.0, defer: bool = False, grad_sum=None,
-                 on_final=None, device: torch.device | None = None):  # fmt: skip
+                 on_final=None, device: torch.device | None = None, speculative: bool = False,
+                 max_grad_norm: float = 0.0):  # fmt: skip
         self.opt, self.overlap, self.clip, self.defer = optimizer, overlap, clip, defer
+        self.speculative = speculative and clip and overlap and not defer
+        self._max_norm = max_grad_norm
+        self._speculated: list[int] = []  # units updated as if unclipped this step (backed up first)
+        self._held: list[int] = []  # units held for finish_step: the step surely clips
+        self._stage_sq = 0.0  # Σ norm² of this step's units measured so far (a lower bound)
+        self._rollbacks = 0
+        self._dots: dict[int, list[torch.Tensor]] = {}  # speculative: each unit's fp32 Σ g² terms
         self._owned = [u.index for u in optimizer.units]
         self._shared = set(shared_units)
         self._units_of = {b: sorted({x.unit for x in bindings[b]} & set(self._owned)) for b in blocks}
@@ -194,8 +226,9 @@ class UnitUpdates:
 
     @property
     def in_backward(self) -> bool:
-        """Whether units are updated during the backward (overlap, no clipping, not deferred)."""
-        return self.overlap and not self.clip and not self.defer
+        """Whether units are updated during the backward (overlap, not deferred, and no clipping or
+        speculative)."""
+        return self.overlap and not self.defer and (not self.clip or self.speculative)
 
     @property
     def later_units(self) -> list[int]:
@@ -221,6 +254,8 @@ class UnitUpdates:
         self._grad_sq.clear()
         self._measured.clear()
         self.nonfinite = []
+        self._speculated, self._held, self._stage_sq = [], [], 0.0
+        self._dots.clear()
         self._remaining = {
             u: sum(counts.get(b, 0) for b in self._users[u]) for u in self._owned if u not in self._shared
         }
@@ -261,17 +296,38 @@ class UnitUpdates:
                 self._on_final(unit)
             if self._grad_sum is not None:
                 self._grad_sum([self.opt.store.grad(unit)])
-            sq = self.opt.unit_grad_sq(unit)
+            if self.speculative:  # its terms kept: the step's norm then adds them as deferred does
+                self._dots[unit] = self.opt.unit_grad_dots(unit)
+                sq = sum(float(d) for d in self._dots[unit])
+            else:
+                sq = self.opt.unit_grad_sq(unit)
             if not math.isfinite(sq):  # left out: no NaN/inf into the master weights or AdamW's state
                 self.opt.drop_unit_grads(unit)
                 self.nonfinite.append(unit)
             self._grad_sq[unit] = sq
+            speculate = self._speculate(unit, sq)
         except BaseException as e:
             measured.set_exception(e)
             raise
         measured.set_result(sq)
-        if math.isfinite(sq):
-            self._update(unit, lr, 1.0, step_id)
+        if speculate:
+            self._update(unit, lr, 1.0, step_id, backup=self.speculative)
+
+    def _speculate(self, unit: int, sq: float) -> bool:
+        """Whether a final unit with norm² ``sq`` is updated now (coefficient 1). Speculative, a unit
+        is held for :meth:`finish_step` once this stage's norm so far says the step clips
+        (``clip_coef`` < 1 for sure: the global norm² is at least this stage's), else recorded as
+        speculated (before the training thread can see its norm², so finish_step knows it)."""
+        if not math.isfinite(sq):
+            return False
+        if not self.speculative:
+            return True
+        self._stage_sq += sq
+        if math.sqrt(self._stage_sq) + 1e-6 > self._max_norm:
+            self._held.append(unit)
+            return False
+        self._speculated.append(unit)
+        return True
 
     def wait_measured(self) -> None:
         """Block until every in-backward unit's replica sum and norm² are done (after the flush, all
@@ -287,6 +343,10 @@ class UnitUpdates:
         self.wait_measured()
         missing = [u for u in self._owned if u not in self._shared and u not in self._grad_sq]
         assert not missing, f"units {missing} never became final; offload count mismatch"
+        if self.speculative:  # the deferred sum's own fp32 terms and order: the same clip coefficient
+            for u in self._shared:
+                self._dots[u] = self.opt.unit_grad_dots(u)
+            return float(sum(d for u in self._owned for d in self._dots[u]))
         for u in self._shared:
             self._grad_sq[u] = self.opt.unit_grad_sq(u)
         return sum(self._grad_sq[u] for u in self._owned)
@@ -311,9 +371,42 @@ class UnitUpdates:
             self.busy_s += time.perf_counter() - t0
             self.host_bytes += sum(self._update_bytes(u, grad_scale) for u in self._owned)
             return
-        for u in self.later_units:
-            self._submit(u, lr, grad_scale)
+        if self.speculative:
+            self._validate(lr, grad_scale)
+        else:
+            for u in self.later_units:
+                self._submit(u, lr, grad_scale)
         self.wait(self._owned if wait_all else self._shared)
+
+    def _validate(self, lr: float, grad_scale: float) -> None:
+        """Speculative: the step's coefficient is known. Submit, in forward order, the units not yet
+        updated (shared, held) and, if the step clipped (``grad_scale`` < 1), a rollback and redo of
+        every speculated unit; an unclipped step keeps the speculative updates as they are."""
+        redo = set(self._speculated) if grad_scale != 1.0 else set()
+        later = set(self.later_units) | set(self._held)
+        for u in self._owned:
+            if u in later:
+                self._submit(u, lr, grad_scale)
+            elif u in redo:
+                self._pending[u] = self._pool.submit(self._redo, u, lr, grad_scale)
+        self._rollbacks += len(redo)
+
+    def rollback(self) -> list[int]:
+        """Speculative, a NaN/inf step: wait for every update, then undo the step's speculative
+        updates (master weights, AdamW state, step counts, transfer copies), so the step is skipped
+        whole. Returns the units rolled back."""
+        self.wait_all()
+        units = self._speculated if self.speculative else []
+        for u in units:
+            self.opt.rollback_unit(u)
+        self._rollbacks += len(units)
+        self._speculated = []
+        return units
+
+    def take_rollbacks(self) -> int:
+        """Units rolled back (and redone, unless the step was NaN/inf) since the last take."""
+        n, self._rollbacks = self._rollbacks, 0
+        return n
 
     def _submit(self, unit: int, lr: float, grad_scale: float) -> None:
         assert self._pool is not None
@@ -321,13 +414,26 @@ class UnitUpdates:
         with self._lock:
             self.host_bytes += self._update_bytes(unit, grad_scale)
 
-    def _update(self, unit: int, lr: float, grad_scale: float, step_id: int) -> None:
+    def _update(self, unit: int, lr: float, grad_scale: float, step_id: int, backup: bool = False) -> None:
         if self._delay_s:
             time.sleep(self._delay_s)
         with self._lock:
             if step_id == self._step_id and not self._backward_done:
                 self._in_backward_count += 1
         t0 = time.perf_counter()
+        if backup:
+            self.opt.backup_unit(unit)
+        self.opt.step_unit(unit, lr, grad_scale)
+        with self._lock:
+            self.busy_s += time.perf_counter() - t0
+
+    def _redo(self, unit: int, lr: float, grad_scale: float) -> None:
+        """Optimizer thread: undo a speculative update and apply the clipped one (its gradient, the
+        unscaled sum, is still in the accumulator); step_unit refreshes the transfer copy."""
+        if self._delay_s:
+            time.sleep(self._delay_s)
+        t0 = time.perf_counter()
+        self.opt.rollback_unit(unit, refresh=False)
         self.opt.step_unit(unit, lr, grad_scale)
         with self._lock:
             self.busy_s += time.perf_counter() - t0

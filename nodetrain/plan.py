@@ -44,6 +44,7 @@ from nodetrain.costs import (
     pin_overhead_bytes,
     resident_bytes_per_param,
     shape_of,
+    speculative_backup_bytes,
     stage_memory,
     step_time,
     store_layout,
@@ -131,6 +132,7 @@ def preflight(cfg: Config, model: HFModel, world_size: int) -> int:
     shape = shape_of(model)
     nbytes = store_layout(shape, getattr(torch, cfg.train.dtype)).nbytes
     overhead = int(cfg.plan.rank_overhead_gb * GB)
+    overhead += speculative_backup_bytes(shape, _speculates(cfg)) // world_size
     if torch.cuda.is_available():  # each rank page-locks the transfer copies it loads (HostStore.pin)
         compute = field_bytes(store_layout(shape, getattr(torch, cfg.train.dtype)))["compute"]
         overhead += pin_overhead_bytes(compute) // world_size
@@ -323,6 +325,12 @@ def _check_hardware(cfg: Config, num_stages: int) -> None:
         raise ConfigError(f"{len(problems)} config problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
 
 
+def _speculates(cfg: Config) -> bool:
+    """Whether the engine keeps speculative backups (overlap.update_mode's speculative case)."""
+    o = cfg.optim
+    return o.speculative and o.overlap and o.max_grad_norm > 0 and o.update_in_backward
+
+
 def _node(cfg: Config, shape: ModelShape, num_stages: int) -> _Node:
     hw, dtype = cfg.hardware, getattr(torch, cfg.train.dtype)
     layout = store_layout(shape, dtype)
@@ -341,6 +349,7 @@ def _node(cfg: Config, shape: ModelShape, num_stages: int) -> _Node:
         store_bytes=layout.nbytes,
         fields=field_bytes(layout),
         overhead_bytes=int(num_stages * cfg.plan.rank_overhead_gb * GB)
+        + speculative_backup_bytes(shape, _speculates(cfg))
         + (pin_overhead_bytes(field_bytes(layout)["compute"]) if hw.gpus_per_node else 0),
         host_bytes=int(hw.host_memory_gb * GB),
         device_limit_bytes=device_limit,

@@ -21,6 +21,7 @@ runs through ``parity_worker.py`` compared with plain ``transformers`` + ``torch
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import threading
@@ -326,9 +327,15 @@ REPLICA_CASE = Case(
     max_grad_norm=0.0, tied=True, delay_s=0.002, optim_delay_s=0.002,
 )  # fmt: skip
 """As a single node: 2 rounds × 4 micro-batches a step; as two nodes: 1 round × 4 micro-batches each."""
+REPLICA_CASE_SPECULATIVE = dataclasses.replace(
+    REPLICA_CASE, id="llama-2stage-tied-gpipe-slots2-accum2x4-clip-speculative-2nodes", max_grad_norm=0.3
+)
+"""The same with clipping that bites on every step and ``optim.speculative`` (tests/test_speculative.py):
+the per-unit cross-node sums still run on the optimizer thread, in the schedule's order."""
 
 
-def test_two_nodes_in_backward_equal_the_reference(tmp_path: Path, shm_dir: Path) -> None:
+@pytest.mark.parametrize("case", [REPLICA_CASE, REPLICA_CASE_SPECULATIVE], ids=lambda c: c.id)
+def test_two_nodes_in_backward_equal_the_reference(case: Case, tmp_path: Path, shm_dir: Path) -> None:
     """``run_nodetrain`` writes the single-node spec; the launcher turns it into the two nodes' specs
     (the global batch in ``train.batch_size``, no accumulation, a store directory per node) and
     starts ``torchrun --nnodes 2 --nproc_per_node 2`` twice, writing into the same ``out_dir``."""
@@ -340,6 +347,7 @@ def test_two_nodes_in_backward_equal_the_reference(tmp_path: Path, shm_dir: Path
             (shm_dir / f"node{node}").mkdir()
             overrides = {
                 **base["overrides"],
+                "optim.speculative": case is REPLICA_CASE_SPECULATIVE,
                 "train.grad_accum": 1,
                 "store.dir": str(shm_dir / f"node{node}"),
             }
@@ -353,11 +361,9 @@ def test_two_nodes_in_backward_equal_the_reference(tmp_path: Path, shm_dir: Path
         return ""
 
     model_dir = tmp_path / "hf"
-    save_seeded_model(REPLICA_CASE, model_dir)
-    inputs, labels, lengths = make_batches(REPLICA_CASE)  # [steps, 8, B, T]
-    run = run_nodetrain(
-        REPLICA_CASE, tmp_path, shm_dir, model_dir, inputs, labels, two_nodes
-    )  # node 0's ranks
+    save_seeded_model(case, model_dir)
+    inputs, labels, lengths = make_batches(case)  # [steps, 8, B, T]
+    run = run_nodetrain(case, tmp_path, shm_dir, model_dir, inputs, labels, two_nodes)  # node 0's ranks
     node1 = {}
     for rank in (2, 3):
         node1.update(load_file(str(tmp_path / "out" / f"weights_rank{rank}.safetensors")))
@@ -365,12 +371,14 @@ def test_two_nodes_in_backward_equal_the_reference(tmp_path: Path, shm_dir: Path
     for name, w in run.weights.items():
         assert torch.equal(node1[name], w), f"{name} differs between the nodes"
 
-    ref = run_reference(REPLICA_CASE, model_dir, inputs, labels, lengths)
+    ref = run_reference(case, model_dir, inputs, labels, lengths)
     assert [s["tokens"] for s in run.steps] == ref.tokens
     torch.testing.assert_close([s["loss"] for s in run.steps], ref.losses, rtol=RTOL, atol=0)
     torch.testing.assert_close([s["grad_norm"] for s in run.steps], ref.norms, rtol=RTOL, atol=0)
     _close(run.weights, ref.weights, ATOL_WEIGHT)
+    if case is REPLICA_CASE_SPECULATIVE:  # the redo path ran (measured: 11 units over the 5 steps)
+        assert sum(st["breakdown"]["num_rollbacks"] for st in run.steps) > 0
     # without the per-unit cross-node sum node 0 would have trained on its half only
-    half = run_reference(REPLICA_CASE, model_dir, inputs[:, :4], labels[:, :4], lengths[:, :4])
+    half = run_reference(case, model_dir, inputs[:, :4], labels[:, :4], lengths[:, :4])
     gap = max(float((run.weights[n] - half.weights[n]).abs().max()) for n in half.weights)
     assert gap > 100 * ATOL_WEIGHT, f"the two-node run is within {gap:.2e} of node 0's half alone"
