@@ -19,7 +19,8 @@
 #    dist.backend=gloo (NCCL refuses two ranks on one device) against 1 rank (NCCL), 1F1B, fp32,
 #    5 steps: the losses must agree to 1e-5, ≤ 150 s;
 # 4. train: bench/gpu_train.py, Llama-3.2-3B streamed through one GPU (then automatic residency
-#    if time is left): TFLOP/s, MFU against the datasheet (and its source), H2D/D2H GB/s, stall %;
+#    if time is left): TFLOP/s, MFU against the datasheet (and its source), H2D/D2H GB/s, stall %,
+#    d2h_wait %, host-accumulation seconds per step (the D2H worker's busy time), D2H GB per step;
 # 5. RESULTS_DIR/check.json: {"passed", "gpu", "torch", "total_s", "steps": {name: {"passed",
 #    "rc", "s", figures...}}}.
 # Exit status: non-zero if any step failed. PYTHON overrides the interpreter (default python3).
@@ -111,7 +112,8 @@ steps["two_rank"].update({k: two.get(k) for k in ("max_abs_diff", "tolerance", "
 steps["two_rank"]["passed"] = steps["two_rank"]["passed"] and bool(two.get("passed"))
 runs = load(out / "summary.json").get("runs", {})
 for name, run in runs.items():
-    keys = ("tflops", "mfu", "peak_flops_source", "h2d_gbps", "d2h_gbps", "stall_pct", "step_s")
+    keys = ("tflops", "mfu", "peak_flops_source", "h2d_gbps", "d2h_gbps", "stall_pct", "d2h_wait_pct",
+            "host_accum_s", "d2h_gb_per_step", "step_s")
     steps["train"][name] = {k: run.get(k) for k in keys}
 steps["train"]["passed"] = steps["train"]["passed"] and "streamed" in runs
 env = load(out / "env.json")

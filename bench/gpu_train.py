@@ -11,7 +11,9 @@ for a few steps: first with every unit streaming (``stream.device_budget=0``), t
 left, with the automatic residency. From each run's ``metrics.jsonl`` it writes
 ``<out>/<run>.json``: median step time, TFLOP/s, MFU (against the datasheet peak of the hardware
 profile naming the GPU, e.g. 989.4 TFLOP/s dense bf16 for an H200, or ``--peak-flops``; the
-source is ``peak_flops_source``), H2D/D2H GB/s, stall % and the last step's whole breakdown, and
+source is ``peak_flops_source``), H2D/D2H GB/s, stall %, d2h_wait %, host-accumulation seconds
+per step (the D2H worker's busy time), D2H and host-accumulation GB per step, and the last step's
+whole breakdown, and
 ``<out>/summary.json`` with all runs.
 """
 
@@ -131,6 +133,12 @@ def summarise(records: list[dict], skip: int) -> dict:
         "h2d_gbps": med("h2d_gbps"),
         "d2h_gbps": med("d2h_gbps"),
         "stall_pct": 100 * med("stall_s") / med("step_s"),
+        "d2h_wait_pct": 100 * med("d2h_wait_s") / med("step_s"),
+        # the D2H worker's busy seconds per step (waiting for its staging copy, then adding the
+        # gradient into the host store: the host accumulation), summed over ranks
+        "host_accum_s": med("d2h_busy_s"),
+        "d2h_gb_per_step": med("d2h_bytes") / 1e9,
+        "accum_host_gb_per_step": statistics.median(r.get("accum_host_bytes", 0) for r in steady) / 1e9,
         "shares_pct": {k: 100 * med(f"{k}_s") / med("step_s") for k in PHASES},
         "peak_flops_source": records[-1].get("peak_flops_source"),
         "loss_first_last": [records[0]["loss"], records[-1]["loss"]],
