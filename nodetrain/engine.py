@@ -192,7 +192,7 @@ class Engine:
         self.window.timeline = self.p2p.timeline = self.breakdown.timeline
         log.info(
             "stage %d/%d (replica %d/%d): %s … %s, %d units, window %.1f MB (resident: %s), "
-            "host store %.1f MB",
+            "host store %.1f MB, %.2f bytes/parameter (optim.state=%s)",
             topo.stage,
             topo.num_stages,
             topo.replica,
@@ -203,6 +203,8 @@ class Engine:
             self.window.nbytes / 1e6,
             ", ".join(model.units[i].name for i in self.window.resident) or "none",
             self.store.nbytes / 1e6,
+            self.store.nbytes / sum(u.numel for u in model.units),
+            cfg.optim.state,
         )
 
     def _make_updates(self, device: torch.device) -> UnitUpdates:
