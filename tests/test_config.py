@@ -186,6 +186,8 @@ INVALID = [
     (["optim.beta2=-0.1"], 2, ["optim.beta2"]),
     (["optim.eps=0"], 2, ["optim.eps"]),
     (["optim.max_grad_norm=-1"], 2, ["optim.max_grad_norm"]),
+    (["optim.state=tiny"], 2, ["optim.state=tiny", "not one of full, lean"]),
+    (["optim.state=lean", "train.dtype=float32"], 2, ["optim.state", "set train.dtype=bfloat16"]),
     (["model.arch=GPT2LMHeadModel"], 2, ["model.arch"]),
     (["~model.hf.hidden_size"], 2, ["model.hf.hidden_size"]),
     (["~model.hf.intermediate_size"], 2, ["model.hf.intermediate_size"]),
