@@ -2,6 +2,7 @@
 
     python bench/lean_quality.py                     # README's default job, 250 steps, ~2 x 4-12 min
     python bench/lean_quality.py --steps 20          # a quick look
+    python bench/lean_quality.py --runs DIR --reuse  # rerun only what DIR lacks
 
 Runs the real entry point (``torchrun --nproc_per_node 2 -m nodetrain.train``, README's default config:
 llama_10m on Shakespeare, ``logging.wandb=false``) once with ``optim.state=full`` and once with
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -68,11 +70,21 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=250)
     ap.add_argument("--out", default=str(ROOT / "docs" / "lean_quality.png"))
     ap.add_argument("--runs", default="", help="directory for the two runs (default: a temporary one)")
+    ap.add_argument("--reuse", action="store_true", help="keep a finished run found in --runs")
     args = ap.parse_args()
     runs = Path(args.runs or tempfile.mkdtemp(prefix="nt-lean-quality-"))
     runs.mkdir(parents=True, exist_ok=True)
     shm = tempfile.mkdtemp(prefix="nt-lean-", dir="/dev/shm")
-    results = {state: run(state, args.steps, runs, shm) for state in ("full", "lean")}
+    results = {}
+    for state in ("full", "lean"):
+        done = runs / state / "metrics.jsonl"
+        if args.reuse and done.is_file() and f'"step": {args.steps},' in done.read_text():
+            log = (runs / state / "rank0.log").read_text()
+            records = [json.loads(line) for line in done.read_text().splitlines()]
+            results[state] = records, float(_BYTES.search(log)[1])
+        else:
+            shutil.rmtree(runs / state, ignore_errors=True)
+            results[state] = run(state, args.steps, runs, shm)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for state, (records, bpp) in results.items():
         ax.plot(*_series(records, "loss"), alpha=0.45, lw=1, label=f"{state} train ({bpp:.2f} B/param)")

@@ -23,10 +23,10 @@ __all__ = ["dynamic_map", "quantize_blockwise", "dequantize_blockwise", "stochas
 def dynamic_map(bits: int, signed: bool) -> torch.Tensor:
     """The dynamic quantization map: ``2**bits`` sorted fp32 values in [-1, 1] (signed) or [0, 1].
 
-    Each value is ``10**(e - (E-1)) · f``: E = bits - 1 exponent levels (signed; one more unsigned), and
-    for exponent e the midpoints f of an even split of [0.1, 1] into ``2**e`` (signed) or ``2**(e+1)``
-    (unsigned) parts, plus 0 and 1 (bitsandbytes ``create_dynamic_map(signed, bits - 1, bits)``;
-    unsigned 8-bit maps pad with zeros to 256 entries as bitsandbytes does).
+    Each value is ``10**(e - (E-1)) · f`` for E = bits - 1 exponent levels e = 0 … E-1, f the
+    midpoints of an even split of [0.1, 1] into ``2**e`` (signed, both signs) or ``2**(e+1)``
+    (unsigned) parts, plus 0 and 1 (bitsandbytes ``create_dynamic_map(signed, bits - 1, bits)``; the
+    signed 8-bit map is padded with one more 0 to 256 entries, as bitsandbytes does).
 
     Returns:
         ``[2**bits]`` fp32, sorted ascending.
@@ -57,24 +57,30 @@ def quantize_blockwise(
         x: ``[n]`` fp32, n a multiple of ``block`` except for the tensor's last block.
         codes: ``[n]`` uint8 (8 bits) or ``[ceil(n / 2)]`` uint8 (4 bits: element 2i in the low nibble
             of byte i, 2i+1 in the high nibble).
-        absmax: ``[ceil(n / block)]`` fp32, the blocks' max |x| (1 for an all-zero block).
+        absmax: ``[ceil(n / block)]`` fp32, the blocks' max |x| (0 for an all-zero block, which decodes
+            to zeros).
         block: elements per block (even for 4 bits).
         bits: 4 or 8.
-        signed: signed map (first moment) or unsigned (second moment, x ≥ 0).
+        signed: signed map (first moment) or unsigned (second moment, x ≥ 0). Unsigned codes skip the
+            map's 0 (Li et al. 2023's zero-point exclusion for the second moment): a nonzero element
+            too small for the block rounds up to the smallest nonzero entry, never to 0, so its
+            AdamW denominator stays ≥ sqrt(3.25e-7 · absmax) instead of eps.
     """
     n = x.numel()
     full = n // block * block
-    scale = absmax[: n // block]
     if full:
-        torch.amax(x[:full].view(-1, block).abs(), dim=1, out=scale)
+        torch.amax(x[:full].view(-1, block).abs(), dim=1, out=absmax[: n // block])
     if full < n:
         absmax[-1] = x[full:].abs().max()
-    absmax.masked_fill_(absmax == 0, 1.0)
+    scale = absmax.clamp_min(torch.finfo(torch.float32).tiny)  # an all-zero block keeps absmax 0
     norm = torch.empty_like(x)
-    norm[:full].view(-1, block).copy_(x[:full].view(-1, block) / absmax[: n // block, None])
+    norm[:full].view(-1, block).copy_(x[:full].view(-1, block) / scale[: n // block, None])
     if full < n:
-        norm[full:] = x[full:] / absmax[-1]
-    idx = torch.searchsorted(_midpoints(bits, signed), norm).to(torch.uint8)  # nearest entry
+        norm[full:] = x[full:] / scale[-1]
+    idx = torch.searchsorted(_midpoints(bits, signed), norm)  # nearest entry
+    if not signed:  # no zero code for x > 0: a second moment rounded to 0 would make 1/sqrt(v) explode
+        idx.clamp_(min=1)
+    idx = idx.to(torch.uint8)
     if bits == 8:
         codes.copy_(idx)
     else:

@@ -32,14 +32,18 @@ def _closed_map_4bit() -> torch.Tensor:
     return torch.tensor(sorted(vals))
 
 
-def _ref_roundtrip(x: torch.Tensor, block: int, qmap: torch.Tensor) -> torch.Tensor:
-    """Nearest map entry times the block's absmax, by brute force."""
-    out = torch.empty_like(x)
+def _ref_roundtrip(x: torch.Tensor, block: int, qmap: torch.Tensor, signed: bool = True) -> torch.Tensor:
+    """Nearest map entry times the block's absmax, by brute force; an unsigned (second-moment) map
+    without its 0 (Li et al. 2023), and an all-zero block stays zero."""
+    out = torch.zeros_like(x)
+    if not signed:
+        qmap = qmap[qmap > 0]
     for lo in range(0, x.numel(), block):
         b = x[lo : lo + block]
-        absmax = b.abs().max() if b.abs().max() > 0 else torch.tensor(1.0)
-        idx = (b[:, None] / absmax - qmap[None, :]).abs().argmin(dim=1)
-        out[lo : lo + block] = qmap[idx] * absmax
+        absmax = b.abs().max()
+        if absmax > 0:
+            idx = (b[:, None] / absmax - qmap[None, :]).abs().argmin(dim=1)
+            out[lo : lo + block] = qmap[idx] * absmax
     return out
 
 
@@ -65,7 +69,8 @@ def test_quantize_roundtrip_is_nearest_entry(bits, block, signed, n):
     x = torch.randn(n, generator=torch.Generator().manual_seed(n))
     x = x.abs() ** 2 if not signed else x**3  # moment-like: heavy-tailed
     x[:block] = 0.0  # an all-zero block decodes to zeros
-    want = _ref_roundtrip(x, block, dynamic_map(bits, signed))
+    x[block : block + 5] = 1e-30  # too small for any nonzero entry: rounds to the smallest, not 0
+    want = _ref_roundtrip(x, block, dynamic_map(bits, signed), signed)
     torch.testing.assert_close(_roundtrip(x, bits, block, signed), want, rtol=0, atol=0)
 
 
@@ -124,7 +129,10 @@ def test_one_lean_step_matches_the_papers(store, monkeypatch, chunk):
         opt.step_unit(u.index, lr, clip)
         for name, want in (("exp_avg", m), ("exp_avg_sq", v)):
             bits, block, signed = LEAN_FORMATS[name]
-            got, ref = _decode(store, u.index, name), _ref_roundtrip(want, block, dynamic_map(bits, signed))
+            got, ref = (
+                _decode(store, u.index, name),
+                _ref_roundtrip(want, block, dynamic_map(bits, signed), signed),
+            )
             # the fused kernel and this formula differ by ulps (absmax too): a tie may pick the neighbour
             assert torch.isclose(got, ref, rtol=1e-5, atol=0).float().mean() > 0.999, name
         got_w = store.compute(u.index).float()
