@@ -179,3 +179,18 @@ def test_lean_needs_a_lean_bf16_store(shm_dir):
     s.unlink()
     with pytest.raises(ValueError, match=r"optim\.state=lean"):
         LeanAdamW(s, [Unit(0, "u", (), 10, 10)], CFG)
+
+
+def test_tiny_second_moment_never_decodes_to_zero(store):
+    """An embedding row unused for a while: gradient 0, m and v small but consistent (|m| ≈ sqrt(v)),
+    in a v block whose other rows are large. Exact AdamW moves it by ~lr; had v rounded to 0 the step
+    would be lr·m/eps = 100·lr (the transient loss spikes of the first lean runs)."""
+    opt = LeanAdamW(store, UNITS, OptimConfig(lr=1e-2, weight_decay=0.0, eps=1e-8), seed=1)
+    n = UNITS[0].numel
+    m, v = torch.zeros(n), torch.full((n,), 1e-2)
+    m[:128], v[:128] = 1e-6, 1e-12  # one whole 4-bit m block small; inside a 2048-element v block
+    opt.load_unit(0, torch.zeros(n), m, v)
+    opt._steps[0] = [torch.tensor(100.0), torch.tensor(100.0)]
+    store.grad(0).zero_()
+    opt.step_unit(0, 1e-2)
+    assert store.compute(0)[:128].float().abs().max() <= 2e-2
