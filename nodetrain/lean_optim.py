@@ -10,8 +10,9 @@ Where each byte of a parameter goes (``StoreLayout(state="lean")``):
                        transfer copy streamed to the device, so no separate fp32 master or bf16 copy
     exp_avg      0.5   first moment, 4-bit dynamic-exponent codes in blocks of 128 (Li et al. 2023)
                  0.031 its fp32 absmax per 128-element block
-    exp_avg_sq   1     second moment, 8-bit dynamic codes in blocks of 2048 (Dettmers et al. 2021; the
-                       4-bit second moment needs Li et al.'s rank-1 normalisation, not worth 0.5 B here)
+    exp_avg_sq   1     second moment, 8-bit dynamic codes in blocks of 2048 (Dettmers et al. 2021), never
+                       rounded to 0 (Li et al.'s zero-point exclusion; a 4-bit second moment would
+                       also need their rank-1 normalisation, not worth 0.5 B here)
                  0.002 its fp32 absmax per 2048-element block
     grad         4     fp32 gradient accumulator: streamed units still add each micro-batch's bf16
                        gradient on the host, and a bf16 sum of many micro-batches would lose the small
