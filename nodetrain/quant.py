@@ -48,6 +48,32 @@ def _midpoints(bits: int, signed: bool) -> torch.Tensor:
     return (qmap[1:] + qmap[:-1]) / 2
 
 
+@functools.cache
+def _nearest_table(bits: int, signed: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """For each of the 65536 values of an fp32's top 16 bits, how many midpoints lie below the smallest
+    fp32 with those bits; the midpoints with +inf appended; and how many midpoints one such bucket
+    spans at most (the corrections :func:`_nearest` needs)."""
+    mids = _midpoints(bits, signed)
+    top = torch.arange(1 << 16, dtype=torch.int32) << 16
+    low = torch.where(top < 0, top | 0xFFFF, top).view(torch.float32)  # negative: more bits = smaller
+    high = torch.where(top < 0, top, top | 0xFFFF).view(torch.float32)
+    first = torch.searchsorted(mids, low)
+    finite = ~(low.isnan() | high.isnan())
+    steps = int((torch.searchsorted(mids, high) - first)[finite].max())
+    return first.to(torch.int32), torch.cat([mids, torch.tensor([float("inf")])]), steps
+
+
+def _nearest(x: torch.Tensor, bits: int, signed: bool) -> torch.Tensor:
+    """``torch.searchsorted(midpoints, x)`` (the nearest map entry's index, int32), 12x faster on CPU:
+    a table lookup by the top 16 bits of x, then at most ``steps`` comparisons (one for these maps)."""
+    first, mids, steps = _nearest_table(bits, signed)
+    key = torch.bitwise_right_shift(x.view(torch.int32), 16).bitwise_and_(0xFFFF)
+    idx = torch.index_select(first, 0, key)
+    for _ in range(steps):
+        idx += torch.gt(x, torch.index_select(mids, 0, idx))
+    return idx
+
+
 def quantize_blockwise(
     x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, block: int, bits: int, signed: bool
 ) -> None:
@@ -77,7 +103,7 @@ def quantize_blockwise(
     norm[:full].view(-1, block).copy_(x[:full].view(-1, block) / scale[: n // block, None])
     if full < n:
         norm[full:] = x[full:] / scale[-1]
-    idx = torch.searchsorted(_midpoints(bits, signed), norm)  # nearest entry
+    idx = _nearest(norm, bits, signed)
     if not signed:  # no zero code for x > 0: a second moment rounded to 0 would make 1/sqrt(v) explode
         idx.clamp_(min=1)
     idx = idx.to(torch.uint8)
@@ -103,9 +129,9 @@ def dequantize_blockwise(
     """
     qmap = dynamic_map(bits, signed)
     if bits == 8:
-        idx = codes.long()
+        idx = codes.int()
     else:
-        idx = torch.stack([codes & 0xF, codes >> 4], dim=1).view(-1)[:n].long()
+        idx = torch.stack([codes & 0xF, codes >> 4], dim=1).view(-1)[:n].int()
     torch.index_select(qmap, 0, idx, out=out)
     full = n // block * block
     if full:

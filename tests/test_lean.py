@@ -194,3 +194,17 @@ def test_tiny_second_moment_never_decodes_to_zero(store):
     store.grad(0).zero_()
     opt.step_unit(0, 1e-2)
     assert store.compute(0)[:128].float().abs().max() <= 2e-2
+
+
+@pytest.mark.parametrize("bits,signed", [(4, True), (8, True), (8, False)])
+def test_table_lookup_is_searchsorted_for_every_float(bits, signed):
+    """quant._nearest (table + corrections) against ``torch.searchsorted`` on 4M random fp32 bit
+    patterns (every sign, exponent, denormal and infinity; NaN excluded) plus the map's own values."""
+    from nodetrain.quant import _midpoints, _nearest
+
+    pattern = torch.randint(-(2**31), 2**31 - 1, (1 << 22,), dtype=torch.int32, generator=torch.Generator())
+    x = pattern.view(torch.float32)
+    x = torch.cat(
+        [x[~x.isnan()], dynamic_map(bits, signed), _midpoints(bits, signed), torch.tensor([0.0, -0.0])]
+    )
+    assert torch.equal(_nearest(x, bits, signed).long(), torch.searchsorted(_midpoints(bits, signed), x))
