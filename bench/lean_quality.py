@@ -76,15 +76,18 @@ def main() -> None:
     runs.mkdir(parents=True, exist_ok=True)
     shm = tempfile.mkdtemp(prefix="nt-lean-", dir="/dev/shm")
     results = {}
-    for state in ("full", "lean"):
-        done = runs / state / "metrics.jsonl"
-        if args.reuse and done.is_file() and f'"step": {args.steps},' in done.read_text():
-            log = (runs / state / "rank0.log").read_text()
-            records = [json.loads(line) for line in done.read_text().splitlines()]
-            results[state] = records, float(_BYTES.search(log)[1])
-        else:
-            shutil.rmtree(runs / state, ignore_errors=True)
-            results[state] = run(state, args.steps, runs, shm)
+    try:
+        for state in ("full", "lean"):
+            done = runs / state / "metrics.jsonl"
+            if args.reuse and done.is_file() and f'"step": {args.steps},' in done.read_text():
+                log = (runs / state / "rank0.log").read_text()
+                records = [json.loads(line) for line in done.read_text().splitlines()]
+                results[state] = records, float(_BYTES.search(log)[1])
+            else:
+                shutil.rmtree(runs / state, ignore_errors=True)
+                results[state] = run(state, args.steps, runs, shm)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for state, (records, bpp) in results.items():
         ax.plot(*_series(records, "loss"), alpha=0.45, lw=1, label=f"{state} train ({bpp:.2f} B/param)")
