@@ -3,6 +3,7 @@
     python bench/cpu_optimizer.py                       # 8 units × 4M fp32 elements, 1 and all threads
     python bench/cpu_optimizer.py --units 16 --numel 8000000
     python bench/cpu_optimizer.py --chunk 1048576   # optim.CHUNK_NUMEL
+    python bench/cpu_optimizer.py --state lean      # optim.state=lean vs torchao / bitsandbytes
 
 All rows run on the same tensors (the store's master weights, gradients and moments), interleaved
 rep by rep so a busy neighbour slows every row alike; each figure is the best of ``--reps``:
@@ -14,6 +15,11 @@ rep by rep so a busy neighbour slows every row alike; each figure is the best of
   fused kernel, the bf16 refresh chunk by chunk while the chunk is in cache; coef = 1 (no clip) and
   0.5 (the kernel then also writes the scaled gradient back, as ``mul_`` did).
 - pieces: the bf16 refresh alone and the clip scale alone, each a separate pass over all units.
+
+``--state lean`` (bench/lean_rows.py) times ``LeanAdamW`` (lean_optim.py) against the libraries that
+offer the same formats on CPU, when importable: torchao's ``AdamW4bit`` / ``AdamW8bit`` with
+``bf16_stochastic_round`` (bf16 weights, torch.compile'd step) and bitsandbytes' ``AdamW8bit``, and
+the pieces (block-wise quantize + dequantize, stochastic rounding) against their library twins.
 
 AdamW on CPU moves ~16 bytes read + 12 written per element; the refresh adds 2 written (+2 read for
 ownership of the destination's cache line), the clip 4 written; the GB/s column counts each row's
@@ -114,7 +120,12 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=4_000_000, help="elements per unit")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--chunk", type=int, default=optim.CHUNK_NUMEL, help="elements")
+    ap.add_argument("--state", default="full", choices=("full", "lean"))
     args = ap.parse_args()
+    if args.state == "lean":
+        from lean_rows import main as lean_main
+
+        return lean_main(args)
     optim.CHUNK_NUMEL = args.chunk
     cfg = OptimConfig()
     n = args.numel

@@ -259,6 +259,13 @@ class OptimConfig:
     threads: int = 0
     """CPU threads (an OpenMP team) for the AdamW update; 0 = auto: half the rank's core share,
     rounded up (the rest goes to ``stream.accum_threads``; see nodetrain/host_threads.py)."""
+    state: str = "full"
+    """Host training state per parameter: ``full`` = fp32 master, fp32 ``exp_avg``/``exp_avg_sq``, fp32
+    gradient accumulator and the bf16 transfer copy (18 B with bf16, exact against torch's AdamW);
+    ``lean`` = bf16 master weights with stochastic rounding that are themselves the transfer copy, a
+    4-bit first and an 8-bit second moment in block-wise dynamic quantization, and the fp32 gradient
+    accumulator (~7.5 B, lean_optim.py; needs ``train.dtype=bfloat16``). Resuming a ``full``
+    checkpoint with ``lean`` quantizes it; ``lean`` to ``full`` is refused."""
     test_delay_s: float = 0.0
     """Test-only: seconds the optimizer worker sleeps before each unit update, to expose staleness."""
 

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nodetrain.store import STATES
+
 if TYPE_CHECKING:  # the schema imports this module: types only, no runtime import back
     from nodetrain.config import Config, FaultInjectionConfig, ModelConfig, PipelineConfig, TrainConfig
 
@@ -165,6 +167,12 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("train.peak_flops", lambda v: v >= 0, "must be >= 0", "use 0 to measure it at start-up"),
     ("optim.threads", lambda v: v >= 0, "must be >= 0", "use 0 for a fair share of the cores"),
     ("stream.accum_threads", lambda v: v >= 0, "must be >= 0", "use 0 for a share of the rank's cores"),
+    (
+        "optim.state",
+        lambda v: v in STATES,
+        f"not one of {', '.join(STATES)}",
+        "use full (exact) or lean (~7.5 B/param)",
+    ),
     ("optim.test_delay_s", lambda v: v >= 0, "must be >= 0", "use 0 outside tests"),
     ("optim.lr", lambda v: 0 < v <= 1, "must be in (0, 1]", "the default is 3e-3"),
     ("optim.min_lr", lambda v: v >= 0, "must be >= 0", "use 0 to decay to zero"),
@@ -267,6 +275,20 @@ def _check_fields(cfg: Config, problems: Problems) -> None:
             problems.add(key, value, what, fix)
     if not infinite & {"optim.lr", "optim.min_lr"} and not 0 <= cfg.optim.min_lr <= cfg.optim.lr:
         problems.add("optim.min_lr", cfg.optim.min_lr, f"must be <= optim.lr={cfg.optim.lr}", "lower it")
+    if cfg.optim.state == "lean" and cfg.train.dtype != "bfloat16":
+        problems.add(
+            "optim.state",
+            "lean",
+            f"keeps bf16 master weights, train.dtype={cfg.train.dtype}",
+            "set train.dtype=bfloat16",
+        )
+    if cfg.optim.state == "lean" and cfg.optim.speculative:
+        problems.add(
+            "optim.speculative",
+            True,
+            "backs up fp32 master weights and moments, which optim.state=lean does not keep",
+            "set optim.speculative=false (or optim.state=full)",
+        )
 
 
 def config_source(model: ModelConfig) -> Path | None:

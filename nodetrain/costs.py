@@ -97,9 +97,10 @@ def shape_of(model: HFModel) -> ModelShape:
     )
 
 
-def store_layout(shape: ModelShape, compute_dtype: torch.dtype) -> StoreLayout:
-    """The engine's host store layout for ``shape`` (the tied embedding carries ``grad_tied``)."""
-    return StoreLayout(shape.unit_numels, compute_dtype, tied_units=(0,) if shape.tied else ())
+def store_layout(shape: ModelShape, compute_dtype: torch.dtype, state: str = "full") -> StoreLayout:
+    """The engine's host store layout for ``shape`` (the tied embedding carries ``grad_tied``);
+    ``state``: ``optim.state`` (``full`` or ``lean``)."""
+    return StoreLayout(shape.unit_numels, compute_dtype, tied_units=(0,) if shape.tied else (), state=state)
 
 
 def field_bytes(layout: StoreLayout) -> dict[str, int]:

@@ -64,6 +64,7 @@ from nodetrain.host_threads import (
     numa_binding,
     split_cores,
 )
+from nodetrain.lean_optim import LeanAdamW, init_lean
 from nodetrain.model import HFModel
 from nodetrain.optim import StoreAdamW, clip_coef, lr_at
 from nodetrain.overlap import UnitUpdates, update_mode
@@ -181,11 +182,15 @@ class Engine:
         self.blocks = self.stage_blocks[topo.stage]
         self.units = [model.units[i] for i in self.blocks]
         self.store = self._open_store(topo.local_rank, run_id)
+        self.optimizer = (
+            LeanAdamW(self.store, self.units, cfg.optim, cfg.seed)
+            if cfg.optim.state == "lean"
+            else StoreAdamW(self.store, self.units, cfg.optim)
+        )
         self._init_weights(init_from)
         if device.type == "cuda":  # only the transfer copies this rank's H2D copies read
             self.store.pin({b.unit for i in self.blocks for b in model.bindings[i]})
         self._tied_across = model.tied and topo.num_stages > 1
-        self.optimizer = StoreAdamW(self.store, self.units, cfg.optim)
         self.comm = Comm(device)
         # Two communicators for the cross-replica sums: the optimizer thread's (in-backward) and the
         # training thread's; NCCL forbids concurrent use of one from two threads (replicas.py).
@@ -219,7 +224,7 @@ class Engine:
         self.window.timeline = self.p2p.timeline = self.breakdown.timeline
         log.info(
             "stage %d/%d (replica %d/%d): %s … %s, %d units, window %.1f MB (resident: %s), "
-            "host store %.1f MB",
+            "host store %.1f MB, %.2f bytes/parameter (optim.state=%s)",
             topo.stage,
             topo.num_stages,
             topo.replica,
@@ -230,6 +235,8 @@ class Engine:
             self.window.nbytes / 1e6,
             ", ".join(model.units[i].name for i in self.window.resident) or "none",
             self.store.nbytes / 1e6,
+            self.store.nbytes / sum(u.numel for u in model.units),
+            cfg.optim.state,
         )
 
     def _make_updates(self, device: torch.device) -> UnitUpdates:
@@ -290,7 +297,10 @@ class Engine:
 
     def _open_store(self, local_rank: int, run_id: str) -> HostStore:
         layout = StoreLayout(
-            tuple(u.numel for u in self.model.units), self.dtype, tied_units=(0,) if self.model.tied else ()
+            tuple(u.numel for u in self.model.units),
+            self.dtype,
+            tied_units=(0,) if self.model.tied else (),
+            state=self.cfg.optim.state,
         )
         path = [None]
         if local_rank == 0:
@@ -305,6 +315,10 @@ class Engine:
         return store
 
     def _init_weights(self, init_from) -> None:
+        if self.cfg.optim.state == "lean":
+            init_lean(self.optimizer, self.model, self.units, init_from, self.cfg.seed)
+            dist.barrier()  # the tied embedding's transfer copy is read by the last stage
+            return
         if init_from is not None:
             init_from(self.store, self.units)
         else:

@@ -441,7 +441,7 @@ class UnitUpdates:
     def _update_bytes(self, unit: int, grad_scale: float) -> int:
         store = self.opt.store
         itemsize = torch.empty(0, dtype=store.layout.compute_dtype).element_size()
-        return update_host_bytes(store.master(unit).numel(), itemsize, grad_scale != 1.0)
+        return update_host_bytes(store.layout.unit_numels[unit], itemsize, grad_scale != 1.0)
 
     def take_busy_s(self) -> float:
         with self._lock:

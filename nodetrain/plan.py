@@ -130,11 +130,13 @@ def preflight(cfg: Config, model: HFModel, world_size: int) -> int:
         raise ConfigError(f"store.dir={store_dir}: not a directory; create it or use /dev/shm")
     remove_stale_stores(store_dir, remove=cfg.store.cleanup_stale)
     shape = shape_of(model)
-    nbytes = store_layout(shape, getattr(torch, cfg.train.dtype)).nbytes
+    nbytes = store_layout(shape, getattr(torch, cfg.train.dtype), cfg.optim.state).nbytes
     overhead = int(cfg.plan.rank_overhead_gb * GB)
     overhead += speculative_backup_bytes(shape, _speculates(cfg)) // world_size
     if torch.cuda.is_available():  # each rank page-locks the transfer copies it loads (HostStore.pin)
-        compute = field_bytes(store_layout(shape, getattr(torch, cfg.train.dtype)))["compute"]
+        compute = field_bytes(store_layout(shape, getattr(torch, cfg.train.dtype), cfg.optim.state))[
+            "compute"
+        ]
         overhead += pin_overhead_bytes(compute) // world_size
     available, free = psutil.virtual_memory().available, shutil.disk_usage(store_dir).free
     problems = host_problems(nbytes, world_size, overhead, available, free, store_dir)
@@ -333,7 +335,7 @@ def _speculates(cfg: Config) -> bool:
 
 def _node(cfg: Config, shape: ModelShape, num_stages: int) -> _Node:
     hw, dtype = cfg.hardware, getattr(torch, cfg.train.dtype)
-    layout = store_layout(shape, dtype)
+    layout = store_layout(shape, dtype, cfg.optim.state)
     device_limit = (
         0 if hw.gpus_per_node == 0 else int((hw.device_memory_gb - cfg.plan.device_reserve_gb) * GB)
     )

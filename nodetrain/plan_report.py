@@ -23,6 +23,15 @@ _FIELD_NAMES = {
 }
 
 
+_LEAN_NAMES = {  # optim.state=lean (lean_optim.py)
+    "exp_avg": "AdamW exp_avg (4-bit codes)",
+    "exp_avg_absmax": "exp_avg block scales (fp32 / 128)",
+    "exp_avg_sq": "AdamW exp_avg_sq (8-bit codes)",
+    "exp_avg_sq_absmax": "exp_avg_sq block scales (fp32 / 2048)",
+    "compute": "master weights = transfer copy ({dtype})",
+}
+
+
 def _gb(nbytes: float) -> str:
     return f"{nbytes / GB:,.2f}"
 
@@ -45,8 +54,9 @@ def _store_table(plan: Plan) -> Table:
     for col in ("component", "bytes/param", "GB"):
         table.add_column(col, justify="left" if col == "component" else "right")
     n = plan.shape.num_params
+    names = _LEAN_NAMES if plan.cfg.optim.state == "lean" else {}
     for name, nbytes in plan.fields.items():
-        label = _FIELD_NAMES.get(name, name).format(dtype=plan.cfg.train.dtype)
+        label = names.get(name, _FIELD_NAMES.get(name, name)).format(dtype=plan.cfg.train.dtype)
         table.add_row(label, f"{nbytes / n:.2f}", _gb(nbytes))
     table.add_row(
         "[bold]host store[/]", f"[bold]{plan.store_bytes / n:.2f}[/]", f"[bold]{_gb(plan.store_bytes)}[/]"

@@ -26,12 +26,28 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FIELDS", "StoreLayout", "HostStore", "pid_alive", "remove_stale_stores"]
+__all__ = [
+    "FIELDS",
+    "LEAN_FIELDS",
+    "LEAN_FORMATS",
+    "STATES",
+    "StoreLayout",
+    "HostStore",
+    "pid_alive",
+    "remove_stale_stores",
+]
 
 log = logging.getLogger(__name__)
 
 PAGE_BYTES = 4096
 FIELDS = ("master", "grad", "exp_avg", "exp_avg_sq", "compute")
+LEAN_FIELDS = ("grad", "exp_avg", "exp_avg_absmax", "exp_avg_sq", "exp_avg_sq_absmax", "compute")
+"""``optim.state=lean`` (lean_optim.py): bf16 master = transfer copy, block-quantized moments."""
+LEAN_FORMATS = {"exp_avg": (4, 128, True), "exp_avg_sq": (8, 2048, False)}
+"""Lean moments: (bits, block elements, signed map) — Li et al. 2023 B128/DE for the first moment,
+Dettmers et al. 2021's 8-bit block-wise format for the second."""
+LEAN_MOMENT_FIELDS = ("exp_avg", "exp_avg_absmax", "exp_avg_sq", "exp_avg_sq_absmax")
+STATES = ("full", "lean")
 _NAME = re.compile(r"^nodetrain-(?P<run>.+)-(?P<pid>\d+)\.store$")
 
 
@@ -48,35 +64,55 @@ class StoreLayout:
         unit_numels: elements per unit.
         compute_dtype: dtype of the transfer copy (bf16 normally).
         tied_units: units used on two stages, which get a ``grad_tied`` accumulator.
+        state: ``full`` (:data:`FIELDS`, 18 B/param with bf16) or ``lean`` (:data:`LEAN_FIELDS`, ~7.5).
     """
 
     unit_numels: tuple[int, ...]
     compute_dtype: torch.dtype
     tied_units: tuple[int, ...] = ()
+    state: str = "full"
 
     def fields_of(self, unit: int) -> tuple[str, ...]:
-        return FIELDS + (("grad_tied",) if unit in self.tied_units else ())
+        return (LEAN_FIELDS if self.state == "lean" else FIELDS) + (
+            ("grad_tied",) if unit in self.tied_units else ()
+        )
 
     def itemsize(self, name: str) -> int:
-        return self.compute_dtype.itemsize if name == "compute" else 4
+        return self.dtype(name).itemsize
 
     def dtype(self, name: str) -> torch.dtype:
-        return self.compute_dtype if name == "compute" else torch.float32
+        if name == "compute":
+            return self.compute_dtype
+        return torch.uint8 if self.state == "lean" and name in LEAN_FORMATS else torch.float32
+
+    def numel(self, unit: int, name: str) -> int:
+        """Elements of ``name``'s buffer of ``unit`` (a lean moment's codes and block scales are fewer)."""
+        n = self.unit_numels[unit]
+        if self.state == "lean":
+            base = name.removesuffix("_absmax")
+            if base in LEAN_FORMATS:
+                bits, block, _ = LEAN_FORMATS[base]
+                return -(-n // block) if name.endswith("_absmax") else -(-n * bits // 8)
+        return n
+
+    def field_nbytes(self, unit: int, name: str) -> int:
+        """Bytes of ``name``'s buffer of ``unit``, before page alignment."""
+        return self.numel(unit, name) * self.itemsize(name)
 
     @property
     def offsets(self) -> dict[tuple[int, str], int]:
         out, pos = {}, 0
-        for u, numel in enumerate(self.unit_numels):
+        for u in range(len(self.unit_numels)):
             for name in self.fields_of(u):
                 out[(u, name)] = pos
-                pos += _align(numel * self.itemsize(name))
+                pos += _align(self.field_nbytes(u, name))
         return out
 
     @property
     def nbytes(self) -> int:
         """Total bytes of the store file."""
         return sum(
-            _align(n * self.itemsize(f)) for u, n in enumerate(self.unit_numels) for f in self.fields_of(u)
+            _align(self.field_nbytes(u, f)) for u in range(len(self.unit_numels)) for f in self.fields_of(u)
         )
 
 
@@ -144,8 +180,7 @@ class HostStore:
         self._bytes = torch.from_file(str(path), shared=True, size=layout.nbytes, dtype=torch.uint8)
         self._views: dict[tuple[int, str], torch.Tensor] = {}
         for (u, name), off in layout.offsets.items():
-            numel = layout.unit_numels[u]
-            raw = self._bytes[off : off + numel * layout.itemsize(name)]
+            raw = self._bytes[off : off + layout.field_nbytes(u, name)]
             self._views[(u, name)] = raw.view(layout.dtype(name))
         self._pinned: list[tuple[int, int]] = []  # (address, bytes) registered by this process
 

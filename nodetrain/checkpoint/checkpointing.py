@@ -34,10 +34,10 @@ from nodetrain.checkpoint.hf_import import check_model_dir, load_units
 from nodetrain.checkpoint.resume import (
     check_training_state,
     choose_checkpoint,
-    load_training_state,
     restore_rng,
     restore_steps,
     seed_rng,
+    training_state_loader,
 )
 from nodetrain.checkpoint.writer import CheckpointWriter
 from nodetrain.config import Config, grad_accum_of
@@ -115,7 +115,7 @@ class Checkpointing:
             return None, None
         path = Path(answer["path"])
         state = st.read_state(path)
-        check_training_state(path, state, self.model.units)  # headers only, before allocation
+        check_training_state(path, state, self.model.units, self.cfg.optim.state)  # headers only
         if self.rank == 0:
             self._report(path, state)
         return path, state
@@ -145,7 +145,7 @@ class Checkpointing:
     def init_fn(self):
         """The ``init_from`` callable for ``Engine``: checkpoint state, HF weights, or None (random)."""
         if self.path is not None:
-            return lambda store, units: load_training_state(self.path, self.state, store, units)
+            return training_state_loader(self.path, self.state, self.cfg.optim.state)
         if self._hf_index is not None:
             return lambda store, units: load_units(self._hf_index, store, units)
         return None
@@ -244,6 +244,7 @@ class Checkpointing:
             ],
             "num_units": len(units),
             "export_dtype": self.cfg.checkpoint.export_dtype,
+            "optim_state": self.cfg.optim.state,
             "weights": {"model": "model", "master": self.writer.master_prefix, "optimizer": "optimizer"},
             "wandb_run_id": self.wandb_run_id,
         }

@@ -23,15 +23,18 @@ import numpy as np
 import torch
 
 from nodetrain.checkpoint import state as st
+from nodetrain.checkpoint.state import lean_key
 from nodetrain.checkpoint.tensors import TensorEntry, read_index, read_into
 from nodetrain.model import Unit
 from nodetrain.optim import StoreAdamW
-from nodetrain.store import HostStore
+from nodetrain.store import LEAN_MOMENT_FIELDS, HostStore, StoreLayout
 
 __all__ = [
     "choose_checkpoint",
     "check_training_state",
     "load_training_state",
+    "load_lean_state",
+    "training_state_loader",
     "restore_steps",
     "restore_rng",
     "seed_rng",
@@ -99,23 +102,41 @@ def _entries(
 
 
 def check_training_state(
-    ckpt: Path, state: dict[str, Any], units: list[Unit]
+    ckpt: Path, state: dict[str, Any], units: list[Unit], optim_state: str = "full"
 ) -> tuple[dict[str, TensorEntry], dict[str, TensorEntry]]:
     """Check, from the file headers alone, that a checkpoint holds every tensor of ``units`` (the
-    whole model, before the store is allocated) with the right shape.
+    whole model, before the store is allocated) with the right shape, and that its optimizer state
+    (``optim_state`` in trainer_state.json, ``full`` when absent) can become this run's.
+
+    ``full`` → ``lean`` is allowed (the fp32 state is rounded and quantized, logged); ``lean`` →
+    ``full`` is refused: the fp32 master and moments were never kept.
 
     Returns:
         (master index, optimizer index): tensor name -> where its bytes are.
 
     Raises:
         CheckpointError: a tensor is missing or of another shape (the model changed since the
-            checkpoint was written); all listed.
+            checkpoint was written), all listed; or a lean checkpoint resumed with ``full``.
     """
+    saved = state.get("optim_state", "full")
+    if saved == "lean" and optim_state != "lean":
+        raise st.CheckpointError(
+            f"{ckpt} holds lean optimizer state (optim.state=lean: bf16 master weights, 4/8-bit "
+            f"moments), and this run has optim.state={optim_state}, whose fp32 master and moments it "
+            "never kept. Resume it with optim.state=lean, or start a full run from its weights with "
+            f"model.init_from={ckpt} (HF export; fresh AdamW moments and step count)"
+        )
     master = read_index(ckpt, state["weights"]["master"])
     opt = read_index(ckpt, "optimizer")
     params = [p for u in units for p in u.params]
     problems = _entries(master, ckpt, [(p.hf_name, p.shape) for p in params])
-    moments = [(f"{p.hf_name}.{f}", p.shape) for p in params for f in ("exp_avg", "exp_avg_sq")]
+    if saved == "lean":
+        layout = StoreLayout(tuple(u.numel for u in units), torch.bfloat16, state="lean")
+        moments = [
+            (lean_key(u, f), (layout.numel(i, f),)) for i, u in enumerate(units) for f in LEAN_MOMENT_FIELDS
+        ]
+    else:
+        moments = [(f"{p.hf_name}.{f}", p.shape) for p in params for f in ("exp_avg", "exp_avg_sq")]
     problems += _entries(opt, ckpt, moments + [(f"{p.hf_name}.step", ()) for p in params])
     if problems:
         raise st.CheckpointError(
@@ -125,7 +146,8 @@ def check_training_state(
 
 
 def load_training_state(ckpt: Path, state: dict[str, Any], store: HostStore, units: list[Unit]) -> None:
-    """Fill fp32 master weights, ``exp_avg`` and ``exp_avg_sq`` of ``units`` from a checkpoint.
+    """Fill fp32 master weights, ``exp_avg`` and ``exp_avg_sq`` of ``units`` from a ``full`` checkpoint
+    (into a ``full`` store, or a lean_optim.FullScratch that is then quantized).
 
     Raises:
         CheckpointError: as :func:`check_training_state`.
@@ -140,6 +162,38 @@ def load_training_state(ckpt: Path, state: dict[str, Any], store: HostStore, uni
             buf = store.buffer(u.index, field)
             for p in u.params:
                 read_into(index[p.hf_name + suffix], buf[p.offset : p.offset + p.numel])
+
+
+def load_lean_state(ckpt: Path, state: dict[str, Any], store: HostStore, units: list[Unit]) -> None:
+    """Fill a lean store's bf16 master weights and quantized moments of ``units`` from a lean
+    checkpoint, byte for byte.
+
+    Raises:
+        CheckpointError: as :func:`check_training_state`.
+    """
+    master, opt = check_training_state(ckpt, state, units, "lean")
+    for u in units:
+        buf = store.buffer(u.index, "compute")
+        for p in u.params:
+            read_into(master[p.hf_name], buf[p.offset : p.offset + p.numel])
+        for f in LEAN_MOMENT_FIELDS:
+            read_into(opt[lean_key(u, f)], store.buffer(u.index, f))
+
+
+def training_state_loader(ckpt: Path, state: dict[str, Any], optim_state: str):
+    """The ``init_from`` callable of a resume: ``(store, units) -> None``. A lean checkpoint into a lean
+    run loads bytes (``lean_loader``); a full one into a lean run is quantized unit by unit (logged)."""
+    if state.get("optim_state", "full") == "lean":
+        fn = lambda store, units: load_lean_state(ckpt, state, store, units)  # noqa: E731
+        fn.lean_loader = True
+        return fn
+    if optim_state == "lean":
+        log.warning(
+            "resuming the full checkpoint %s with optim.state=lean: master weights are rounded to bf16 "
+            "and exp_avg / exp_avg_sq quantized to 4 / 8 bits (lean_optim.py)",
+            ckpt,
+        )
+    return lambda store, units: load_training_state(ckpt, state, store, units)
 
 
 def restore_steps(ckpt: Path, optimizer: StoreAdamW, units: list[Unit]) -> None:

@@ -29,6 +29,7 @@ __all__ = [
     "FORMAT_VERSION",
     "TRAINER_STATE",
     "CheckpointError",
+    "lean_key",
     "step_dir_name",
     "complete_checkpoints",
     "shard_name",
@@ -53,6 +54,12 @@ _VOLATILE = ("checkpoint", "logging", "store", "stream", "pipeline.stages", "dat
 
 class CheckpointError(ValueError):
     """A checkpoint directory that is incomplete or corrupted; the message names the file."""
+
+
+def lean_key(unit, field: str) -> str:
+    """Checkpoint tensor name of a lean store's moment ``field`` of ``unit`` (its flat codes or block
+    scales; blocks span the unit's HF tensors, so they are saved per unit, not per tensor)."""
+    return f"nodetrain.lean.{unit.name}.{field}"
 
 
 def step_dir_name(step: int) -> str:

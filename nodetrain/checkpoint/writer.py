@@ -38,10 +38,11 @@ from safetensors.torch import save_file
 from nodetrain.checkpoint import state as st
 from nodetrain.checkpoint.collective import all_gather_json, broadcast_json
 from nodetrain.checkpoint.export import write_export_files
+from nodetrain.checkpoint.state import lean_key
 from nodetrain.config import CheckpointConfig
 from nodetrain.model import HFModel, Unit
 from nodetrain.optim import StoreAdamW
-from nodetrain.store import HostStore
+from nodetrain.store import LEAN_MOMENT_FIELDS, HostStore
 
 __all__ = ["CheckpointWriter", "EXPORT_DTYPES"]
 
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _SNAPSHOT_FIELDS = ("master", "exp_avg", "exp_avg_sq")
+_LEAN_SNAPSHOT_FIELDS = ("compute", *LEAN_MOMENT_FIELDS)
 _META = {"format": "pt"}  # transformers refuses safetensors files without it
 
 
@@ -101,7 +103,10 @@ class CheckpointWriter:
         self.store, self.units, self.optimizer, self.group = store, units, optimizer, group
         self.rank = dist.get_rank()
         self.export_dtype = EXPORT_DTYPES[cfg.export_dtype]
-        self.master_prefix = "model" if self.export_dtype == torch.float32 else "master"
+        self.lean = store.layout.state == "lean"  # bf16 master weights: the bf16 export is them
+        self.master_dtype = torch.bfloat16 if self.lean else torch.float32
+        self.master_prefix = "model" if self.export_dtype == self.master_dtype else "master"
+        self._fields = _LEAN_SNAPSHOT_FIELDS if self.lean else _SNAPSHOT_FIELDS
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
         self._pending: _Pending | None = None
         self.last_saved: int | None = None
@@ -128,7 +133,7 @@ class CheckpointWriter:
         bufs = {
             u.index: {
                 f: (self.store.buffer(u.index, f).clone() if snapshot else self.store.buffer(u.index, f))
-                for f in _SNAPSHOT_FIELDS
+                for f in self._fields
             }
             for u in self.units
         }
@@ -145,7 +150,7 @@ class CheckpointWriter:
         return stall_s
 
     def _snapshot_fits(self) -> bool:
-        need = sum(u.numel for u in self.units) * 4 * len(_SNAPSHOT_FIELDS)
+        need = sum(self.store.layout.field_nbytes(u.index, f) for u in self.units for f in self._fields)
         avail = psutil.virtual_memory().available
         if need * 2 > avail:
             log.warning(
@@ -255,7 +260,7 @@ class CheckpointWriter:
     def _write_files(self, tmp: Path, bufs: dict, steps: dict[str, float]) -> tuple[dict, float]:
         t0, manifest, n = time.perf_counter(), {}, len(self.model.units)
         for u in self.units:
-            master, named = bufs[u.index]["master"], {}
+            master, named = bufs[u.index]["compute" if self.lean else "master"], {}
             for p in u.params:
                 named[p.hf_name] = master[p.offset : p.offset + p.numel].view(p.shape)
             model = {k: v.to(self.export_dtype) for k, v in named.items()}
@@ -263,9 +268,9 @@ class CheckpointWriter:
             del model
             if self.master_prefix == "master":
                 self._save(named, tmp / st.shard_name("master", u.index, n), manifest)
-            opt = {}
+            opt = {lean_key(u, f): bufs[u.index][f] for f in LEAN_MOMENT_FIELDS} if self.lean else {}
             for p in u.params:
-                for f in ("exp_avg", "exp_avg_sq"):
+                for f in () if self.lean else ("exp_avg", "exp_avg_sq"):
                     opt[f"{p.hf_name}.{f}"] = bufs[u.index][f][p.offset : p.offset + p.numel].view(p.shape)
                 opt[f"{p.hf_name}.step"] = torch.tensor(steps[p.hf_name], dtype=torch.float32)
             self._save(opt, tmp / st.shard_name("optimizer", u.index, n), manifest)
@@ -283,11 +288,16 @@ class CheckpointWriter:
             manifest[path.name] = st.file_record(path)
         kinds = [("model", self.export_dtype.itemsize, ("",))]
         if self.master_prefix == "master":
-            kinds.append(("master", 4, ("",)))
-        kinds.append(("optimizer", 4, (".exp_avg", ".exp_avg_sq")))
+            kinds.append(("master", self.master_dtype.itemsize, ("",)))
+        kinds.append(("optimizer", 4, () if self.lean else (".exp_avg", ".exp_avg_sq")))
         for kind, itemsize, suffixes in kinds:
             weight_map, total = {}, 0
             for u in self.model.units:
+                if kind == "optimizer" and self.lean:
+                    layout = self.store.layout
+                    for f in LEAN_MOMENT_FIELDS:
+                        weight_map[lean_key(u, f)] = st.shard_name(kind, u.index, n)
+                        total += layout.numel(u.index, f) * layout.itemsize(f)
                 for p in u.params:
                     for s in suffixes:
                         weight_map[p.hf_name + s] = st.shard_name(kind, u.index, n)
