@@ -9,7 +9,8 @@ Plain: ``LlamaForCausalLM`` forward + backward of the whole step's batch, ``clip
 the step's batch split into ``--microbatches``, recompute in backward, AdamW on the host store
 (overlapped with the next step's forward, and again with ``optim.overlap=false``). Both run in
 this process, interleaved (plain, engine, engine-sync, plain, ...), and each figure is the median
-step time. Target: engine ≤ 1.5 × plain (recompute alone costs ~1.33 ×: a second forward).
+step time. Target: engine ≤ 1.3 × plain (issue 14; recompute of every layer but the head, whose
+gradients the chunked cross-entropy takes in its forward, costs a second forward of the layers).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from bench._engine import base_config, make_engine, median_time, model_config
 from nodetrain.model import build_hf_config
 
 VOCAB = 4096
+TARGET = 1.3
+"""Engine wall (and CPU) time over plain transformers + AdamW, issue 14's bound."""
 
 
 def plain_step_fn(mcfg, x: torch.Tensor, y: torch.Tensor):
@@ -107,8 +110,12 @@ def main() -> None:
         f"{k} {bd[f'{k}_s'] / bd['step_s']:.0%}" for k in ("compute", "stall", "d2h_wait", "optim")
     )
     print(f"  engine breakdown (last step): {shares}; optimizer busy {bd['optim_busy_s'] * 1e3:.1f} ms")
-    ratio = med["engine"][0] / base_w
-    print(f"  target engine ≤ 1.50 × plain (wall): {ratio:.2f} × — {'met' if ratio <= 1.5 else 'MISSED'}")
+    ratio, cpu_ratio = med["engine"][0] / base_w, med["engine"][1] / base_c
+    verdict = {True: "met", False: "MISSED"}
+    print(
+        f"  target engine ≤ {TARGET:.2f} × plain: wall {ratio:.2f} × — {verdict[ratio <= TARGET]}; ", end=""
+    )
+    print(f"CPU time {cpu_ratio:.2f} × — {verdict[cpu_ratio <= TARGET]} (what a loaded machine keeps)")
     for e in engines:
         e.close()
 
