@@ -35,10 +35,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nodetrain import optim
-from nodetrain.config import OptimConfig
+from nodetrain.config.schema import OptimConfig
 from nodetrain.model.hf import Unit
-from nodetrain.optim import StoreAdamW
+from nodetrain.optim import adamw as optim
+from nodetrain.optim.adamw import StoreAdamW
 from nodetrain.store import HostStore, StoreLayout
 
 UPDATE_BYTES, REFRESH_BYTES, CLIP_BYTES = 28, 2, 4

@@ -33,14 +33,14 @@ from conftest import ROOT, SONNET, TINY_RUN, job_env, prepared_dir, start_job, t
 from safetensors.torch import load_file
 from test_parity import ATOL_WEIGHT, OPTIM, RTOL, lr_schedule
 
-from nodetrain import data
 from nodetrain.checkpoint import state as st
-from nodetrain.comm import Comm
-from nodetrain.config import Config, DataConfig, FaultInjectionConfig, ModelConfig
-from nodetrain.data_checks import check_vocab, open_splits
-from nodetrain.faults import BadSteps, NonFiniteError, StopRequest, maybe_fail, poison_grads
+from nodetrain.config.schema import Config, DataConfig, FaultInjectionConfig, ModelConfig
+from nodetrain.data import datasets as data
+from nodetrain.data.checks import check_vocab, open_splits
+from nodetrain.engine.comm import Comm
+from nodetrain.engine.pipeline import P2P
 from nodetrain.model import build_hf_config
-from nodetrain.pipeline import P2P
+from nodetrain.run.faults import BadSteps, NonFiniteError, StopRequest, maybe_fail, poison_grads
 
 TINY = [
     *TINY_RUN,

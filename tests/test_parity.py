@@ -38,7 +38,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
 
-from nodetrain.pipeline import build_schedule, step_rounds
+from nodetrain.engine.pipeline import build_schedule, step_rounds
 
 WORKER = Path(__file__).resolve().parent / "parity_worker.py"
 IGNORE = -100

@@ -25,9 +25,9 @@ import tqdm
 from conftest import ROOT, TINY_RUN, torchrun_cmd
 from wandb_log import read_run
 
-from nodetrain.config import OptimConfig
-from nodetrain.jobs import Release
-from nodetrain.plots import SWEEP_PLOT, sweep_curves
+from nodetrain.config.schema import OptimConfig
+from nodetrain.run.jobs import Release
+from nodetrain.run.plots import SWEEP_PLOT, sweep_curves
 
 TINY = [*TINY_RUN, "train.eval_batches=1"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -25,7 +25,7 @@ import torch
 from nodetrain.checkpoint import state as st
 from nodetrain.checkpoint.tensors import TensorEntry, read_index, read_into
 from nodetrain.model import Unit
-from nodetrain.optim import StoreAdamW
+from nodetrain.optim.adamw import StoreAdamW
 from nodetrain.store import HostStore
 
 __all__ = [

@@ -38,9 +38,9 @@ from safetensors.torch import save_file
 from nodetrain.checkpoint import state as st
 from nodetrain.checkpoint.collective import all_gather_json, broadcast_json
 from nodetrain.checkpoint.export import write_export_files
-from nodetrain.config import CheckpointConfig
+from nodetrain.config.schema import CheckpointConfig
 from nodetrain.model import HFModel, Unit
-from nodetrain.optim import StoreAdamW
+from nodetrain.optim.adamw import StoreAdamW
 from nodetrain.store import HostStore
 
 __all__ = ["CheckpointWriter", "EXPORT_DTYPES"]

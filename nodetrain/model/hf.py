@@ -24,8 +24,8 @@ from torch.func import functional_call
 from transformers import AutoConfig, PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from nodetrain.config import ModelConfig
-from nodetrain.config_checks import config_source
+from nodetrain.config.checks import config_source
+from nodetrain.config.schema import ModelConfig
 
 __all__ = ["SUPPORTED_ARCHS", "Param", "Unit", "Binding", "HFModel", "build_hf_config"]
 

@@ -42,7 +42,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from nodetrain.comm import Comm
+from nodetrain.engine.comm import Comm
 
 __all__ = ["Topology", "replica_slice", "node_group", "stage_group", "ReplicaGradSum"]
 
@@ -203,7 +203,7 @@ class ReplicaGradSum:
     Args:
         topo: this rank's topology.
         timeout_s: seconds the all-reduce may wait for the other replicas (``dist.timeout_s``).
-        comm: the rank's :class:`~nodetrain.comm.Comm` (checks every all-reduce's device); default
+        comm: the rank's :class:`~nodetrain.engine.comm.Comm` (checks every all-reduce's device); default
             a CPU one.
         staging: device of the staging buffer; default: the group's device when that is not the
             CPU (NCCL), else ``None``, which reduces the host buffers in place (gloo).

@@ -53,10 +53,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from nodetrain.breakdown import NULL_TIMELINE
-from nodetrain.host_threads import limit_thread
+from nodetrain.engine.host_threads import limit_thread
+from nodetrain.engine.staging import GradStaging
 from nodetrain.model import Binding
-from nodetrain.staging import GradStaging
+from nodetrain.run.breakdown import NULL_TIMELINE
 from nodetrain.store import HostStore
 
 __all__ = ["Window", "arrival_order"]

@@ -548,7 +548,10 @@ def step_time(
             in the bubble leaves its core to the others, so the pipeline takes at least every
             stage's compute over the node's FLOP/s (work-conserving), not only the critical path.
     """
-    from nodetrain.pipeline import build_schedule, step_rounds  # pure; imported here: costs stays light
+    from nodetrain.engine.pipeline import (  # pure; imported here: costs stays light
+        build_schedule,
+        step_rounds,
+    )
 
     n, s = b * t, len(stage_blocks)
     rounds, per_round = step_rounds(schedule, g, m)

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nodetrain.config import FaultInjectionConfig
+from nodetrain.config.schema import FaultInjectionConfig
 
 __all__ = ["FORCE_AFTER_S", "BadSteps", "NonFiniteError", "StopRequest", "maybe_fail", "poison_grads"]
 __all__ += ["record_failure", "stop_with_launcher"]

@@ -53,9 +53,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from nodetrain.config import OptimConfig
-from nodetrain.host_threads import limit_thread
-from nodetrain.optim import StoreAdamW
+from nodetrain.config.schema import OptimConfig
+from nodetrain.engine.host_threads import limit_thread
+from nodetrain.optim.adamw import StoreAdamW
 
 __all__ = ["UnitUpdates", "update_mode", "final_order", "update_host_bytes"]
 

@@ -9,7 +9,7 @@ import os
 from rich.console import Console
 from rich.table import Table
 
-from nodetrain.plan import GB, Plan
+from nodetrain.plan.planner import GB, Plan
 
 __all__ = ["render"]
 

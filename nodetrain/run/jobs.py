@@ -33,10 +33,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from nodetrain.checkpoint.state import CheckpointError
-from nodetrain.config import ConfigError, LoggingConfig
-from nodetrain.config_checks import DataError
-from nodetrain.faults import record_failure
-from nodetrain.outputs import refuse_if_held
+from nodetrain.config.checks import DataError
+from nodetrain.config.schema import ConfigError, LoggingConfig
+from nodetrain.run.faults import record_failure
+from nodetrain.run.outputs import refuse_if_held
 
 __all__ = [
     "REFUSALS",

@@ -20,9 +20,9 @@ import json
 import logging
 from pathlib import Path
 
-from nodetrain import data
-from nodetrain.config import Config, DataConfig, ModelConfig, grad_accum_of
-from nodetrain.tokenizer import has_tokenizer
+from nodetrain.data import datasets as data
+from nodetrain.config.schema import Config, DataConfig, ModelConfig, grad_accum_of
+from nodetrain.data.tokenizer import has_tokenizer
 
 __all__ = ["check_init_vocab", "check_vocab", "open_splits", "run_data_config"]
 
@@ -150,7 +150,7 @@ def open_splits(data_dir: str | Path, cfg: Config, num_replicas: int = 1):
 
 
 def _open_records(data_dir: Path, cfg: Config, num_replicas: int):
-    from nodetrain.sft import RecordsDataset
+    from nodetrain.data.sft import RecordsDataset
 
     t, m = cfg.train, cfg.pipeline.microbatches
     train, val = RecordsDataset.open(data_dir, "train"), RecordsDataset.open(data_dir, "val")

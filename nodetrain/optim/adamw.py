@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from nodetrain.config import OptimConfig
+from nodetrain.config.schema import OptimConfig
 from nodetrain.model import Unit
 from nodetrain.store import HostStore
 

@@ -25,7 +25,7 @@ import psutil
 import torch
 from omegaconf import DictConfig
 
-from nodetrain.config import (
+from nodetrain.config.schema import (
     CONFIG_DIR,
     Config,
     ConfigError,
@@ -34,7 +34,11 @@ from nodetrain.config import (
     to_typed,
     validate,
 )
-from nodetrain.costs import (
+from nodetrain.engine.host_threads import split_cores
+from nodetrain.engine.pipeline import build_schedule, partition, step_rounds
+from nodetrain.engine.residency import choose_resident, device_budget_bytes, saved_transfer_bytes
+from nodetrain.model import HFModel, build_hf_config
+from nodetrain.plan.costs import (
     HostRates,
     ModelShape,
     StageMemory,
@@ -49,10 +53,6 @@ from nodetrain.costs import (
     step_time,
     store_layout,
 )
-from nodetrain.host_threads import split_cores
-from nodetrain.model import HFModel, build_hf_config
-from nodetrain.pipeline import build_schedule, partition, step_rounds
-from nodetrain.residency import choose_resident, device_budget_bytes, saved_transfer_bytes
 from nodetrain.store import remove_stale_stores
 
 __all__ = ["GB", "Plan", "make_plan", "model_of", "host_problems", "preflight", "resolve_auto", "main"]
@@ -302,7 +302,7 @@ def _check_hardware(cfg: Config, num_stages: int) -> None:
         if not getattr(hw, key) > 0:
             problems.append(
                 f"hardware.{key}={getattr(hw, key)}: must be > 0; take it from the datasheet (units in "
-                "nodetrain/config.py HardwareConfig) or pick a profile of conf/hardware/"
+                "nodetrain/config/schema.py HardwareConfig) or pick a profile of conf/hardware/"
             )
     if not 0 < hw.matmul_efficiency <= 1:
         problems.append(f"hardware.matmul_efficiency={hw.matmul_efficiency}: must be in (0, 1]; use 0.6")
@@ -595,7 +595,7 @@ def _hints(cfg: Config, t: StepTime, max_b: int, num_stages: int) -> list[str]:
 @hydra.main(config_path=str(CONFIG_DIR), config_name="plan", version_base="1.3")
 def main(dict_cfg: DictConfig) -> None:
     """Hydra entry: print the plan of the composed config (same keys as training, plus ``hardware``)."""
-    from nodetrain.plan_report import render  # rich output only where it is printed
+    from nodetrain.plan.report import render  # rich output only where it is printed
 
     try:
         plan = make_plan(to_typed(dict_cfg))

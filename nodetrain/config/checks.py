@@ -3,7 +3,7 @@
 Owns: what a valid config is (ranges, choices, the Hugging Face keys each arch accepts, the model
 shape, stages vs ranks vs layers, batch divisibility, the test-only knobs) and the one
 ``ConfigError`` that lists every problem as ``key=value: what is wrong; fix``. Runs identically on
-every rank. Does not own: the schema's fields and defaults (nodetrain/config.py, which re-exports
+every rank. Does not own: the schema's fields and defaults (nodetrain/config/schema.py, which re-exports
 ``validate``, ``ConfigError``, ``HF_KEYS`` and ``SUPPORTED_ARCHS``), reading YAML (Hydra), or
 anything that needs torch.distributed.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the schema imports this module: types only, no runtime import back
-    from nodetrain.config import Config, FaultInjectionConfig, ModelConfig, PipelineConfig, TrainConfig
+    from nodetrain.config.schema import Config, FaultInjectionConfig, ModelConfig, PipelineConfig, TrainConfig
 
 __all__ = [
     "AUTO_KEYS",
@@ -128,7 +128,7 @@ def check_unknown_keys(cfg: Config) -> None:
     """
     problems = Problems()
     for key, value in _unknown_keys(cfg):
-        problems.add(key, value, "unknown key", "remove it (the schema is nodetrain/config.py)")
+        problems.add(key, value, "unknown key", "remove it (the schema is nodetrain/config/schema.py)")
     problems.raise_if_any()
 
 
@@ -252,7 +252,9 @@ def _check_fields(cfg: Config, problems: Problems) -> None:
     infinite = set()
     for key, value in float_fields(cfg):
         if isinstance(value, float) and not math.isfinite(value):
-            problems.add(key, value, "must be a finite number", "give a finite value (nodetrain/config.py)")
+            problems.add(
+                key, value, "must be a finite number", "give a finite value (nodetrain/config/schema.py)"
+            )
             infinite.add(key)
     for key, ok, what, fix in _FIELD_CHECKS:
         value = functools.reduce(getattr, key.split("."), cfg)

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from nodetrain.config import DataConfig
+from nodetrain.config.schema import DataConfig
 
 __all__ = ["files_digest", "iter_documents", "jsonl_records", "source_files", "source_name"]
 

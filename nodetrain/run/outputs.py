@@ -11,7 +11,7 @@ Owns: before the host store exists, on global rank 0 —
     * that every output directory can be created and written (the lock file is the probe), and that
       ``checkpoint.dir`` has free space for one checkpoint (:func:`checkpoint_bytes`).
 Does not own: what a checkpoint holds (nodetrain/checkpoint/), the host store's own checks
-(plan.preflight), or the data directory (nodetrain/data.py).
+(plan.preflight), or the data directory (nodetrain/data/datasets.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 from nodetrain.checkpoint import state as st
 from nodetrain.checkpoint.writer import EXPORT_DTYPES
-from nodetrain.config import Config, ConfigError
+from nodetrain.config.schema import Config, ConfigError
 from nodetrain.model import HFModel
 from nodetrain.store import pid_alive
 

@@ -45,18 +45,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nodetrain.breakdown import (
-    StepBreakdown,
-    flops_per_token,
-    hardware_profiles,
-    measured_peak_flops,
-    peak_flops_line,
-    select_peak_flops,
-)
-from nodetrain.comm import Comm
-from nodetrain.config import Config, grad_accum_of
-from nodetrain.faults import poison_grads
-from nodetrain.host_threads import (
+from nodetrain.config.schema import Config, grad_accum_of
+from nodetrain.engine.comm import Comm
+from nodetrain.engine.host_threads import (
     CoreSplit,
     bind_threads,
     cuda_pci_bus_ids,
@@ -64,15 +55,24 @@ from nodetrain.host_threads import (
     numa_binding,
     split_cores,
 )
+from nodetrain.engine.overlap import UnitUpdates, update_mode
+from nodetrain.engine.pipeline import P2P, Action, build_schedule, p2p_groups, partition, step_rounds
+from nodetrain.engine.replicas import ReplicaGradSum, Topology, node_group, replica_slice
+from nodetrain.engine.residency import resident_blocks
+from nodetrain.engine.stage import IGNORE_INDEX, StageRunner, stage_loads, stage_offloads
+from nodetrain.engine.window import Window, arrival_order
 from nodetrain.model import HFModel
-from nodetrain.optim import StoreAdamW, clip_coef, lr_at
-from nodetrain.overlap import UnitUpdates, update_mode
-from nodetrain.pipeline import P2P, Action, build_schedule, p2p_groups, partition, step_rounds
-from nodetrain.replicas import ReplicaGradSum, Topology, node_group, replica_slice
-from nodetrain.residency import resident_blocks
-from nodetrain.stage import IGNORE_INDEX, StageRunner, stage_loads, stage_offloads
+from nodetrain.optim.adamw import StoreAdamW, clip_coef, lr_at
+from nodetrain.run.breakdown import (
+    StepBreakdown,
+    flops_per_token,
+    hardware_profiles,
+    measured_peak_flops,
+    peak_flops_line,
+    select_peak_flops,
+)
+from nodetrain.run.faults import poison_grads
 from nodetrain.store import HostStore, StoreLayout
-from nodetrain.stream import Window, arrival_order
 
 __all__ = ["Engine", "StepResult", "DTYPES"]
 
@@ -428,7 +428,7 @@ class Engine:
         position_ids: torch.Tensor | None = None,
     ) -> StepResult:
         """One optimizer step over ``grad_accum × pipeline.microbatches`` micro-batches, in the
-        pipeline rounds of :func:`~nodetrain.pipeline.step_rounds` (1F1B: one round of all of them).
+        pipeline rounds of :func:`~nodetrain.engine.pipeline.step_rounds` (1F1B: one round of all of them).
 
         Args:
             step: 0-based optimizer step (sets the learning rate).
@@ -437,7 +437,7 @@ class Engine:
             labels: [N, B, T] int64 next-token ids, -100 where no loss is taken.
             stop: this rank was asked to stop (a signal); shared with every rank in ``StepResult.stop``.
             position_ids: [N, B, T] int64 positions of packed documents (restarting at 0 for each,
-                see nodetrain/packing.py), or None (0..T-1 in every row).
+                see nodetrain/data/packing.py), or None (0..T-1 in every row).
 
         Raises:
             ValueError: a batch of the wrong shape.

@@ -26,9 +26,9 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from nodetrain.linear_ce import IGNORE_INDEX, linear_cross_entropy
+from nodetrain.engine.linear_ce import IGNORE_INDEX, linear_cross_entropy
+from nodetrain.engine.window import Window
 from nodetrain.model import HFModel
-from nodetrain.stream import Window
 
 __all__ = ["StageRunner", "IGNORE_INDEX", "stage_loads", "stage_offloads"]
 

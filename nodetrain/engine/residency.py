@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from nodetrain.costs import GRAD_ACC_ITEMSIZE, resident_bytes_per_param, shape_of, stage_memory
+from nodetrain.plan.costs import GRAD_ACC_ITEMSIZE, resident_bytes_per_param, shape_of, stage_memory
 
 __all__ = [
     "resident_blocks",

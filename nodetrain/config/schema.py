@@ -2,7 +2,7 @@
 
 Owns: field names, types, defaults and units; the Hydra registration and resolvers (``run_id``);
 turning the composed DictConfig into the typed ``Config`` once at the entry point; derived values
-(``grad_accum_of``). Does not own: the start-up checks (nodetrain/config_checks.py; ``validate``,
+(``grad_accum_of``). Does not own: the start-up checks (nodetrain/config/checks.py; ``validate``,
 ``ConfigError``, ``HF_KEYS`` and ``SUPPORTED_ARCHS`` are re-exported here), reading YAML (Hydra
 does), or anything that needs torch.distributed.
 """
@@ -21,7 +21,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from nodetrain.config_checks import HF_KEYS, SUPPORTED_ARCHS, ConfigError, check_unknown_keys, validate
+from nodetrain.config.checks import HF_KEYS, SUPPORTED_ARCHS, ConfigError, check_unknown_keys, validate
 
 __all__ = [
     "CONFIG_DIR",
@@ -53,7 +53,7 @@ __all__ = [
 def _config_dir() -> Path:
     """``nodetrain/conf`` of an installed package (``pip install .`` ships ``conf/`` there, as Hydra
     apps ship their configs), else ``conf/`` of the source checkout (editable install, PYTHONPATH)."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # nodetrain/
     installed = here / "conf"
     return installed if (installed / "config.yaml").is_file() else here.parent / "conf"
 
@@ -81,7 +81,7 @@ class ModelConfig:
     """HF config fields (hidden_size, num_hidden_layers, ...) of a model built without a config
     directory (see ``config_path``). ``vocab_size`` is taken from the tokenizer when left out.
     Keys must be fields of the arch's HF config class (see ``HF_KEYS`` in
-    nodetrain/config_checks.py); add a key on the command line with ``+model.hf.<key>=<value>``."""
+    nodetrain/config/checks.py); add a key on the command line with ``+model.hf.<key>=<value>``."""
     hf_override: dict[str, Any] = field(default_factory=dict)
     """HF config fields changed on top of the directory's ``config.json`` (``config_path`` or
     ``init_from``), e.g. ``+model.hf_override.attention_dropout=0.1``; each one is logged as a
@@ -122,10 +122,10 @@ class DataConfig:
     (pre-training). ``records``: ``data.source`` is a .jsonl/.json/.parquet/.arrow file or a local
     ``datasets`` directory of ``{"text"}``, ``{"prompt", "completion"}`` or ``{"messages"}``
     records, tokenized with ``data.tokenizer`` (required; its chat template renders messages), with
-    the loss on completion/assistant tokens only, packed into rows (nodetrain/sft.py)."""
+    the loss on completion/assistant tokens only, packed into rows (nodetrain/data/sft.py)."""
     packing: bool = True
     """``records`` only: several documents per row, positions restarting at 0 and attention not
-    crossing documents (nodetrain/packing.py); false = one document per row, padded on the right."""
+    crossing documents (nodetrain/data/packing.py); false = one document per row, padded on the right."""
     add_bos: bool | None = None
     """BOS before each document (``stream``) or each text/prompt (``records``): null = what the
     tokenizer's post-processor does (Llama-3: one ``<|begin_of_text|>`` per document; a trained BPE:
@@ -141,7 +141,7 @@ class TrainConfig:
     seq_len: int = 128
     """Tokens per sequence (T), >= 2 and <= model.hf.max_position_embeddings when that is set."""
     micro_batch_size: Any = 4
-    """Sequences per micro-batch (B), >= 1, or ``auto``: the planner (nodetrain/plan.py
+    """Sequences per micro-batch (B), >= 1, or ``auto``: the planner (nodetrain/plan/planner.py
     ``resolve_auto``) picks the power of two that fits the device (the same activation model as
     ``python -m nodetrain.plan``) and gives the most tokens/s on ``hardware``; logged at start-up."""
     grad_accum: int = 1
@@ -181,7 +181,7 @@ class PipelineConfig:
     stages: int = 0
     """Number of pipeline stages; 0 = the ranks per node (one stage per rank). Must equal torchrun's
     ``--nproc_per_node``, be <= 8 and <= model.hf.num_hidden_layers. With ``--nnodes K`` each node
-    runs one replica of the pipeline (data parallel, see nodetrain/replicas.py): world = stages × K."""
+    runs one replica of the pipeline (data parallel, see nodetrain/engine/replicas.py): world = stages × K."""
     schedule: str = "1f1b"
     """gpipe (arXiv:1811.06965) | 1f1b (PipeDream-Flush, arXiv:2104.04473)."""
     microbatches: Any = 4
@@ -258,7 +258,7 @@ class OptimConfig:
     (~1 ms a step either way) and costs RAM and optimizer work (README, "The optimizer")."""
     threads: int = 0
     """CPU threads (an OpenMP team) for the AdamW update; 0 = auto: half the rank's core share,
-    rounded up (the rest goes to ``stream.accum_threads``; see nodetrain/host_threads.py)."""
+    rounded up (the rest goes to ``stream.accum_threads``; see nodetrain/engine/host_threads.py)."""
     test_delay_s: float = 0.0
     """Test-only: seconds the optimizer worker sleeps before each unit update, to expose staleness."""
 
@@ -407,12 +407,12 @@ class CheckpointConfig:
     dir: str = ""
     """Directory of the ``step-N`` checkpoints; empty = ``<run dir>/checkpoints``. The run locks it
     for its life and refuses it when it holds another run's checkpoints that it does not resume, or
-    lacks the free space for one checkpoint (nodetrain/outputs.py)."""
+    lacks the free space for one checkpoint (nodetrain/run/outputs.py)."""
     resume: str = ""
     """What to start from: empty = a fresh run (``model.init_from`` or random init); ``auto`` = the
     newest complete checkpoint in ``dir`` — or, with ``dir`` empty and none in this run's directory,
     in the newest run under the runs root with this config hash, which the run then continues
-    (nodetrain/outputs.py); a fresh run with a WARNING when there is none; a corrupted one is skipped
+    (nodetrain/run/outputs.py); a fresh run with a WARNING when there is none; a corrupted one is skipped
     with a warning; or the path of one ``step-N`` directory (refused if incomplete or corrupted)."""
     export_dtype: str = "bfloat16"
     """Dtype of the exported HF model files: bfloat16 | float16 | float32. With float32 the model
@@ -538,7 +538,7 @@ def grad_accum_of(cfg: Config, num_replicas: int = 1) -> int:
     """Effective pipeline rounds per optimizer step of each replica (call after ``validate``).
 
     Args:
-        num_replicas: pipelines sharing the global batch (nodes; see nodetrain/replicas.py).
+        num_replicas: pipelines sharing the global batch (nodes; see nodetrain/engine/replicas.py).
 
     Returns:
         ``train.batch_size / (train.micro_batch_size × pipeline.microbatches × num_replicas)`` when
