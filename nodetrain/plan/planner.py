@@ -15,23 +15,17 @@ from __future__ import annotations
 import copy
 import math
 import shutil
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import hydra
 import psutil
 import torch
-from omegaconf import DictConfig
 
 from nodetrain.config.schema import (
-    CONFIG_DIR,
     Config,
     ConfigError,
     grad_accum_of,
-    register_configs,
-    to_typed,
     validate,
 )
 from nodetrain.engine.host_threads import split_cores
@@ -55,7 +49,7 @@ from nodetrain.plan.costs import (
 )
 from nodetrain.store import remove_stale_stores
 
-__all__ = ["GB", "Plan", "make_plan", "model_of", "host_problems", "preflight", "resolve_auto", "main"]
+__all__ = ["GB", "Plan", "make_plan", "model_of", "host_problems", "preflight", "resolve_auto"]
 
 GB = 1e9
 """Bytes in the GB of every figure here (decimal, as datasheets and ``psutil`` totals are quoted)."""
@@ -590,21 +584,3 @@ def _hints(cfg: Config, t: StepTime, max_b: int, num_stages: int) -> list[str]:
     if max_b > tr.micro_batch_size:
         hints.append(f"up to train.micro_batch_size={max_b} fits")
     return hints
-
-
-@hydra.main(config_path=str(CONFIG_DIR), config_name="plan", version_base="1.3")
-def main(dict_cfg: DictConfig) -> None:
-    """Hydra entry: print the plan of the composed config (same keys as training, plus ``hardware``)."""
-    from nodetrain.plan.report import render  # rich output only where it is printed
-
-    try:
-        plan = make_plan(to_typed(dict_cfg))
-    except ConfigError as e:  # a user's mistake: the message, not a traceback
-        print(f"ConfigError: {e}", file=sys.stderr)
-        sys.exit(2)
-    render(plan)
-
-
-if __name__ == "__main__":
-    register_configs()
-    main()
