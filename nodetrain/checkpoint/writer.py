@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 from nodetrain.checkpoint import state as st
 from nodetrain.checkpoint.collective import all_gather_json, broadcast_json
 from nodetrain.checkpoint.export import write_export_files
+from nodetrain.config.constants import DTYPES
 from nodetrain.config.schema import CheckpointConfig
 from nodetrain.model import HFModel, Unit
 from nodetrain.optim.adamw import StoreAdamW
@@ -47,7 +48,7 @@ __all__ = ["CheckpointWriter", "EXPORT_DTYPES"]
 
 log = logging.getLogger(__name__)
 
-EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+EXPORT_DTYPES = DTYPES  # checkpoint.export_dtype name -> torch dtype: the config's dtype table
 _SNAPSHOT_FIELDS = ("master", "exp_avg", "exp_avg_sq")
 _META = {"format": "pt"}  # transformers refuses safetensors files without it
 

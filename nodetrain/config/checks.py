@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nodetrain.config.constants import DTYPES, SCHEDULES, SUPPORTED_ARCHS
+
 if TYPE_CHECKING:  # the schema imports this module: types only, no runtime import back
     from nodetrain.config.schema import Config, FaultInjectionConfig, ModelConfig, PipelineConfig, TrainConfig
 
@@ -59,10 +61,6 @@ class DataError(ValueError):
     the model); the message names the key, the file and the fix."""
 
 
-SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-"""HF causal-LM classes nodetrain can split into units."""
-SCHEDULES = ("gpipe", "1f1b")
-DTYPES = ("bfloat16", "float16", "float32")
 FAIL_MODES = ("raise", "hang")
 DATA_FORMATS = ("stream", "records")
 MAX_STAGES = 8  # one stage per GPU of one node

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from nodetrain.config.constants import DTYPES
 from nodetrain.config.schema import Config, grad_accum_of
 from nodetrain.engine.comm import Comm
 from nodetrain.engine.host_threads import (
@@ -77,8 +78,6 @@ from nodetrain.store import HostStore, StoreLayout
 __all__ = ["Engine", "StepResult", "DTYPES"]
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nodetrain.config.constants import SCHEDULES
 from nodetrain.engine.comm import Comm, P2POp
 from nodetrain.run.breakdown import NULL_TIMELINE
 
@@ -38,8 +39,6 @@ __all__ = [
     "P2P",
     "SCHEDULES",
 ]
-
-SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclass(frozen=True)

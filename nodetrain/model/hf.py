@@ -25,18 +25,12 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from nodetrain.config.checks import config_source
+from nodetrain.config.constants import SUPPORTED_ARCHS
 from nodetrain.config.schema import ModelConfig
 
 __all__ = ["SUPPORTED_ARCHS", "Param", "Unit", "Binding", "HFModel", "build_hf_config"]
 
 log = logging.getLogger(__name__)
-
-SUPPORTED_ARCHS = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
 
 
 @dataclass(frozen=True)
