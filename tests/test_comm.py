@@ -128,7 +128,7 @@ def test_only_comm_calls_tensor_collectives() -> None:
     offenders = []
     for path in (ROOT / "nodetrain").rglob("*.py"):
         rel = path.relative_to(ROOT / "nodetrain").as_posix()
-        if rel == "comm.py" or rel.startswith("checkpoint/"):
+        if rel == "engine/comm.py" or rel.startswith("checkpoint/"):
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if TENSOR_COLLECTIVES.search(line):
