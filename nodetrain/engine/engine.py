@@ -1,5 +1,14 @@
 """The stage engine: one rank's part of a training step, from micro-batches to updated weights.
 
+One step, 2 stages, 2 micro-batches, 1F1B (time →; F1 = forward of micro-batch 1, B = backward):
+
+    stage 0  | F0 F1 ·· ·· B0 ·· B1 | flush | tied sum | replicas |-.
+    stage 1  | ·· F0 B0 F1 ·· B1 ·· | flush | tied sum | replicas |-+- all-reduce: norm², loss,
+                                                                   |  tokens, stop request
+    each     clip coefficient → AdamW of the units left (overlap.py) → refresh transfer copies → next
+    (activations go 0 → 1 and gradients 1 → 0 by P2P between F/B; the window streams each stage's
+    blocks through its slots and the D2H worker adds their gradients into the host store meanwhile)
+
 Owns: wiring store, window, stage runner, P2P and optimizer for this rank, and the order of a
 step: pipeline rounds → flush gradients → sum the tied embedding's two uses → sum gradients over
 the replicas (several nodes, see replicas.py) → one all-reduce (global grad norm² and loss) → clip

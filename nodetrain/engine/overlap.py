@@ -1,5 +1,13 @@
 """Overlapped CPU optimizer: when each owned unit's AdamW runs, on which thread, and who waits for it.
 
+One step of a stage holding units u0 u1 u2 (time →), the two main modes:
+
+    training thread   | F u0 | F u1 | F u2 | B u2 | B u1 | B u0 | all-reduce | next F u0 | F u1 ...
+    D2H worker        |      |      |      |  +acc u2 | +acc u1 | +acc u0 |
+    optimizer thread  in-backward:          | AdamW u2 | AdamW u1 | AdamW u0 |    (norm² finite)
+                      deferred:                                    | AdamW u0 | AdamW u1 | AdamW u2 |
+    next step's load of u0 waits (gate) for u0's update only; u1's for u1's, and so on.
+
 Owns: one background optimizer thread per rank (with its own OpenMP team of ``optim.threads``),
 deciding when a unit's update is submitted, the per-unit non-finite guard of in-backward updates,
 and the futures that make a load of a unit wait for its update (DESIGN invariant 3: overlap, never

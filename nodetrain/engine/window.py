@@ -1,5 +1,13 @@
 """Streaming window: the device buffers a stage's blocks pass through, and the copies in and out.
 
+One forward + backward of a 3-block stage with 2 slots (time →; F/B b1 = compute on block 1):
+
+    H2D worker  | b0→s0 | b1→s1 | b2→s0 |       |       | b1→s1 | b0→s0 |       |
+    compute     |       | F b0  | F b1  | F b2  | B b2  |  ···  | B b1  | B b0  |
+    D2H worker  |       |       |       |       |       | b2 grads +→ host fp32 | b1 +→ | b0 +→ | flush
+    acquire() waits for the load of its slot; release() frees the slot and issues the next load;
+    B b2 reuses F b2's slot (no H2D); offload() queues each backward's gradients to the D2H worker.
+
 Owns: ``slots`` device buffers (one block's weights each), one buffer per resident block (loaded
 once per sequence instead of at every use), the H2D prefetch of the next blocks of a known load
 sequence, the D2H offload of gradients into the host store's fp32 accumulators, and the bytes
