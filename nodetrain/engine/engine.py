@@ -81,7 +81,7 @@ from nodetrain.run.breakdown import (
     peak_flops_line,
     select_peak_flops,
 )
-from nodetrain.run.faults import poison_grads
+from nodetrain.run.faults import nan_injection
 from nodetrain.store import HostStore, StoreLayout
 
 __all__ = ["Engine", "StepResult", "DTYPES"]
@@ -115,21 +115,6 @@ class StepResult:
     """Some rank asked to stop (a signal) before this step's all-reduce: every rank stops after it."""
     breakdown: dict = field(default_factory=dict)
     """On rank 0: every stage's step breakdown, flat (see ``breakdown.combine_stages``); else {}."""
-
-
-def _nan_injection(test, store: HostStore, last_unit: int, step: list[int]):
-    """Test-only NaN injection (``test.nan_rank``/``nan_step``): ``poison(*units)`` writes a NaN into
-    the gradient of this stage's last unit if it is among ``units``, once that gradient is final:
-    from the optimizer thread for an in-backward unit (``UnitUpdates.on_final``), else after the
-    flush; before the norm in both cases. ``step[0]`` is the 0-based step being run. A closure, not
-    an Engine method: the optimizer holding a bound method would keep the engine, and with it the
-    store's mapping, alive after the job drops it (jobs.Release)."""
-
-    def poison(*units: int) -> None:
-        if last_unit in units:
-            poison_grads(test, dist.get_rank(), step[0] + 1, [store.grad(last_unit)])
-
-    return poison
 
 
 def _host_threads(cfg, device: torch.device, local_rank: int) -> CoreSplit:
@@ -200,7 +185,7 @@ class Engine:
         self.grad_sum = ReplicaGradSum(topo, cfg.dist.timeout_s, self.comm)
         self.grad_sum_optim = ReplicaGradSum(topo, cfg.dist.timeout_s, self.comm, kind="stage_optim")
         self._step = [0]  # the step being run, read by the NaN injection (on the optimizer thread too)
-        self._poison = _nan_injection(cfg.test, self.store, self.units[-1].index, self._step)
+        self._poison = nan_injection(cfg.test, self.store, self.units[-1].index, self._step)  # None: off
         self.host_threads = _host_threads(cfg, device, topo.local_rank)
         self.updates = self._make_updates(device)
         self._peak = self._peak_flops()  # before the residency budget reads free device memory
@@ -354,7 +339,8 @@ class Engine:
         with timeline.phase("optim"):
             self.updates.wait_measured()
             later = self.updates.later_units
-            self._poison(*later)
+            if self._poison is not None:
+                self._poison(*later)
             self._sum_tied_grads()
         with timeline.phase("bubble"):  # the cross-node sum, before any of these units is updated
             self.grad_sum([self.store.grad(u) for u in later])

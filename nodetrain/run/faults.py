@@ -8,8 +8,8 @@ Owns:
         ends the rank at once.
     :class:`BadSteps`  counts steps whose loss or gradient norm was NaN/inf (the engine skipped
         their update on every stage) and ends the run after ``train.max_bad_steps`` in a row.
-    :func:`maybe_fail`, :func:`poison_grads`  the ``test.*`` knobs (config.FaultInjectionConfig): fail or hang
-        a rank at a step, put a NaN into a rank's gradient.
+    :func:`maybe_fail`, :func:`poison_grads`, :func:`nan_injection`  the ``test.*`` knobs
+        (config.FaultInjectionConfig): fail or hang a rank at a step, put a NaN into a rank's gradient.
     :func:`record_failure`  the failing rank's traceback into torchrun's error file, so torchrun's
         summary names it as the root cause.
     :func:`stop_with_launcher`  a rank whose torchrun launcher dies (``kill -9``) gets SIGTERM from
@@ -39,7 +39,15 @@ import torch.distributed as dist
 
 from nodetrain.config.schema import FaultInjectionConfig
 
-__all__ = ["FORCE_AFTER_S", "BadSteps", "NonFiniteError", "StopRequest", "maybe_fail", "poison_grads"]
+__all__ = [
+    "FORCE_AFTER_S",
+    "BadSteps",
+    "NonFiniteError",
+    "StopRequest",
+    "maybe_fail",
+    "nan_injection",
+    "poison_grads",
+]
 __all__ += ["record_failure", "stop_with_launcher"]
 
 log = logging.getLogger(__name__)
@@ -147,6 +155,24 @@ def poison_grads(test: FaultInjectionConfig, rank: int, step: int, grads: list[t
     if rank == test.nan_rank and step == test.nan_step and grads:
         log.warning("test.nan_step=%d: NaN written into rank %d's gradient", step, rank)
         grads[-1][0] = math.nan
+
+
+def nan_injection(test: FaultInjectionConfig, store, last_unit: int, step: list[int]):
+    """Test-only NaN injection (``test.nan_rank``/``nan_step``), the engine's one hook for it: None when
+    off (the optimizer thread then calls nothing), else ``poison(*units)``, which writes a NaN into the
+    gradient of this stage's last unit (``store.grad(last_unit)``, flat fp32) if it is among ``units``,
+    once that gradient is final: from the optimizer thread for an in-backward unit
+    (``UnitUpdates.on_final``), else after the flush; before the norm in both cases. ``step[0]`` is
+    the 0-based step being run. A closure, not an Engine method: the optimizer holding a bound method
+    would keep the engine, and with it the store's mapping, alive after the job drops it (jobs.Release)."""
+    if test.nan_rank < 0 or test.nan_step < 0:
+        return None
+
+    def poison(*units: int) -> None:
+        if last_unit in units:
+            poison_grads(test, dist.get_rank(), step[0] + 1, [store.grad(last_unit)])
+
+    return poison
 
 
 _PEER_FAILED = re.compile(r"(closed|reset) by peer|Broken pipe|Connection refused|remote process exited")
