@@ -1,5 +1,4 @@
-"""Planner: the cost model (``costs``: memory, traffic, step time), the plan (``planner``,
-``python -m nodetrain.plan``) and its printed report (``report``).
-Must not import train; ``costs`` (used by ``engine.residency``) imports no engine module at load time;
-the planner never imports its report (the CLI in ``__main__`` imports both).
+"""Planner: the cost model (``costs``: memory, traffic, step time), the plan (``planner``) and its
+report (``report``); ``python -m nodetrain.plan`` (``__main__``). Must not import train; ``costs`` (also
+read by ``engine.residency``) imports no engine module at load time; ``planner`` never imports ``report``.
 """
