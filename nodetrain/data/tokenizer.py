@@ -4,7 +4,7 @@ Owns: loading ``data.tokenizer`` (a ``tokenizer.json``, or whatever ``transforme
 loads from the directory), training the byte-level BPE with pre-tokens bounded to
 ``MAX_PIECE_BYTES`` (BPE training time grows with the square of the longest pre-token: a 3 MB line
 without spaces would otherwise run for tens of minutes), its end-of-text id, and whether encoding may
-be split at line breaks. Does not own: reading the corpus (corpus.py) or writing tokens (data.py).
+be split at line breaks. Does not own: reading the corpus (corpus.py) or writing tokens (datasets.py).
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def bos_ids(tok: Tokenizer, add_bos: bool | None) -> list[int]:
 def is_chunk_safe(tok: Tokenizer) -> bool:
     """Whether ``tok`` pre-tokenizes like GPT-2's byte-level regex (optionally followed by the fixed
     length split of ``train_bpe``), so that splitting a text after a newline that ends a non-space
-    run and precedes one cannot change its tokens (data.py's ``_chunks`` relies on it)."""
+    run and precedes one cannot change its tokens (datasets.py's ``_chunks`` relies on it)."""
     spec = json.loads(tok.to_str())
     pre = spec.get("pre_tokenizer") or {}
     if pre.get("type") == "Sequence":

@@ -4,7 +4,7 @@ of each worker thread, and binding to the NUMA node of the rank's GPU.
 Owns: the fair share of cores per rank, the split of that share between the D2H worker (which adds
 each offloaded gradient into the host store's fp32 accumulators) and the optimizer thread (AdamW),
 setting one thread's OpenMP team, and reading the NUMA topology from sysfs. Does not own: the
-threads themselves (stream.py's D2H worker, overlap.py's optimizer thread) or what they compute.
+threads themselves (window.py's D2H worker, overlap.py's optimizer thread) or what they compute.
 
 Why ctypes into the OpenMP runtime: torchrun sets ``OMP_NUM_THREADS=1``, and the fix must give two
 worker threads of one process two different team sizes. ``torch.set_num_threads`` also changes

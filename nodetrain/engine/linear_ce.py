@@ -3,7 +3,7 @@
 Owns: the last stage's head (final norm + lm_head) applied chunk by chunk over tokens, its fp32
 token cross-entropy sum, and, when training, the gradients of that loss (scaled by ``loss_scale``)
 with respect to the head's weights and its input, all in the same pass. Does not own: which
-weights (stage.py binds them) nor where the gradients go (stream.py offloads them).
+weights (stage.py binds them) nor where the gradients go (window.py offloads them).
 
 Why: full logits are ``N × V`` (4096 tokens × 128k vocab = 2 GB in fp32, and as much again for
 their gradient). Per chunk of ``c`` tokens only ``c × V`` logits live at a time; the loss is

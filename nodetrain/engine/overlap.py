@@ -11,7 +11,7 @@ One step of a stage holding units u0 u1 u2 (time →), the two main modes:
 Owns: one background optimizer thread per rank (with its own OpenMP team of ``optim.threads``),
 deciding when a unit's update is submitted, the per-unit non-finite guard of in-backward updates,
 and the futures that make a load of a unit wait for its update (DESIGN invariant 3: overlap, never
-staleness). Does not own: the AdamW arithmetic (optim.py), the loads (stream.py calls
+staleness). Does not own: the AdamW arithmetic (optim/adamw.py), the loads (window.py calls
 :meth:`UnitUpdates.gate` when it issues one) or the step's all-reduce and skip decision (engine.py).
 
 When a unit is updated (:func:`update_mode` decides, the engine logs its reason at start-up):
@@ -251,7 +251,7 @@ class UnitUpdates:
             lr: this step's learning rate.
             offloads_per_block: offloads (arrivals in the host store) of each of this stage's blocks
                 in the step: one count for all, or block -> count (a resident block arrives once a
-                step, its device accumulator; stream.py).
+                step, its device accumulator; window.py).
             offload_order: optional, the step's blocks in offload order; the units must then become
                 final in :func:`final_order` (asserted on the optimizer thread).
         """

@@ -1,12 +1,12 @@
 """Residency: which of a stage's blocks stay in device memory instead of streaming.
 
 Owns: the device budget for resident blocks (``stream.device_budget``, or the automatic one) and
-the choice of blocks that fit it. Does not own: the buffers or the loads (stream.py).
+the choice of blocks that fit it. Does not own: the buffers or the loads (window.py).
 
 A resident block costs ``numel × (e + 4)`` device bytes (its compute-dtype weights and an fp32
 gradient accumulator, ``costs.resident_bytes_per_param``) and saves, per step, every load of it but
 one (``(loads − 1) × numel × e`` H2D) and every gradient offload but one fp32 copy
-(``backwards × numel × e − 4 × numel`` D2H; the accumulator leaves once per step, stream.py).
+(``backwards × numel × e − 4 × numel`` D2H; the accumulator leaves once per step, window.py).
 Both directions run at the host link's speed, so transfer time saved per device byte is
 ``saved bytes / cost bytes``; the choice is greedy in that order (ties: block order), after the
 last stage's head, which goes first (the stage's largest block, loaded at every use).
@@ -98,7 +98,7 @@ def stage_activation_bytes(cfg, model, blocks, stage: int, num_stages: int, grad
 def device_budget_bytes(free: int, window_bytes: int, activations: int) -> int:
     """The automatic resident budget: ``free`` device bytes minus the window's slots, the activations
     (``costs.stage_memory``) and :data:`MARGIN_BYTES`, at least 0. The planner predicts the same
-    figure from the profile's device memory (plan.py), the engine from the memory free at start-up."""
+    figure from the profile's device memory (planner.py), the engine from the memory free at start-up."""
     return max(0, free - window_bytes - activations - MARGIN_BYTES)
 
 

@@ -4,7 +4,7 @@ Owns: running the stage's blocks in order (forward, no autograd graph kept) and 
 (backward: recompute each block from its saved input, then take gradients of its input and
 weights), the saved inputs of in-flight micro-batches, the token-weighted loss on the last
 stage, and which blocks each action loads and offloads (:meth:`StageRunner.loads`). Does not own:
-the window mechanics (stream.py) or the order of micro-batches (pipeline.py).
+the window mechanics (window.py) or the order of micro-batches (pipeline.py).
 
 The last stage's head (final norm + lm_head) runs once per micro-batch: a training forward
 computes its loss and gradients chunk by chunk over tokens (linear_ce.py), offloads the weight

@@ -4,7 +4,7 @@ Owns: the host buffers a block's gradients land in on their way from the device 
 fp32 accumulators, the D2H CUDA stream their copies run on, and the event that tells the D2H worker
 a copy has landed. Does not own: which buffer is free (``Window.offload`` bounds the offloads in
 flight to the number of buffers, so buffer ``n % num_buffers`` is reused only after offload
-``n - num_buffers`` was accumulated) nor the accumulation itself (stream.py).
+``n - num_buffers`` was accumulated) nor the accumulation itself (window.py).
 
 Why: a device→host copy into pageable memory goes through the driver's own bounce buffer and
 blocks the issuing thread (a few GB/s); into page-locked memory it is a DMA that runs on its

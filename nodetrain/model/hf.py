@@ -3,7 +3,7 @@
 Owns: building the HF config, the templates on the ``meta`` device (no storage anywhere), the
 flat layout of each unit's parameters, random init, and the forward of one block with weights
 bound per call (``torch.func.functional_call``). Does not own: where weights live (store.py),
-how they reach the device (stream.py), or which stage runs what (pipeline.py).
+how they reach the device (window.py), or which stage runs what (pipeline.py).
 
 Shapes: B = sequences in a micro-batch, T = tokens per sequence, D = hidden size, V = vocab.
 """

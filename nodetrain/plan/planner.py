@@ -4,7 +4,7 @@ Owns: turning a config and a hardware profile (``conf/hardware/``) into a ``Plan
 device memory, the largest micro-batch that fits, step time and its bottleneck, tokens/day, nodes
 for a token budget, a verdict with its reasons), the ``python -m nodetrain.plan`` entry point, and
 the training start-up check that refuses a host store the node cannot hold (``preflight``). The
-arithmetic itself is in ``costs.py``; printing is in ``plan_report.py``.
+arithmetic itself is in ``costs.py``; printing is in ``report.py``.
 
     python -m nodetrain.plan model=llama2_70b hardware=h100_sxm train.seq_len=4096 \\
         train.micro_batch_size=4 pipeline.microbatches=16
