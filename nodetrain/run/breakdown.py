@@ -160,7 +160,7 @@ def measured_peak_flops(device: str, dtype: torch.dtype, threads: int) -> float:
     return 2.0 * n**3 / best
 
 
-HARDWARE_DIR = Path(__file__).resolve().parents[1] / "conf" / "hardware"
+HARDWARE_DIR = Path(__file__).resolve().parents[2] / "conf" / "hardware"
 """The shipped hardware profiles (``conf/hardware/*.yaml``)."""
 
 
