@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from nodetrain.config import Config, ModelConfig, validate
-from nodetrain.engine import Engine
+from nodetrain.config.schema import Config, ModelConfig, validate
+from nodetrain.engine.engine import Engine
 from nodetrain.model import HFModel, build_hf_config
 
 ROOT = Path(__file__).resolve().parents[1]

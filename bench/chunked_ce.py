@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nodetrain.linear_ce import IGNORE_INDEX, chunk_tokens, linear_cross_entropy
+from nodetrain.engine.linear_ce import IGNORE_INDEX, chunk_tokens, linear_cross_entropy
 from nodetrain.model import HFModel
 
 

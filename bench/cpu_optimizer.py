@@ -16,7 +16,7 @@ rep by rep so a busy neighbour slows every row alike; each figure is the best of
   0.5 (the kernel then also writes the scaled gradient back, as ``mul_`` did).
 - pieces: the bf16 refresh alone and the clip scale alone, each a separate pass over all units.
 
-``--state lean`` (bench/lean_rows.py) times ``LeanAdamW`` (lean_optim.py) against the libraries that
+``--state lean`` (bench/lean_rows.py) times ``LeanAdamW`` (optim/lean.py) against the libraries that
 offer the same formats on CPU, when importable: torchao's ``AdamW4bit`` / ``AdamW8bit`` with
 ``bf16_stochastic_round`` (bf16 weights, torch.compile'd step) and bitsandbytes' ``AdamW8bit``, and
 the pieces (block-wise quantize + dequantize, stochastic rounding) against their library twins.
@@ -41,10 +41,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nodetrain import optim
-from nodetrain.config import OptimConfig
+from nodetrain.config.schema import OptimConfig
 from nodetrain.model.hf import Unit
-from nodetrain.optim import StoreAdamW
+from nodetrain.optim import adamw as optim
+from nodetrain.optim.adamw import StoreAdamW
 from nodetrain.store import HostStore, StoreLayout
 
 UPDATE_BYTES, REFRESH_BYTES, CLIP_BYTES = 28, 2, 4

@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from nodetrain.breakdown import PHASES  # noqa: E402
+from nodetrain.run.breakdown import PHASES  # noqa: E402
 
 DRY_RUN_HF = {
     "hidden_size": 256,
@@ -62,7 +62,7 @@ def store_bytes(layers: int, dry_run: bool) -> int:
 def _model_cfg(layers: int, dry_run: bool):
     from omegaconf import OmegaConf
 
-    from nodetrain.config import ModelConfig
+    from nodetrain.config.schema import ModelConfig
 
     yaml = OmegaConf.load(ROOT / "conf" / "model" / "llama3_2_3b.yaml")
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), yaml))

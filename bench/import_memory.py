@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nodetrain.config import Config, ModelConfig  # noqa: E402
+from nodetrain.config.schema import Config, ModelConfig  # noqa: E402
 from nodetrain.model import HFModel, build_hf_config  # noqa: E402
 from nodetrain.store import StoreLayout  # noqa: E402
 
@@ -175,7 +175,7 @@ def worker(spec_path: str) -> None:
     import torch.distributed as dist
 
     from nodetrain.checkpoint import check_model_dir, load_units
-    from nodetrain.engine import Engine
+    from nodetrain.engine.engine import Engine
 
     spec = json.loads(Path(spec_path).read_text())
     dist.init_process_group("gloo")

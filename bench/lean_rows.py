@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from nodetrain.config import OptimConfig
-from nodetrain.lean_optim import LeanAdamW
+from nodetrain.config.schema import OptimConfig
 from nodetrain.model.hf import Unit
-from nodetrain.quant import dequantize_blockwise, quantize_blockwise, stochastic_round_bf16
+from nodetrain.optim.lean import LeanAdamW
+from nodetrain.optim.quant import dequantize_blockwise, quantize_blockwise, stochastic_round_bf16
 from nodetrain.store import HostStore, StoreLayout
 
 

@@ -1,5 +1,5 @@
 """Shared by ``host_memory.py`` and ``plan_accuracy.py``: launch ``memory_worker.py`` under torchrun
-and plan the same config with ``nodetrain.plan``, so measured and predicted figures come from one
+and plan the same config with ``nodetrain.plan.planner``, so measured and predicted figures come from one
 config. Stores go to a private directory under /dev/shm that is removed afterwards."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ sys.path.insert(0, str(ROOT / "tests"))  # the tests' job launcher (conftest.py)
 from conftest import job_env, torchrun_cmd  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from nodetrain.config import register_configs, to_typed  # noqa: E402
-from nodetrain.plan import Plan, make_plan  # noqa: E402
+from nodetrain.config.schema import register_configs, to_typed  # noqa: E402
+from nodetrain.plan.planner import Plan, make_plan  # noqa: E402
 
 __all__ = ["GB", "MB", "measure", "plan", "err"]
 

@@ -31,9 +31,9 @@ from hydra import compose, initialize_config_dir
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nodetrain.config import grad_accum_of, register_configs, to_typed, validate  # noqa: E402
-from nodetrain.engine import Engine  # noqa: E402
-from nodetrain.plan import model_of  # noqa: E402
+from nodetrain.config.schema import grad_accum_of, register_configs, to_typed, validate  # noqa: E402
+from nodetrain.engine.engine import Engine  # noqa: E402
+from nodetrain.plan.planner import model_of  # noqa: E402
 
 
 def _status_kb(field: str) -> int:

@@ -4,7 +4,7 @@
     python bench/plan_accuracy.py --time   # step time, ~3-5 minutes on 2 cores
 
 For each configuration the real engine runs two training steps under torchrun (gloo) and reports
-its objects' sizes and its resident peak; ``nodetrain.plan`` predicts the same run (CPU profile,
+its objects' sizes and its resident peak; ``nodetrain.plan.planner`` predicts the same run (CPU profile,
 same overrides). Printed side by side, with the relative error of each prediction and whether it
 is within 10%:
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Several nodes by hand: each node runs one replica of the pipeline (one stage per GPU) and the
-# replicas share the global batch (data parallel; see nodetrain/replicas.py). Run it on every node
+# replicas share the global batch (data parallel; see nodetrain/engine/replicas.py). Run it on every node
 # with the same NNODES, MASTER_ADDR and RUN_ID, and that node's NODE_RANK:
 #   node 0:  NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 RUN_ID=llama-a launch/multi_node.sh 8 model=llama3_8b ...
 #   node 1:  NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 RUN_ID=llama-a launch/multi_node.sh 8 model=llama3_8b ...

@@ -1,0 +1,5 @@
+"""nodetrain: one node's LLM trainer, grouped by subsystem from the bottom floor up.
+
+config/ and store.py → model/ → data/, optim/ → checkpoint/ → run/ → engine/ → plan/ → train.py;
+a floor imports only its own and lower ones, with no import circles (tests/test_layout.py).
+"""

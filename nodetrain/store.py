@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 PAGE_BYTES = 4096
 FIELDS = ("master", "grad", "exp_avg", "exp_avg_sq", "compute")
 LEAN_FIELDS = ("grad", "exp_avg", "exp_avg_absmax", "exp_avg_sq", "exp_avg_sq_absmax", "compute")
-"""``optim.state=lean`` (lean_optim.py): bf16 master = transfer copy, block-quantized moments."""
+"""``optim.state=lean`` (optim/lean.py): bf16 master = transfer copy, block-quantized moments."""
 LEAN_FORMATS = {"exp_avg": (4, 128, True), "exp_avg_sq": (8, 2048, False)}
 """Lean moments: (bits, block elements, signed map) — Li et al. 2023 B128/DE for the first moment,
 Dettmers et al. 2021's 8-bit block-wise format for the second."""

@@ -13,7 +13,7 @@ A learning-rate sweep on the same ranks (one process group, one directory and wa
 
     torchrun --nproc_per_node 2 -m nodetrain.train --multirun optim.lr=1e-3,3e-4
 
-Two nodes, each a replica of the 2-stage pipeline (data parallel; see nodetrain/replicas.py):
+Two nodes, each a replica of the 2-stage pipeline (data parallel; see nodetrain/engine/replicas.py):
 
     torchrun --nnodes 2 --nproc_per_node 2 --node_rank <0|1> --master_addr <node 0> -m nodetrain.train
 
@@ -36,20 +36,20 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from nodetrain import data
 from nodetrain.checkpoint import Checkpointing
 from nodetrain.checkpoint.state import CheckpointError, config_hash
-from nodetrain.config import CONFIG_DIR, Config, grad_accum_of, register_configs, to_typed, validate
-from nodetrain.config_checks import DataError
-from nodetrain.data_checks import check_init_vocab, check_vocab, open_splits, run_data_config
-from nodetrain.engine import Engine
-from nodetrain.faults import BadSteps, StopRequest, maybe_fail, stop_with_launcher
-from nodetrain.jobs import REFUSALS, Job, Release, current_job, fail_fast, refusals_of
-from nodetrain.metrics import MetricsLogger
+from nodetrain.config.checks import DataError
+from nodetrain.config.schema import CONFIG_DIR, Config, grad_accum_of, register_configs, to_typed, validate
+from nodetrain.data import datasets as data
+from nodetrain.data.checks import check_init_vocab, check_vocab, open_splits, run_data_config
+from nodetrain.engine.engine import Engine
+from nodetrain.engine.replicas import Topology
 from nodetrain.model import HFModel, build_hf_config
-from nodetrain.outputs import RunOutputs, check_space, checkpoint_bytes, checkpoint_dir
-from nodetrain.plan import preflight, resolve_auto
-from nodetrain.replicas import Topology
+from nodetrain.plan.planner import preflight, resolve_auto
+from nodetrain.run.faults import BadSteps, StopRequest, maybe_fail, stop_with_launcher
+from nodetrain.run.jobs import REFUSALS, Job, Release, current_job, fail_fast, refusals_of
+from nodetrain.run.metrics import MetricsLogger
+from nodetrain.run.outputs import RunOutputs, check_space, checkpoint_bytes, checkpoint_dir
 
 __all__ = ["main", "run"]
 
@@ -267,7 +267,7 @@ def _run(cfg, run_dir, resolved, job, ckpt_dir, rank, world_size, local_rank, de
                     "optim_s": r.optim_s,
                     "skipped": int(r.skipped),
                     "bad_steps": bad.total,
-                    **r.breakdown,  # every stage's breakdown (rank 0): see nodetrain/breakdown.py
+                    **r.breakdown,  # every stage's breakdown (rank 0): see nodetrain/run/breakdown.py
                 }
                 last = step + 1 == cfg.train.steps
                 interrupted = r.stop and not last
@@ -307,7 +307,7 @@ def _run(cfg, run_dir, resolved, job, ckpt_dir, rank, world_size, local_rank, de
 
 def _write_plots(run_dir: Path) -> None:
     # matplotlib: imported on rank 0 only, when used
-    from nodetrain.plots import write_plots, write_sweep_plot
+    from nodetrain.run.plots import write_plots, write_sweep_plot
 
     try:
         log.info("plots: %s", ", ".join(p.name for p in write_plots(run_dir)))

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from nodetrain.checkpoint import load_hf_weights
-from nodetrain.config import Config, ModelConfig, validate
-from nodetrain.engine import Engine
+from nodetrain.config.schema import Config, ModelConfig, validate
+from nodetrain.engine.engine import Engine
 from nodetrain.model import HFModel, build_hf_config
 
 

@@ -19,11 +19,11 @@ Writes, under ``out_dir``:
     state_rank<r>.safetensors    with ``export_state``: AdamW's ``<HF name>.exp_avg`` and
                                  ``<HF name>.exp_avg_sq`` of the units rank r owns;
     steps.json                   (rank 0) per step: loss, grad_norm, lr, tokens, skipped, and the
-                                 step's breakdown of every stage (see nodetrain/breakdown.py).
+                                 step's breakdown of every stage (see nodetrain/run/breakdown.py).
 
     python -m torch.distributed.run --nproc_per_node 2 --master_port 29511 tests/parity_worker.py spec.json
 
-Under ``--nnodes K`` each node runs one replica of the pipeline (nodetrain/replicas.py): the batch
+Under ``--nnodes K`` each node runs one replica of the pipeline (nodetrain/engine/replicas.py): the batch
 file then holds the global batch, and ``weights_rank<r>`` of every node are written (the same
 ``out_dir`` may be shared by nodes on one machine; give each its own ``store.dir``).
 """
@@ -41,10 +41,10 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from nodetrain.checkpoint import load_hf_weights
-from nodetrain.config import Config, ModelConfig, validate
-from nodetrain.engine import Engine
+from nodetrain.config.schema import Config, ModelConfig, validate
+from nodetrain.engine.engine import Engine
+from nodetrain.engine.replicas import Topology
 from nodetrain.model import HFModel, build_hf_config
-from nodetrain.replicas import Topology
 
 
 def _config(spec: dict) -> Config:

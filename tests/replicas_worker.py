@@ -1,4 +1,4 @@
-"""Checks nodetrain.replicas' process groups and gradient sum on a gloo world; started by torchrun.
+"""Checks nodetrain.engine.replicas' process groups and gradient sum on a gloo world; started by torchrun.
 
 Not a test itself: ``test_replicas.py`` launches it with 4 ranks laid out as 2 replicas × 2 stages
 (rank = replica · 2 + stage) and compares what each rank writes with closed forms:
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nodetrain.replicas import ReplicaGradSum, Topology, node_group, stage_group
+from nodetrain.engine.replicas import ReplicaGradSum, Topology, node_group, stage_group
 
 WORLD_TIMEOUT_S = 120.0
 GROUP_TIMEOUT_S = 77.0

@@ -19,7 +19,8 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from nodetrain.breakdown import (
+from nodetrain.model import HFModel
+from nodetrain.run.breakdown import (
     PHASES,
     StepBreakdown,
     Timeline,
@@ -28,8 +29,7 @@ from nodetrain.breakdown import (
     mfu_warning,
     peak_flops_line,
 )
-from nodetrain.metrics import format_progress
-from nodetrain.model import HFModel
+from nodetrain.run.metrics import format_progress
 
 WORKER = Path(__file__).resolve().parent / "parity_worker.py"
 HF = {
@@ -274,7 +274,7 @@ def test_two_stage_breakdown_sums_to_step_time_and_counts_bytes(tmp_path, shm_di
 def test_peak_flops_source_prefers_config_then_datasheet_then_measurement() -> None:
     """MFU's denominator (issue 13, item 6): train.peak_flops, else the datasheet of the profile
     naming the GPU (the selected one first, then every shipped one), else a measured matmul."""
-    from nodetrain.breakdown import hardware_profiles, select_peak_flops
+    from nodetrain.run.breakdown import hardware_profiles, select_peak_flops
 
     profiles = hardware_profiles()
     by_name = {p.name: p for p in profiles}

@@ -37,7 +37,6 @@ import transformers
 from conftest import job_env, prepared_dir, torchrun_cmd
 from safetensors.torch import load_file
 
-from nodetrain import data
 from nodetrain.checkpoint import state as st
 from nodetrain.checkpoint.resume import (
     check_training_state,
@@ -45,10 +44,11 @@ from nodetrain.checkpoint.resume import (
     load_training_state,
     restore_steps,
 )
-from nodetrain.config import ModelConfig, OptimConfig
+from nodetrain.config.schema import ModelConfig, OptimConfig
+from nodetrain.data import datasets as data
 from nodetrain.model import HFModel, build_hf_config
-from nodetrain.optim import StoreAdamW
-from nodetrain.outputs import checkpoint_bytes
+from nodetrain.optim.adamw import StoreAdamW
+from nodetrain.run.outputs import checkpoint_bytes
 from nodetrain.store import HostStore, StoreLayout
 
 ROOT = Path(__file__).resolve().parents[1]

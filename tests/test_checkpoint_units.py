@@ -26,9 +26,9 @@ from nodetrain.checkpoint import state as st
 from nodetrain.checkpoint import tensors
 from nodetrain.checkpoint.hf_import import check_model_dir, load_hf_weights
 from nodetrain.checkpoint.resume import choose_checkpoint
-from nodetrain.config import ModelConfig
-from nodetrain.jobs import REFUSALS
+from nodetrain.config.schema import ModelConfig
 from nodetrain.model import HFModel, build_hf_config
+from nodetrain.run.jobs import REFUSALS
 from nodetrain.store import HostStore, StoreLayout
 
 TINY = {

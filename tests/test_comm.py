@@ -1,4 +1,4 @@
-"""Collectives and P2P on the device their process group serves (nodetrain/comm.py), on CPU.
+"""Collectives and P2P on the device their process group serves (nodetrain/engine/comm.py), on CPU.
 
 NCCL has no CPU backend: a CPU tensor in an NCCL all-reduce fails on a GPU node only. Here a
 recorded fake ``dist`` answers "nccl" and the rank's device is ``cuda:0``; CUDA tensors are
@@ -23,10 +23,10 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import nodetrain.replicas as replicas
-from nodetrain.comm import Comm, P2POp, WrongDevice
-from nodetrain.pipeline import P2P, Transfer
-from nodetrain.replicas import ReplicaGradSum, Topology
+import nodetrain.engine.replicas as replicas
+from nodetrain.engine.comm import Comm, P2POp, WrongDevice
+from nodetrain.engine.pipeline import P2P, Transfer
+from nodetrain.engine.replicas import ReplicaGradSum, Topology
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA0 = torch.device("cuda", 0)
@@ -128,7 +128,7 @@ def test_only_comm_calls_tensor_collectives() -> None:
     offenders = []
     for path in (ROOT / "nodetrain").rglob("*.py"):
         rel = path.relative_to(ROOT / "nodetrain").as_posix()
-        if rel == "comm.py" or rel.startswith("checkpoint/"):
+        if rel == "engine/comm.py" or rel.startswith("checkpoint/"):
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if TENSOR_COLLECTIVES.search(line):
@@ -146,7 +146,7 @@ def replica_engine(monkeypatch, tmp_path):
     (with the calling thread) and does nothing."""
     import torch.distributed as dist
 
-    import nodetrain.engine as engine_mod
+    import nodetrain.engine.engine as engine_mod
     from bench._engine import base_config, init_single_process, model_config
     from nodetrain.model import HFModel, build_hf_config
 

@@ -17,7 +17,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
-from nodetrain.config import (
+from nodetrain.config.checks import _FIELD_CHECKS, float_fields
+from nodetrain.config.schema import (
     HF_KEYS,
     SUPPORTED_ARCHS,
     Config,
@@ -27,7 +28,6 @@ from nodetrain.config import (
     to_typed,
     validate,
 )
-from nodetrain.config_checks import _FIELD_CHECKS, float_fields
 from nodetrain.model import build_hf_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -358,7 +358,7 @@ def test_rank_resolvers(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (node.rank, node.sub) == (3, None)
 
 
-_PRINT_ID = "from nodetrain.config import run_id; print(run_id())"
+_PRINT_ID = "from nodetrain.config.schema import run_id; print(run_id())"
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -407,7 +407,7 @@ def test_run_id_of_plain_processes_differ() -> None:
 _APP = """
 import logging, os, sys
 import hydra
-from nodetrain.config import register_configs, to_typed, validate
+from nodetrain.config.schema import register_configs, to_typed, validate
 
 register_configs()
 

@@ -16,10 +16,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from nodetrain import corpus, data, progress, tokenizer
-from nodetrain.config import DataConfig
-from nodetrain.data import EOT_TOKEN, TokenDataset, batch, prepare
-from nodetrain.progress import TaskProgress
+from nodetrain.config.schema import DataConfig
+from nodetrain.data import corpus, progress, tokenizer
+from nodetrain.data import datasets as data
+from nodetrain.data.datasets import EOT_TOKEN, TokenDataset, batch, prepare
+from nodetrain.data.progress import TaskProgress
 
 HASHES = ".file_hashes.json"  # data.py's hash cache in the data.dir root
 TEXTS = [

@@ -18,9 +18,9 @@ import torch
 import transformers
 from conftest import SONNET, TINY_RUN, job_env, prepared_dir, torchrun_cmd
 
-from nodetrain import data
 from nodetrain.checkpoint.export import run_tokenizer, write_export_files
-from nodetrain.config import DataConfig
+from nodetrain.config.schema import DataConfig
+from nodetrain.data import datasets as data
 
 ROOT = Path(__file__).resolve().parents[1]
 

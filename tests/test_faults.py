@@ -33,14 +33,22 @@ from conftest import ROOT, SONNET, TINY_RUN, job_env, prepared_dir, start_job, t
 from safetensors.torch import load_file
 from test_parity import ATOL_WEIGHT, OPTIM, RTOL, lr_schedule
 
-from nodetrain import data
 from nodetrain.checkpoint import state as st
-from nodetrain.comm import Comm
-from nodetrain.config import Config, DataConfig, FaultInjectionConfig, ModelConfig
-from nodetrain.data_checks import check_vocab, open_splits
-from nodetrain.faults import BadSteps, NonFiniteError, StopRequest, maybe_fail, poison_grads
+from nodetrain.config.schema import Config, DataConfig, FaultInjectionConfig, ModelConfig
+from nodetrain.data import datasets as data
+from nodetrain.data.checks import check_vocab, open_splits
+from nodetrain.engine.comm import Comm
+from nodetrain.engine.pipeline import P2P
 from nodetrain.model import build_hf_config
-from nodetrain.pipeline import P2P
+from nodetrain.run import faults as faults_mod
+from nodetrain.run.faults import (
+    BadSteps,
+    NonFiniteError,
+    StopRequest,
+    maybe_fail,
+    nan_injection,
+    poison_grads,
+)
 
 TINY = [
     *TINY_RUN,
@@ -123,6 +131,29 @@ def test_fault_knobs_fire_only_on_their_rank_and_step() -> None:
     assert all(torch.isfinite(g).all() for g in grads)
     poison_grads(test, 0, 3, grads)
     assert torch.isfinite(grads[0]).all() and math.isnan(grads[1][0])
+
+
+def test_nan_injection_is_no_hook_when_off_and_poisons_the_last_unit_at_its_step(monkeypatch) -> None:
+    """The engine's one NaN hook: None when ``test.nan_*`` is off (the optimizer thread calls nothing);
+    on, it poisons only the stage's last unit, only at ``nan_step`` (1-based; ``step[0]`` 0-based)."""
+    assert nan_injection(FaultInjectionConfig(), None, 7, [0]) is None
+
+    class Store:
+        def __init__(self) -> None:
+            self.grads = {6: torch.zeros(4), 7: torch.zeros(4)}
+
+        def grad(self, unit: int) -> torch.Tensor:
+            return self.grads[unit]
+
+    monkeypatch.setattr(faults_mod.dist, "get_rank", lambda: 0)
+    step, store = [0], Store()
+    poison = nan_injection(FaultInjectionConfig(nan_rank=0, nan_step=2), store, 7, step)
+    poison(6, 7)  # step 1: not yet
+    step[0] = 1
+    poison(6)  # step 2, but the last unit is not among these
+    assert all(torch.isfinite(g).all() for g in store.grads.values())
+    poison(7)
+    assert math.isnan(store.grads[7][0]) and torch.isfinite(store.grads[6]).all()
 
 
 class _Work:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nodetrain import optim
-from nodetrain.config import OptimConfig
+from nodetrain.config.schema import OptimConfig
 from nodetrain.model.hf import Unit
-from nodetrain.optim import StoreAdamW, clip_coef
+from nodetrain.optim import adamw as optim
+from nodetrain.optim.adamw import StoreAdamW, clip_coef
 from nodetrain.store import HostStore, StoreLayout
 
 UNITS = [Unit(0, "layers.0", (), 1000, 900), Unit(1, "layers.1", (), 333, 300)]

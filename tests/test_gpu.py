@@ -21,12 +21,12 @@ import time
 import pytest
 import torch
 
-import nodetrain.staging as staging
-import nodetrain.stream as stream
-from nodetrain.breakdown import Timeline, measured_peak_flops
+import nodetrain.engine.staging as staging
+import nodetrain.engine.window as stream
+from nodetrain.engine.window import Window
 from nodetrain.model import Binding
+from nodetrain.run.breakdown import Timeline, measured_peak_flops
 from nodetrain.store import HostStore, StoreLayout
-from nodetrain.stream import Window
 
 pytestmark = [
     pytest.mark.gpu,

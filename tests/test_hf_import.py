@@ -23,10 +23,10 @@ import transformers
 from conftest import TINY_RUN, job_env, prepared_dir, torchrun_cmd
 from safetensors.torch import load_file, save_file
 
-from nodetrain import data
 from nodetrain.checkpoint.hf_import import check_model_dir, load_hf_weights
-from nodetrain.config import ModelConfig
-from nodetrain.data_checks import check_vocab
+from nodetrain.config.schema import ModelConfig
+from nodetrain.data import datasets as data
+from nodetrain.data.checks import check_vocab
 from nodetrain.model import HFModel, build_hf_config
 from nodetrain.store import HostStore, StoreLayout
 

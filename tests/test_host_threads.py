@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nodetrain.engine import _host_threads
-from nodetrain.host_threads import bind_threads, numa_binding, parse_cpulist, split_cores
-from nodetrain.stream import _CopyWorker
+from nodetrain.engine.engine import _host_threads
+from nodetrain.engine.host_threads import bind_threads, numa_binding, parse_cpulist, split_cores
+from nodetrain.engine.window import _CopyWorker
 
 
 @pytest.mark.parametrize(
@@ -121,7 +121,7 @@ def test_engine_logs_the_split(caplog, monkeypatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     cfg = SimpleNamespace(stream=SimpleNamespace(accum_threads=0), optim=SimpleNamespace(threads=1))
     cores = len(os.sched_getaffinity(0))
-    with caplog.at_level(logging.INFO, logger="nodetrain.engine"):
+    with caplog.at_level(logging.INFO, logger="nodetrain.engine.engine"):
         split = _host_threads(cfg, torch.device("cpu"), 0)
     assert split.optim_threads == 1 and split.accum_threads == max(1, cores - 1)
     text = caplog.text

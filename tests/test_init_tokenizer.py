@@ -15,9 +15,9 @@ import pytest
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from nodetrain import data
-from nodetrain.config import Config, DataConfig, ModelConfig
-from nodetrain.data_checks import check_init_vocab, check_vocab, run_data_config
+from nodetrain.config.schema import Config, DataConfig, ModelConfig
+from nodetrain.data import datasets as data
+from nodetrain.data.checks import check_init_vocab, check_vocab, run_data_config
 
 TEXT = "Shall I compare thee to a summer's day?\nThou art more lovely and more temperate:\n" * 40
 

@@ -12,11 +12,11 @@ import itertools
 import pytest
 import torch
 
-from nodetrain import lean_optim
-from nodetrain.config import OptimConfig
-from nodetrain.lean_optim import LeanAdamW
+from nodetrain.config.schema import OptimConfig
 from nodetrain.model.hf import Unit
-from nodetrain.quant import dequantize_blockwise, dynamic_map, quantize_blockwise, stochastic_round_bf16
+from nodetrain.optim import lean as lean_optim
+from nodetrain.optim.lean import LeanAdamW
+from nodetrain.optim.quant import dequantize_blockwise, dynamic_map, quantize_blockwise, stochastic_round_bf16
 from nodetrain.store import LEAN_FORMATS, HostStore, StoreLayout
 
 UNITS = [Unit(0, "layers.0", (), 5000, 4500), Unit(1, "layers.1", (), 333, 300)]
@@ -200,7 +200,7 @@ def test_tiny_second_moment_never_decodes_to_zero(store):
 def test_table_lookup_is_searchsorted_for_every_float(bits, signed):
     """quant._nearest (table + corrections) against ``torch.searchsorted`` on 4M random fp32 bit
     patterns (every sign, exponent, denormal and infinity; NaN excluded) plus the map's own values."""
-    from nodetrain.quant import _midpoints, _nearest
+    from nodetrain.optim.quant import _midpoints, _nearest
 
     pattern = torch.randint(-(2**31), 2**31 - 1, (1 << 22,), dtype=torch.int32, generator=torch.Generator())
     x = pattern.view(torch.float32)

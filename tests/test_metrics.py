@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from wandb_log import read_run
 
-from nodetrain import metrics
-from nodetrain.metrics import METRICS_FILE, MetricsLogger, eta_seconds, format_progress
+from nodetrain.run import metrics
+from nodetrain.run.metrics import METRICS_FILE, MetricsLogger, eta_seconds, format_progress
 
 KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"}
 

@@ -1,4 +1,4 @@
-"""A run's claim on its outputs (nodetrain/outputs.py), in process: locks, stale locks, another run's
+"""A run's claim on its outputs (nodetrain/run/outputs.py), in process: locks, stale locks, another run's
 checkpoints, unwritable and too small directories, and which run ``checkpoint.resume=auto`` continues."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from conftest import TINY_RUN, job_env, start_job, torchrun_cmd
 
-from nodetrain import outputs
 from nodetrain.checkpoint import state as st
-from nodetrain.config import ConfigError
-from nodetrain.outputs import LOCK_NAME, RunOutputs, check_space, refuse_if_held, run_to_continue
+from nodetrain.config.schema import ConfigError
+from nodetrain.run import outputs
+from nodetrain.run.outputs import LOCK_NAME, RunOutputs, check_space, refuse_if_held, run_to_continue
 
 
 def _checkpoint(ckpts: Path, step: int, config_hash: str, run_dir: Path) -> Path:

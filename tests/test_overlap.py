@@ -16,14 +16,14 @@ import threading
 import pytest
 import torch
 
-from nodetrain.config import OptimConfig
-from nodetrain.host_threads import limit_thread
+from nodetrain.config.schema import OptimConfig
+from nodetrain.engine.host_threads import limit_thread
+from nodetrain.engine.overlap import UnitUpdates
+from nodetrain.engine.window import Window
 from nodetrain.model import Binding
 from nodetrain.model.hf import Unit
-from nodetrain.optim import StoreAdamW
-from nodetrain.overlap import UnitUpdates
+from nodetrain.optim.adamw import StoreAdamW
 from nodetrain.store import HostStore, StoreLayout
-from nodetrain.stream import Window
 
 # Unit 0: an "embedding" [8, 4]; units 1, 2: a [4, 4] matrix + a [4] norm; block 2 also binds
 # unit 0's weight, as a tied head does on a single stage.

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
 
-from nodetrain.pipeline import build_schedule, step_rounds
+from nodetrain.engine.pipeline import build_schedule, step_rounds
 
 WORKER = Path(__file__).resolve().parent / "parity_worker.py"
 IGNORE = -100
@@ -331,7 +331,7 @@ def _step_h2d_numel(case: Case, stage: int, names: list[str], numel: dict[str, i
     over the step's schedule (1f1b: ONE round of G·M micro-batches; gpipe: G rounds of M), a forward
     loading every block but the embedding, a backward every block but the embedding and the last
     stage's head (its gradients are taken in its forward), in reverse; a use right after a use of the
-    same block shares its load (stream.py). The embedding moves only ``rows`` (the step's distinct
+    same block shares its load (window.py). The embedding moves only ``rows`` (the step's distinct
     ids × hidden, summed over micro-batches). G rounds of 1f1b would reuse fewer."""
     rounds, per_round = step_rounds(case.schedule, case.grad_accum, case.microbatches)
     actions = build_schedule(case.schedule, case.stages, stage, per_round) * rounds

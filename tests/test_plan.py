@@ -3,7 +3,7 @@ profile, the ``python -m nodetrain.plan`` CLI, and the training start-up refusal
 the node cannot hold (before anything is allocated).
 
 The hand computations below are written from the model's shapes and the documented formulas
-(``nodetrain/costs.py`` docstrings), not by calling the planner's helpers.
+(``nodetrain/plan/costs.py`` docstrings), not by calling the planner's helpers.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 from conftest import SONNET
 from hydra import compose, initialize_config_dir
 
-from nodetrain.config import (
+from nodetrain.config.schema import (
     Config,
     ConfigError,
     HardwareConfig,
@@ -27,7 +27,7 @@ from nodetrain.config import (
     register_configs,
     to_typed,
 )
-from nodetrain.plan import host_problems, make_plan
+from nodetrain.plan.planner import host_problems, make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

@@ -1,4 +1,4 @@
-"""Plots of a run (nodetrain/plots.py): PNG files that Pillow decodes, of a real size, that change with
+"""Plots of a run (nodetrain/run/plots.py): PNG files that Pillow decodes, of a real size, that change with
 the data, from ``metrics.jsonl`` as the trainer writes it; and the ``python -m nodetrain.plots`` command.
 """
 
@@ -15,9 +15,9 @@ import pytest
 from conftest import ROOT
 from PIL import Image
 
-from nodetrain import plots
-from nodetrain.breakdown import PHASES
-from nodetrain.plots import SWEEP_PLOT, main, sweep_curves, time_bars, write_plots
+from nodetrain.run import plots
+from nodetrain.run.breakdown import PHASES
+from nodetrain.run.plots import SWEEP_PLOT, main, sweep_curves, time_bars, write_plots
 
 NAMES = ["loss.png", "tokens_per_s.png", "time.png", "summary.png"]
 

@@ -1,4 +1,4 @@
-"""The README's configuration table matches the schema (nodetrain/config.py) both ways: every key it
+"""The README's configuration table matches the schema (nodetrain/config/schema.py) both ways: every key it
 names exists, and every key a user may set is in it (test-only knobs and the fields a group's YAML
 sets, such as ``model.hf``, are covered by their group's row)."""
 
@@ -8,7 +8,7 @@ import dataclasses
 import re
 from pathlib import Path
 
-from nodetrain.config import Config
+from nodetrain.config.schema import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUP_SET = {"model.name", "model.arch", "model.hf", "data.name"}

@@ -1,4 +1,4 @@
-"""Data parallelism across nodes (nodetrain/replicas.py): rank layout, groups, gradient sum, and the
+"""Data parallelism across nodes (nodetrain/engine/replicas.py): rank layout, groups, gradient sum, and the
 acceptance run — two torchrun "nodes" on this machine train exactly like one node on the whole batch.
 
 Cheapest first: the pure topology and config rules; then a 4-rank gloo world checking the groups
@@ -35,8 +35,8 @@ from test_parity import (
     save_seeded_model,
 )
 
-from nodetrain.config import Config, ConfigError, grad_accum_of, validate
-from nodetrain.replicas import Topology, replica_slice
+from nodetrain.config.schema import Config, ConfigError, grad_accum_of, validate
+from nodetrain.engine.replicas import Topology, replica_slice
 
 # ----------------------------------------------------------------------------- pure rules
 

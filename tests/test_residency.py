@@ -1,4 +1,4 @@
-"""Residency: which blocks stay on the device (residency.py) and the window serving them (stream.py).
+"""Residency: which blocks stay on the device (residency.py) and the window serving them (window.py).
 
 Resident blocks are loaded once per sequence (step), streamed ones at every use; both must hand
 out the current transfer copy. A resident block's gradients add up in a device fp32 accumulator
@@ -11,17 +11,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-import nodetrain.stream as stream
-from nodetrain.model import Binding
-from nodetrain.residency import (
+import nodetrain.engine.window as stream
+from nodetrain.engine.residency import (
     MARGIN_BYTES,
     auto_device_budget,
     choose_resident,
     saved_transfer_bytes,
     stage_activation_bytes,
 )
+from nodetrain.engine.window import Window
+from nodetrain.model import Binding
 from nodetrain.store import HostStore, StoreLayout
-from nodetrain.stream import Window
 
 UNIT_NUMELS = (32, 20, 20, 20)
 BINDINGS = [
@@ -63,7 +63,7 @@ def test_budget_uses_the_planners_activation_model(monkeypatch, caplog) -> None:
     from test_plan import _config_a
 
     from nodetrain.model import HFModel, build_hf_config
-    from nodetrain.plan import make_plan
+    from nodetrain.plan.planner import make_plan
 
     cfg = _config_a()
     plan, model = make_plan(cfg), HFModel(build_hf_config(cfg.model))
@@ -72,7 +72,7 @@ def test_budget_uses_the_planners_activation_model(monkeypatch, caplog) -> None:
         acts = stage_activation_bytes(cfg, model, st.blocks, st.stage, 2, 1, cuda)
         assert acts == st.activation_bytes > 0, st
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * 2**30, 80 * 2**30))
-    with caplog.at_level("INFO", logger="nodetrain.residency"):
+    with caplog.at_level("INFO", logger="nodetrain.engine.residency"):
         assert auto_device_budget(cuda, 3 << 30, 1 << 30) == (10 - 3 - 1) * 2**30 - MARGIN_BYTES
     assert "margin" in caplog.text and "2.15 GB margin" in caplog.text
     assert auto_device_budget(torch.device("cpu"), 0, 0) == 0
@@ -200,7 +200,7 @@ def test_planner_counts_the_windows_resident_bytes(store, resident) -> None:
     """``costs.stage_memory`` (the planner and the automatic budget) holds what the Window allocates:
     the slots sized by the largest streamed block, and each resident block's weights plus its fp32
     gradient accumulator, 8 B/element in fp32."""
-    from nodetrain.costs import ModelShape, stage_memory
+    from nodetrain.plan.costs import ModelShape, stage_memory
 
     shape = ModelShape(
         unit_numels=UNIT_NUMELS,

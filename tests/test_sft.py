@@ -26,13 +26,13 @@ import torch.nn.functional as F
 import transformers
 from conftest import SONNET, job_env, torchrun_cmd
 
-from nodetrain import data
 from nodetrain.checkpoint.export import run_tokenizer
-from nodetrain.config import Config, DataConfig
-from nodetrain.data_checks import open_splits
+from nodetrain.config.schema import Config, DataConfig
+from nodetrain.data import datasets as data
+from nodetrain.data.checks import open_splits
+from nodetrain.data.packing import IGNORE_INDEX, pack, pairs
+from nodetrain.data.sft import RecordsDataset, load_records, prepare_records, tokenize_record
 from nodetrain.model import HFModel
-from nodetrain.packing import IGNORE_INDEX, pack, pairs
-from nodetrain.sft import RecordsDataset, load_records, prepare_records, tokenize_record
 
 ROOT = Path(__file__).resolve().parents[1]
 CHATML = (

@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from nodetrain import linear_ce
-from nodetrain.linear_ce import IGNORE_INDEX
+from nodetrain.engine import linear_ce
+from nodetrain.engine.linear_ce import IGNORE_INDEX
+from nodetrain.engine.stage import StageRunner
+from nodetrain.engine.window import Window
 from nodetrain.model import Binding, HFModel
-from nodetrain.stage import StageRunner
 from nodetrain.store import HostStore, StoreLayout
-from nodetrain.stream import Window
 
 V, D = 8, 4
 UNIT_NUMELS = (V * D, 20, 20)

@@ -41,11 +41,11 @@ from test_update_in_backward import (
     _reference_left_out,
 )
 
-from nodetrain.config import OptimConfig
-from nodetrain.optim import StoreAdamW, clip_coef
-from nodetrain.overlap import UnitUpdates, update_mode
-from nodetrain.plan import make_plan
-from nodetrain.stream import Window
+from nodetrain.config.schema import OptimConfig
+from nodetrain.engine.overlap import UnitUpdates, update_mode
+from nodetrain.engine.window import Window
+from nodetrain.optim.adamw import StoreAdamW, clip_coef
+from nodetrain.plan.planner import make_plan
 
 # ----------------------------------------------------------------------------- pure rule
 

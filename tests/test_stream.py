@@ -13,11 +13,11 @@ import time
 import pytest
 import torch
 
-import nodetrain.stream as stream
+import nodetrain.engine.window as stream
+from nodetrain.engine.pipeline import build_schedule
+from nodetrain.engine.window import Window
 from nodetrain.model import Binding
-from nodetrain.pipeline import build_schedule
 from nodetrain.store import HostStore, StoreLayout
-from nodetrain.stream import Window
 
 # Three units: 0 = an "embedding" [8, 4] (tied: owned elsewhere), 1 and 2 = "layers" with a matrix and a
 # vector. Block 2 also binds unit 0's weight, as the tied head does.

@@ -25,9 +25,9 @@ import tqdm
 from conftest import ROOT, TINY_RUN, torchrun_cmd
 from wandb_log import read_run
 
-from nodetrain.config import OptimConfig
-from nodetrain.jobs import Release
-from nodetrain.plots import SWEEP_PLOT, sweep_curves
+from nodetrain.config.schema import OptimConfig
+from nodetrain.run.jobs import Release
+from nodetrain.run.plots import SWEEP_PLOT, sweep_curves
 
 TINY = [*TINY_RUN, "train.eval_batches=1"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -178,7 +178,7 @@ def test_multirun_job_failing_on_one_rank_ends_the_sweep(tmp_path: Path, corpus:
     log = (sweep / "0" / "rank1.log").read_text()
     assert "job failed; ending this rank" in log and "test.fail_step=2: injected failure" in log
     assert [r["step"] for r in _records(sweep / "0")] == [1], "step 2 must not complete"
-    failed = re.search(r"^\[([\d\- :,]+)\]\[rank1\]\[nodetrain\.jobs\]\[ERROR\] - job failed", log, re.M)
+    failed = re.search(r"^\[([\d\- :,]+)\]\[rank1\]\[nodetrain\.run\.jobs\]\[ERROR\] - job failed", log, re.M)
     failed_at = failed[1]
     since_s = exited - datetime.strptime(failed_at, "%Y-%m-%d %H:%M:%S,%f").timestamp()
     assert since_s < 60, f"the ranks took {since_s:.0f}s to exit after the failure"

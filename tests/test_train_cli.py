@@ -45,7 +45,7 @@ def test_two_ranks_one_run_dir_with_metrics_logs_and_wandb(tmp_path, corpus):
     assert [r["step"] for r in steps] == [1, 2, 3]
     for r in steps:
         assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"} <= r.keys()
-        # the step breakdown of both stages (nodetrain/breakdown.py), gathered by rank 0
+        # the step breakdown of both stages (nodetrain/run/breakdown.py), gathered by rank 0
         assert {"mfu", "tflops", "compute_s", "h2d_gbps", "stage0/stall_s", "stage1/bubble_s"} <= r.keys()
         assert r["tokens"] == 2 * 2 * 16  # micro-batches × micro-batch size × seq_len, no padding
     assert records[0]["step"] == 0 and "val_loss" in records[0]

@@ -50,10 +50,10 @@ from test_parity import (
 )
 from test_replicas import _launch_two_nodes
 
-from nodetrain.config import OptimConfig
-from nodetrain.optim import StoreAdamW
-from nodetrain.overlap import UnitUpdates, final_order, update_mode
-from nodetrain.stream import Window
+from nodetrain.config.schema import OptimConfig
+from nodetrain.engine.overlap import UnitUpdates, final_order, update_mode
+from nodetrain.engine.window import Window
+from nodetrain.optim.adamw import StoreAdamW
 
 # ----------------------------------------------------------------------------- pure rules
 

@@ -4,6 +4,7 @@ Modules: ``tensors`` (safetensors by byte range, no mmap), ``hf_import`` (``mode
 ``state`` (trainer_state.json, RNG, manifests, verification), ``writer`` (snapshot, background
 write, atomic commit), ``resume`` (pick, verify, load by HF name for any stage count),
 ``collective`` (JSON between ranks), ``checkpointing`` (what train.py calls).
+Must not import data, run, engine, plan or train (only config, store, model, optim).
 """
 
 from nodetrain.checkpoint.checkpointing import Checkpointing

@@ -40,9 +40,9 @@ from nodetrain.checkpoint.resume import (
     training_state_loader,
 )
 from nodetrain.checkpoint.writer import CheckpointWriter
-from nodetrain.config import Config, grad_accum_of
+from nodetrain.config.schema import Config, grad_accum_of
 from nodetrain.model import HFModel
-from nodetrain.optim import lr_at
+from nodetrain.optim.adamw import lr_at
 
 __all__ = ["Checkpointing"]
 

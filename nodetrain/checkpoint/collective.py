@@ -1,7 +1,9 @@
-"""JSON values exchanged between ranks as byte tensors, so checkpointing never pickles anything.
+"""JSON values exchanged between ranks, on ``torch.distributed``'s object collectives.
 
-(``torch.distributed``'s ``*_object`` collectives pickle; the values here are plain JSON, and
-keeping them JSON end to end means no rank ever unpickles bytes another process produced.)
+Each value crosses as its JSON text (``json.dumps(allow_nan=False)``: a value JSON cannot carry fails
+on the sender, before the collective), so what a rank receives is a ``str`` that ``json.loads``
+parses: the object collectives pickle only that string, never a structure another process built.
+Collectives of the group given (checkpointing's own gloo group: CPU, no device to pick).
 """
 
 from __future__ import annotations
@@ -9,41 +11,29 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 __all__ = ["all_gather_json", "broadcast_json"]
 
 
-def _encode(obj: Any) -> torch.Tensor:
-    return torch.frombuffer(bytearray(json.dumps(obj, allow_nan=False).encode()), dtype=torch.uint8)
-
-
-def _decode(t: torch.Tensor) -> Any:
-    return json.loads(t.numpy().tobytes().decode())
-
-
 def broadcast_json(obj: Any, group=None, src: int = 0) -> Any:
-    """``obj`` of rank ``src`` on every rank (the others' ``obj`` is ignored)."""
-    data = _encode(obj) if dist.get_rank() == src else torch.empty(0, dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
-    dist.broadcast(size, src=src, group=group)
-    if dist.get_rank() != src:
-        data = torch.empty(int(size), dtype=torch.uint8)
-    if int(size):
-        dist.broadcast(data, src=src, group=group)
-    return _decode(data)
+    """``obj`` of global rank ``src`` on every rank of ``group`` (the others' ``obj`` is ignored).
+
+    Raises:
+        ValueError: on ``src``, ``obj`` holds NaN or infinity (not JSON).
+        TypeError: on ``src``, ``obj`` is not JSON-serializable.
+    """
+    box = [json.dumps(obj, allow_nan=False) if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return json.loads(box[0])
 
 
 def all_gather_json(obj: Any, group=None) -> list[Any]:
-    """Every rank's ``obj``, in rank order, on every rank."""
-    data = _encode(obj)
-    world = dist.get_world_size(group)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=group)
-    longest = max(int(s) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: data.numel()] = data
-    out = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(out, padded, group=group)
-    return [_decode(t[: int(s)]) for t, s in zip(out, sizes, strict=True)]
+    """Every rank's ``obj``, in the group's rank order, on every rank of ``group``.
+
+    Raises:
+        ValueError / TypeError: ``obj`` is not JSON (as :func:`broadcast_json`).
+    """
+    texts: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(texts, json.dumps(obj, allow_nan=False), group=group)
+    return [json.loads(t) for t in texts]

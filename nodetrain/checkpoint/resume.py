@@ -26,7 +26,7 @@ from nodetrain.checkpoint import state as st
 from nodetrain.checkpoint.state import lean_key
 from nodetrain.checkpoint.tensors import TensorEntry, read_index, read_into
 from nodetrain.model import Unit
-from nodetrain.optim import StoreAdamW
+from nodetrain.optim.adamw import StoreAdamW
 from nodetrain.store import LEAN_MOMENT_FIELDS, HostStore, StoreLayout
 
 __all__ = [
@@ -147,7 +147,7 @@ def check_training_state(
 
 def load_training_state(ckpt: Path, state: dict[str, Any], store: HostStore, units: list[Unit]) -> None:
     """Fill fp32 master weights, ``exp_avg`` and ``exp_avg_sq`` of ``units`` from a ``full`` checkpoint
-    (into a ``full`` store, or a lean_optim.FullScratch that is then quantized).
+    (into a ``full`` store, or a optim.lean.FullScratch that is then quantized).
 
     Raises:
         CheckpointError: as :func:`check_training_state`.
@@ -190,7 +190,7 @@ def training_state_loader(ckpt: Path, state: dict[str, Any], optim_state: str):
     if optim_state == "lean":
         log.warning(
             "resuming the full checkpoint %s with optim.state=lean: master weights are rounded to bf16 "
-            "and exp_avg / exp_avg_sq quantized to 4 / 8 bits (lean_optim.py)",
+            "and exp_avg / exp_avg_sq quantized to 4 / 8 bits (optim/lean.py)",
             ckpt,
         )
     return lambda store, units: load_training_state(ckpt, state, store, units)

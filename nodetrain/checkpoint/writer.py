@@ -39,16 +39,17 @@ from nodetrain.checkpoint import state as st
 from nodetrain.checkpoint.collective import all_gather_json, broadcast_json
 from nodetrain.checkpoint.export import write_export_files
 from nodetrain.checkpoint.state import lean_key
-from nodetrain.config import CheckpointConfig
+from nodetrain.config.constants import DTYPES
+from nodetrain.config.schema import CheckpointConfig
 from nodetrain.model import HFModel, Unit
-from nodetrain.optim import StoreAdamW
+from nodetrain.optim.adamw import StoreAdamW
 from nodetrain.store import LEAN_MOMENT_FIELDS, HostStore
 
 __all__ = ["CheckpointWriter", "EXPORT_DTYPES"]
 
 log = logging.getLogger(__name__)
 
-EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+EXPORT_DTYPES = DTYPES  # checkpoint.export_dtype name -> torch dtype: the config's dtype table
 _SNAPSHOT_FIELDS = ("master", "exp_avg", "exp_avg_sq")
 _LEAN_SNAPSHOT_FIELDS = ("compute", *LEAN_MOMENT_FIELDS)
 _META = {"format": "pt"}  # transformers refuses safetensors files without it

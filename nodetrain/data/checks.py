@@ -1,0 +1,195 @@
+"""Start-up checks of a prepared dataset against the run that is about to use it.
+
+Owns: which tokenizer a run uses (``model.init_from``'s own, unless ``data.tokenizer`` says
+otherwise: a new BPE's ids would mean other things than the imported embedding rows), opening both
+splits for training, and refusing — before the host store exists — a split too short for one batch
+and a tokenizer whose vocabulary the model cannot embed. Does not own: preparing
+or validating the files themselves (datasets.py refuses a missing meta.json, a truncated or corrupt
+``.bin`` and ids >= the tokenizer's vocabulary when it opens a split).
+
+Rule for "too short": a split must hold at least as many non-overlapping windows of
+``train.seq_len + 1`` tokens (``data.batch``'s windows) as one batch has sequences: the global
+batch of one optimizer step for ``train.bin``, one evaluation batch for ``val.bin`` (checked only
+when ``train.eval_every`` > 0). A shorter split would repeat windows inside one batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+from nodetrain.data import datasets as data
+from nodetrain.config.schema import Config, DataConfig, ModelConfig, grad_accum_of
+from nodetrain.data.tokenizer import has_tokenizer
+
+__all__ = ["check_init_vocab", "check_vocab", "open_splits", "run_data_config"]
+
+log = logging.getLogger("nodetrain")
+
+
+def run_data_config(cfg: Config) -> DataConfig:
+    """``cfg.data`` with the tokenizer a run uses: ``data.tokenizer`` when set (``bpe`` = train a
+    BPE), else ``model.init_from``'s tokenizer when that is set, else a BPE trained on the corpus.
+
+    Raises:
+        ValueError: ``model.init_from`` holds no tokenizer and ``data.tokenizer`` is empty (a new
+            BPE would silently give ids that the imported embedding rows do not mean).
+    """
+    init_from, tokenizer = cfg.model.init_from, cfg.data.tokenizer
+    if not init_from or tokenizer not in ("", "bpe"):
+        return cfg.data
+    if tokenizer == "bpe":
+        log.warning(
+            "data.tokenizer=bpe with model.init_from=%s: a new BPE's ids do not mean what the imported "
+            "embedding rows learnt; expect the loss to start near the random level",
+            init_from,
+        )
+        return cfg.data
+    if not has_tokenizer(init_from):
+        raise ValueError(
+            f"model.init_from={init_from!r} holds no tokenizer (tokenizer.json or files AutoTokenizer loads) "
+            "and data.tokenizer is empty: training a new BPE would give ids that mean other things than the "
+            "imported embedding rows; fix: data.tokenizer=<the model's tokenizer directory>, or "
+            "data.tokenizer=bpe to train a new one on purpose"
+        )
+    log.info("data.tokenizer: the tokenizer of model.init_from=%s", init_from)
+    return dataclasses.replace(cfg.data, tokenizer=init_from)
+
+
+def _embedding_rows(model_dir: Path) -> int | None:
+    """``vocab_size`` of the HF ``config.json`` in ``model_dir`` (or its ``text_config``), or None."""
+    try:
+        hf = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # the import's own checks name the problem (checkpoint/hf_import.py)
+    rows = hf.get("vocab_size") or (hf.get("text_config") or {}).get("vocab_size")
+    return int(rows) if rows else None
+
+
+def _same_dir(a: str, b: str) -> bool:
+    return bool(a and b) and Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
+def check_init_vocab(model: ModelConfig, ds: data.TokenDataset, tokenizer: str = "") -> int | None:
+    """Refuse a tokenizer with more ids than ``model.init_from``'s embedding has rows.
+
+    An embedding with more rows than the tokenizer has ids is accepted (checkpoints pad their
+    vocabulary, e.g. Qwen's: the extra rows never see a token).
+
+    Args:
+        model: the run's model config.
+        ds: a split of the prepared dataset (its tokenizer's vocabulary).
+        tokenizer: the run's ``data.tokenizer`` (``run_data_config``'s): when it is
+            ``model.init_from`` itself, the directory's tokenizer and checkpoint disagree, and the
+            fix is another tokenizer or checkpoint, not "the model's own tokenizer".
+
+    Returns:
+        The embedding rows of ``model.init_from`` (the model's vocab_size unless ``model.hf`` sets
+        one), or None without ``model.init_from`` or a readable config.json there.
+
+    Raises:
+        ValueError: the tokenizer has more ids than the embedding rows, naming both and the fix.
+    """
+    if not model.init_from or (rows := _embedding_rows(Path(model.init_from).expanduser())) is None:
+        return None
+    if ds.vocab_size <= rows:
+        return rows
+    if _same_dir(tokenizer, model.init_from):
+        raise ValueError(
+            f"model.init_from={model.init_from!r} embeds {rows} token ids (config.json vocab_size) but the "
+            f"tokenizer in that same directory has {ds.vocab_size}: a mismatched checkpoint, ids >= {rows} "
+            f"have no embedding row; fix: data.tokenizer=<a tokenizer that matches the checkpoint (at most "
+            f"{rows} ids)>, or a model.init_from checkpoint whose embedding covers {ds.vocab_size} ids"
+        )
+    raise ValueError(
+        f"model.init_from={model.init_from!r} embeds {rows} token ids (config.json vocab_size) but the "
+        f"tokenizer {ds.path.parent / 'tokenizer.json'} has {ds.vocab_size}: ids >= {rows} have no "
+        "embedding row; fix: use the model's own tokenizer (leave data.tokenizer empty, or "
+        f"data.tokenizer=<model.init_from>), or a tokenizer of at most {rows} ids"
+    )
+
+
+def _check_length(ds: data.TokenDataset, num_sequences: int, seq_len: int, batch: str, fix: str) -> None:
+    windows = (ds.num_tokens - 1) // seq_len
+    if windows < num_sequences:
+        raise ValueError(
+            f"{ds.path} holds {ds.num_tokens} tokens = {windows} window(s) of train.seq_len + 1 = "
+            f"{seq_len + 1} tokens, fewer than the {num_sequences} sequences of {batch}; fix: {fix}"
+        )
+
+
+def open_splits(data_dir: str | Path, cfg: Config, num_replicas: int = 1):
+    """Open ``train.bin`` and ``val.bin`` of a prepared dataset and check their length.
+
+    Args:
+        data_dir: the directory ``data.prepare`` wrote.
+        cfg: the validated run config (batch shape, evaluation).
+        num_replicas: pipelines sharing the global batch (nodes).
+
+    Returns:
+        (train, val) ``data.TokenDataset``.
+
+    Raises:
+        FileNotFoundError, ValueError: as ``data.TokenDataset.open`` (missing, truncated or corrupt
+            files); a split shorter than one batch (see the module docstring), naming the file.
+    """
+    t, m = cfg.train, cfg.pipeline.microbatches
+    if cfg.data.format == "records":
+        return _open_records(Path(data_dir), cfg, num_replicas)
+    train = data.TokenDataset.open(data_dir, "train")
+    val = data.TokenDataset.open(data_dir, "val")
+    step_seqs = grad_accum_of(cfg, num_replicas) * m * t.micro_batch_size * num_replicas
+    batch = "one optimizer step (grad_accum × pipeline.microbatches × train.micro_batch_size × nodes)"
+    _check_length(train, step_seqs, t.seq_len, batch, "more text in data.source, or a smaller batch/seq_len")
+    if t.eval_every:
+        fix = "a larger data.val_fraction, more text, or train.eval_every=0"
+        _check_length(val, m * t.micro_batch_size, t.seq_len, "one evaluation batch", fix)
+    return train, val
+
+
+def _open_records(data_dir: Path, cfg: Config, num_replicas: int):
+    from nodetrain.data.sft import RecordsDataset
+
+    t, m = cfg.train, cfg.pipeline.microbatches
+    train, val = RecordsDataset.open(data_dir, "train"), RecordsDataset.open(data_dir, "val")
+    step_rows = grad_accum_of(cfg, num_replicas) * m * t.micro_batch_size * num_replicas
+    for ds, need, what in (
+        (train, step_rows, "one optimizer step"),
+        (val, m * t.micro_batch_size, "one eval"),
+    ):
+        if ds.num_rows < need and (ds is train or t.eval_every):
+            fix = "more records or a smaller batch" + ("" if cfg.data.packing else ", or data.packing=true")
+            raise ValueError(
+                f"{ds.path} holds {ds.num_rows} packed rows, fewer than the {need} sequences of {what}; "
+                f"fix: {fix}"
+            )
+    return train, val
+
+
+def check_vocab(model_vocab: int, ds: data.TokenDataset, tokenizer: str = "", init_from: str = "") -> None:
+    """Refuse a model whose embedding has fewer rows than the dataset's tokenizer has ids.
+
+    A larger model vocabulary is accepted (padded vocabularies are common: unused rows never see a
+    token).
+
+    Args:
+        model_vocab: the model's embedding rows.
+        ds: a split of the prepared dataset.
+        tokenizer, init_from: the run's ``data.tokenizer`` and ``model.init_from``: when they are
+            the same directory the tokenizer already is the model's own, and the fix does not say so.
+
+    Raises:
+        ValueError: ``model_vocab`` < the tokenizer's vocabulary, naming the dataset and the fix.
+    """
+    if model_vocab < ds.vocab_size:
+        own = _same_dir(tokenizer, init_from)
+        raise ValueError(
+            f"model.hf.vocab_size={model_vocab} is smaller than the vocabulary of "
+            f"{ds.path.parent / 'tokenizer.json'} ({ds.vocab_size} ids"
+            + (f", the tokenizer of model.init_from={init_from!r}" if own else "")
+            + f"; ids >= {model_vocab} would index past the embedding); fix: remove model.hf.vocab_size so "
+            + "the tokenizer's size is used, or raise it"
+            + ("" if own else ", or use the model's own tokenizer (data.tokenizer=<model dir>)")
+        )

@@ -1,0 +1,4 @@
+"""Engine: one rank's step: step order (``engine``), a unit's fwd/bwd (``stage``), the device window
+(``window``, ``staging``), pipeline schedule and P2P (``pipeline``, ``comm``), optimizer overlap
+(``overlap``), residency, replicas, host threads. Must not import plan (except ``plan.costs``) or train.
+"""

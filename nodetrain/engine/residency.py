@@ -1,0 +1,164 @@
+"""Residency: which of a stage's blocks stay in device memory instead of streaming.
+
+Owns: the device budget for resident blocks (``stream.device_budget``, or the automatic one) and
+the choice of blocks that fit it. Does not own: the buffers or the loads (window.py).
+
+A resident block costs ``numel × (e + 4)`` device bytes (its compute-dtype weights and an fp32
+gradient accumulator, ``costs.resident_bytes_per_param``) and saves, per step, every load of it but
+one (``(loads − 1) × numel × e`` H2D) and every gradient offload but one fp32 copy
+(``backwards × numel × e − 4 × numel`` D2H; the accumulator leaves once per step, window.py).
+Both directions run at the host link's speed, so transfer time saved per device byte is
+``saved bytes / cost bytes``; the choice is greedy in that order (ties: block order), after the
+last stage's head, which goes first (the stage's largest block, loaded at every use).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from nodetrain.plan.costs import GRAD_ACC_ITEMSIZE, resident_bytes_per_param, shape_of, stage_memory
+
+__all__ = [
+    "resident_blocks",
+    "choose_resident",
+    "saved_transfer_bytes",
+    "auto_device_budget",
+    "device_budget_bytes",
+    "stage_activation_bytes",
+    "MARGIN_BYTES",
+]
+
+log = logging.getLogger(__name__)
+
+MARGIN_BYTES = 2 << 30
+"""Device bytes the automatic budget leaves free for the allocator, CUDA context growth and NCCL."""
+
+
+def saved_transfer_bytes(numel: int, itemsize: int, loads: int, backwards: int) -> int:
+    """Link bytes per step a block saves by being resident (see the module docstring).
+
+    Args:
+        numel: elements the block binds; itemsize: compute-dtype bytes (e).
+        loads: its uses in the step's load sequence; backwards: its gradient offloads in the step.
+    """
+    h2d = max(loads - 1, 0) * numel * itemsize
+    d2h = backwards * numel * itemsize - (numel * GRAD_ACC_ITEMSIZE if backwards else 0)
+    return h2d + d2h
+
+
+def choose_resident(
+    cost_bytes: dict[int, int], saved_bytes: dict[int, int], budget: int, first=()
+) -> list[int]:
+    """Blocks to keep resident within ``budget`` device bytes, in block order.
+
+    Greedy: the ``first`` blocks (the last stage's head), then the others by saved bytes per device
+    byte, highest first (ties: lower block first); a block that does not fit is skipped.
+
+    Args:
+        cost_bytes: block index -> device bytes if resident (weights + fp32 accumulator).
+        saved_bytes: block index -> link bytes per step it saves (:func:`saved_transfer_bytes`).
+        budget: bytes available; ≤ 0 keeps nothing resident.
+        first: blocks tried before the ranking.
+    """
+    rest = sorted(
+        (b for b in cost_bytes if b not in first), key=lambda b: (-saved_bytes[b] / max(cost_bytes[b], 1), b)
+    )
+    chosen, left = [], budget
+    for block in [b for b in first if b in cost_bytes] + rest:
+        if 0 < cost_bytes[block] <= left:
+            chosen.append(block)
+            left -= cost_bytes[block]
+    return sorted(chosen)
+
+
+def stage_activation_bytes(cfg, model, blocks, stage: int, num_stages: int, grad_accum: int, device) -> int:
+    """Peak activation bytes of this stage: the planner's model (``costs.stage_memory``: saved
+    block inputs of the micro-batches in flight, P2P buffers, one block's recompute + backward and
+    the gradients queued for D2H), so the budget and ``python -m nodetrain.plan`` agree."""
+    t = cfg.train
+    mem = stage_memory(
+        shape_of(model),
+        range(blocks[0], blocks[-1] + 1),
+        stage,
+        num_stages,
+        b=t.micro_batch_size,
+        t=t.seq_len,
+        m=cfg.pipeline.microbatches,
+        g=grad_accum,
+        schedule=cfg.pipeline.schedule,
+        slots=cfg.stream.slots,
+        itemsize=torch.empty(0, dtype=getattr(torch, t.dtype)).element_size(),
+        on_cpu=torch.device(device).type != "cuda",
+    )
+    return mem.activation_bytes
+
+
+def device_budget_bytes(free: int, window_bytes: int, activations: int) -> int:
+    """The automatic resident budget: ``free`` device bytes minus the window's slots, the activations
+    (``costs.stage_memory``) and :data:`MARGIN_BYTES`, at least 0. The planner predicts the same
+    figure from the profile's device memory (planner.py), the engine from the memory free at start-up."""
+    return max(0, free - window_bytes - activations - MARGIN_BYTES)
+
+
+def auto_device_budget(device: torch.device, activations: int, window_bytes: int) -> int:
+    """``stream.device_budget=-1``: on CUDA the free device memory (read now: call it after the
+    process group, the peak measurement and their cached blocks are settled) minus the window's
+    slots, the activations and :data:`MARGIN_BYTES` (logged); on CPU 0 (the "device" is host
+    memory, streaming is what the CPU path exists to exercise)."""
+    if device.type != "cuda":
+        return 0
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = device_budget_bytes(free, window_bytes, activations)
+    log.info(
+        "automatic device budget: %.2f GB free - %.2f GB window - %.2f GB activations - %.2f GB margin "
+        "(allocator, NCCL, cuBLAS) = %.2f GB",
+        free / 1e9,
+        window_bytes / 1e9,
+        activations / 1e9,
+        MARGIN_BYTES / 1e9,
+        budget / 1e9,
+    )
+    return budget
+
+
+def resident_blocks(
+    cfg, model, blocks, stage: int, num_stages: int, device, grad_accum: int = 1, uses=None
+) -> list[int]:
+    """The blocks of this stage to keep resident under ``cfg.stream.device_budget`` (see module doc).
+
+    Args:
+        cfg: the run config (``stream``, ``train``, ``pipeline``).
+        model: the HF adapter (``bindings``, ``config``).
+        blocks: this stage's blocks.
+        stage, num_stages: this rank's place in the pipeline (its activations in flight).
+        device: the compute device.
+        grad_accum: rounds per step (the P2P buffers of the activation model).
+        uses: block -> (loads, backwards) in one step (the engine's load and offload sequences);
+            default ``2 × M × grad_accum`` loads and ``M × grad_accum`` backwards each.
+    """
+    itemsize = torch.empty(0, dtype=getattr(torch, cfg.train.dtype)).element_size()
+    numel = {i: sum(b.numel for b in model.bindings[i]) for i in blocks}
+    if uses is None:
+        mbs = cfg.pipeline.microbatches * grad_accum
+        uses = {i: (2 * mbs, mbs) for i in blocks}
+    cost = {i: n * resident_bytes_per_param(itemsize) for i, n in numel.items()}
+    saved = {i: saved_transfer_bytes(n, itemsize, *uses[i]) for i, n in numel.items()}
+    budget = cfg.stream.device_budget
+    if budget == "auto" or budget < 0:
+        acts = stage_activation_bytes(cfg, model, blocks, stage, num_stages, grad_accum, device)
+        window = cfg.stream.slots * max(numel.values()) * itemsize
+        budget = auto_device_budget(torch.device(device), acts, window)
+    head = len(model.units) - 1
+    chosen = choose_resident(cost, saved, budget, first=(head,) if head in numel else ())
+    log.info(
+        "stage %d: device budget %.1f MB, %d of %d blocks resident (%.1f MB with their fp32 gradient "
+        "accumulators; chosen by link bytes saved per device byte, the head first)",
+        stage,
+        budget / 1e6,
+        len(chosen),
+        len(numel),
+        sum(cost[i] for i in chosen) / 1e6,
+    )
+    return chosen

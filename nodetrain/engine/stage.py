@@ -1,0 +1,226 @@
+"""One stage's forward and backward of a micro-batch over its streamed blocks.
+
+Owns: running the stage's blocks in order (forward, no autograd graph kept) and in reverse
+(backward: recompute each block from its saved input, then take gradients of its input and
+weights), the saved inputs of in-flight micro-batches, the token-weighted loss on the last
+stage, and which blocks each action loads and offloads (:meth:`StageRunner.loads`). Does not own:
+the window mechanics (window.py) or the order of micro-batches (pipeline.py).
+
+The last stage's head (final norm + lm_head) runs once per micro-batch: a training forward
+computes its loss and gradients chunk by chunk over tokens (linear_ce.py), offloads the weight
+gradients at once and keeps only the gradient of its input for the backward, which therefore
+neither reloads nor recomputes the head. Full logits [B, T, V] are never built.
+
+A streamed embedding (a block of ``window.rows``) is not a dense layer: the forward gathers only
+the rows of the micro-batch's distinct ids (``Window.gather_rows``) and the backward sums the
+output gradient into those rows and offloads them (``Window.offload_rows``), so neither V × D
+weights nor a V × D gradient cross per micro-batch.
+
+Shapes: B = micro-batch size, T = sequence length, D = hidden, V = vocab.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from nodetrain.engine.linear_ce import IGNORE_INDEX, linear_cross_entropy
+from nodetrain.engine.window import Window
+from nodetrain.model import HFModel
+
+__all__ = ["StageRunner", "IGNORE_INDEX", "stage_loads", "stage_offloads"]
+
+
+@contextlib.contextmanager
+def _replay_rng(rng):
+    """Replays the forward's dropout masks during recompute (as torch.utils.checkpoint does)."""
+    if rng is None:
+        yield
+        return
+    devices = [torch.cuda.current_device()] if rng[1] is not None else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state(rng[1])
+        yield
+
+
+def stage_loads(blocks: list[int], is_last: bool, rows, kind: str) -> list[int]:
+    """Blocks an action of ``kind`` ("F"/"B") of a stage with ``blocks`` loads through the window, in
+    order: a forward every block, a backward every block but the last stage's head, last first
+    (the head's gradients are taken in its forward); row blocks (``rows``) never go through it."""
+    recomputed = blocks[:-1] if is_last else blocks
+    order = blocks if kind == "F" else recomputed[::-1]
+    return [b for b in order if b not in rows]
+
+
+def stage_offloads(blocks: list[int], is_last: bool, kind: str) -> list[int]:
+    """Blocks whose gradients an action of ``kind`` offloads, in order: the head's at its forward,
+    every other block's at the backward, last block first."""
+    if kind == "F":
+        return blocks[-1:] if is_last else []
+    return (blocks[:-1] if is_last else blocks)[::-1]
+
+
+class StageRunner:
+    """Forward/backward of micro-batches through the blocks ``blocks`` (contiguous, in order).
+
+    Args:
+        model: the HF adapter (templates, no weights).
+        blocks: this stage's block indices.
+        window: the streaming window over exactly these blocks.
+        compute_dtype: dtype of activations and device math.
+    """
+
+    def __init__(self, model: HFModel, blocks: range, window: Window, compute_dtype: torch.dtype):
+        self.model, self.blocks, self.window = model, list(blocks), window
+        self.dtype = compute_dtype
+        self.is_first = self.blocks[0] == 0
+        self.is_last = self.blocks[-1] == len(model.units) - 1
+        self._head = self.blocks[-1] if self.is_last else None
+        self._recomputed = [b for b in self.blocks if b != self._head]  # what a backward recomputes
+        self._rows = set(window.rows)  # the embedding, gathered by rows
+        self._padding_idx = getattr(model.templates[0], "padding_idx", None)
+        self._saved: dict[int, tuple[list, torch.Tensor | None]] = {}  # mb -> (inputs, d loss/d head in)
+
+    def loads(self, kind: str) -> list[int]:
+        """Blocks a training action of ``kind`` ("F" or "B") loads through the window, in order
+        (an evaluation forward loads what "F" does)."""
+        return stage_loads(self.blocks, self.is_last, self._rows, kind)
+
+    def offloads(self, kind: str) -> list[int]:
+        """Blocks whose gradients a training action of ``kind`` offloads, in order: the head's
+        at its forward, every other block's at the backward, last block first."""
+        return stage_offloads(self.blocks, self.is_last, kind)
+
+    def forward(
+        self,
+        mb: int,
+        x: torch.Tensor,
+        labels: torch.Tensor | None,
+        keep: bool = True,
+        position_ids: torch.Tensor | None = None,
+        loss_scale: float = 1.0,
+    ):
+        """Forward micro-batch ``mb``.
+
+        Args:
+            x: first stage: input ids [B, T] int64 (host or device); others: hidden [B, T, D]
+                compute dtype on the device.
+            labels: last stage: [B, T] int64 next-token ids (-100 = ignore); else None.
+            keep: training: save block inputs for a later :meth:`backward` and, on the last stage,
+                offload the head's weight gradients now (False for evaluation: the loss only).
+            position_ids: [B, T] int64 (packed documents restart at 0), or None (0..T-1).
+            loss_scale: last stage, training: 1 / (valid tokens of the whole step), the scale of
+                the head's gradients (see :meth:`backward`).
+
+        Returns:
+            hidden [B, T, D] to send on, or on the last stage the summed token loss (fp32 scalar).
+        """
+        saved, ctx, grad_h = [], None, None
+        with torch.no_grad():
+            for block in self.blocks:
+                if block in self._rows:
+                    x, used = self._gather_embedding(block, x)
+                    saved.append((used, None))
+                    continue
+                if block == 0:
+                    x = x.to(self.window.device)
+                params = self.window.acquire(block)
+                if block == self._head:
+                    x, grad_h = self._head_forward(block, params, x, labels, keep, loss_scale)
+                    self.window.release()
+                    break
+                if ctx is None and block != 0:
+                    ctx = self.model.context(x, position_ids)
+                saved.append((x, self._rng_state()))
+                x = self.model.forward_block(block, params, x, ctx)
+                self.window.release()
+        if keep:
+            self._saved[mb] = (saved, grad_h)
+        return x
+
+    def _head_forward(self, block, params, h, labels, train: bool, loss_scale: float):
+        """The head's loss (and, training, its gradients: weights offloaded, input's returned)."""
+        head = lambda p, x: self.model.forward_block(block, p, x, None)  # noqa: E731
+        loss, grads, grad_h = linear_cross_entropy(
+            head, params, h, labels, loss_scale=loss_scale, grads=train
+        )
+        if train:
+            self.window.offload(block, grads)
+        return loss, grad_h
+
+    def backward(
+        self,
+        mb: int,
+        grad_out: torch.Tensor | None,
+        labels=None,
+        loss_scale: float = 1.0,
+        position_ids: torch.Tensor | None = None,
+    ):
+        """Backward micro-batch ``mb``: recompute each block, offload its weight gradients.
+
+        The last stage's head was differentiated in :meth:`forward` (its ``loss_scale``, 1 /
+        valid tokens of the whole step, makes the summed gradient that of the token-weighted mean
+        loss over all micro-batches); its input's gradient starts the backward here.
+
+        Args:
+            grad_out: gradient of the stage output [B, T, D] (None on the last stage).
+            labels, loss_scale: unused (the head's loss was taken in forward); kept for callers.
+            position_ids: the same as in forward.
+
+        Returns:
+            gradient of the stage input [B, T, D], or None on the first stage.
+        """
+        saved, grad_h = self._saved.pop(mb)
+        if self.is_last:
+            grad_out = grad_h
+        ctx = None
+        for block in reversed(self._recomputed):
+            x, rng = saved.pop()
+            if block in self._rows:
+                self._embedding_backward(block, x, grad_out)
+                return None
+            params = self.window.acquire(block)
+            if ctx is None and block != 0:
+                ctx = self.model.context(x, position_ids)
+            grad_out = self._backward_block(block, params, x, rng, ctx, grad_out)
+            self.window.release()
+        return grad_out
+
+    def _backward_block(self, block, params, x, rng, ctx, grad_out):
+        leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+        x_in = x.detach().requires_grad_(x.is_floating_point())
+        with torch.enable_grad(), _replay_rng(rng):
+            out = self.model.forward_block(block, leaves, x_in, ctx)
+        inputs = list(leaves.values()) + ([x_in] if x_in.requires_grad else [])
+        grads = torch.autograd.grad(out, inputs, grad_out)
+        self.window.offload(block, dict(zip(leaves, grads[: len(leaves)], strict=True)))
+        return grads[len(leaves)] if x_in.requires_grad else None
+
+    def _gather_embedding(self, block: int, ids: torch.Tensor):
+        """Embedding by gathered rows: ids [B, T] int64 -> ([B, T, D] compute dtype on the device,
+        (index [U] int64 host, inverse [B, T] int64 device)), U = distinct ids."""
+        index, inverse = torch.unique(ids.cpu(), return_inverse=True)  # [U], [B, T]
+        rows = self.window.gather_rows(block, index)  # [U, D]
+        inverse = inverse.to(rows.device)
+        return F.embedding(inverse, rows), (index, inverse)
+
+    def _embedding_backward(self, block: int, used, grad_out: torch.Tensor) -> None:
+        """Σ of grad_out [B, T, D] over the positions of each used row (fp32), offloaded as rows;
+        the padding row gets none (``nn.Embedding(padding_idx=...)``'s rule)."""
+        index, inverse = used
+        g = grad_out.flatten(0, 1).float()  # [N, D]
+        rows = torch.zeros(len(index), g.shape[1], dtype=torch.float32, device=g.device)  # [U, D]
+        rows.index_add_(0, inverse.flatten(), g)
+        if self._padding_idx is not None:
+            rows.masked_fill_((index == self._padding_idx).to(rows.device)[:, None], 0.0)
+        self.window.offload_rows(block, index, rows.to(self.dtype))
+
+    def _rng_state(self):
+        if not self.model.has_dropout:
+            return None
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+        return torch.get_rng_state(), cuda

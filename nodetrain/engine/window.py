@@ -1,0 +1,539 @@
+"""Streaming window: the device buffers a stage's blocks pass through, and the copies in and out.
+
+One forward + backward of a 3-block stage with 2 slots (time →; F/B b1 = compute on block 1):
+
+    H2D worker  | b0→s0 | b1→s1 | b2→s0 |       |       | b1→s1 | b0→s0 |       |
+    compute     |       | F b0  | F b1  | F b2  | B b2  |  ···  | B b1  | B b0  |
+    D2H worker  |       |       |       |       |       | b2 grads +→ host fp32 | b1 +→ | b0 +→ | flush
+    acquire() waits for the load of its slot; release() frees the slot and issues the next load;
+    B b2 reuses F b2's slot (no H2D); offload() queues each backward's gradients to the D2H worker.
+
+Owns: ``slots`` device buffers (one block's weights each), one buffer per resident block (loaded
+once per sequence instead of at every use), the H2D prefetch of the next blocks of a known load
+sequence, the D2H offload of gradients into the host store's fp32 accumulators, and the bytes
+and busy seconds of both directions. Each direction runs on its own copy worker thread; on CUDA
+each worker issues its copies on its own CUDA stream, ordered against the compute stream with
+events. On CPU the "device" buffers are separate tensors and the workers copy asynchronously, so
+the protocol below is exercised for real (``delay_s`` slows the workers to expose a missing wait).
+Gradients leave the device through host staging buffers, one per slot (staging.py: page-locked
+on CUDA, copied on a D2H stream of their own; the D2H worker waits for the copy, then accumulates).
+
+Protocol (the j-th streamed load of the sequence uses slot ``j % slots``; consecutive equal entries
+of the sequence share one load: the later ones reuse its slot, with no H2D and no second slot):
+    acquire()  waits until the next load is in its slot (or resident buffer), returns the views;
+    release()  marks compute on it issued and issues the next streamed load into the freed slot;
+    offload()  copies the block's gradients into staging buffer ``n % slots`` (async on CUDA) and
+               queues their accumulation; at most ``slots`` in flight, so a buffer is rewritten
+               only after its last accumulation; the first offload into an accumulator since
+               begin() overwrites it, so the optimizer never spends a pass zeroing it; a resident
+               block's gradients are added into its device accumulator instead, shipped once;
+    flush()    waits for every queued offload (before the optimizer reads the accumulators).
+A resident block's one load per sequence is issued when the prefetch reaches its first use, so
+the in-order H2D worker never blocks a needed load behind it. ``gate(block)`` (optional) returns
+futures a load must wait for before copying (the optimizer's updates of the block's units); a reused
+load is not gated again: within a sequence a unit is updated only after its blocks' last use.
+
+Reuse on a stage of n ≥ 2 blocks: a forward's last block is the next backward's first (F→B) and a
+backward's last block the next forward's first (B→F). Stage s of S running M micro-batches with
+w = min(S - s - 1, M) warm-up forwards: 1F1B reuses the last block max(M - w, 1) times and the first
+max(M - w - 1, 0) times, GPipe the last block once; a one-block stage loads once per sequence.
+
+A resident block also keeps an fp32 gradient accumulator on the device (DESIGN invariant 8):
+``offload()`` adds its gradients there (first backward of the step: a copy), in the order the host
+would have added them, and only the block's last backward of the step (``begin(..., backwards=)``
+gives the count) queues one D2H copy of the accumulator into the store (4 bytes/parameter per step,
+whatever the micro-batch count).
+The waits enter the ``stall``, ``d2h_wait`` and ``optim`` phases of ``timeline`` (breakdown.py).
+
+Row blocks (``rows``: the embedding, one [V, D] binding) never enter a slot: ``gather_rows`` copies
+only the rows a micro-batch uses (H2D U × D instead of V × D) and ``offload_rows`` scatter-adds
+their gradient rows into the fp32 accumulator (``index_add_``), zeroing it at the first offload of
+the sequence (O(V × D) once per step, not per micro-batch), on the same D2H worker and staging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from nodetrain.engine.host_threads import limit_thread
+from nodetrain.engine.staging import GradStaging
+from nodetrain.model import Binding
+from nodetrain.run.breakdown import NULL_TIMELINE
+from nodetrain.store import HostStore
+
+__all__ = ["Window", "arrival_order"]
+
+
+def arrival_order(backwards: list[int], resident) -> list[int]:
+    """Blocks in the order their gradients reach the host store in a step: a streamed block at every
+    backward, a resident one once, at its last backward (its device accumulator is shipped then).
+
+    Args:
+        backwards: block indices in the order their backwards offload (the engine's offload sequence).
+        resident: the resident blocks.
+    """
+    resident = set(resident)
+    last = {b: k for k, b in enumerate(backwards) if b in resident}
+    return [b for k, b in enumerate(backwards) if b not in last or last[b] == k]
+
+
+class _CopyWorker:
+    """One copy direction: a single thread (in-order), plus a CUDA stream when ``stream`` is given.
+
+    A job first waits for its gate (host futures), then, with a stream, for the compute queued
+    before it was submitted, and runs to completion before the next (``busy_s`` counts only the
+    copy). Without a stream a job runs as it is (the D2H jobs wait for their own copy's event).
+    On a CUDA ``device`` the thread first selects it: a thread's current device starts as GPU 0,
+    and a CUDA call there (an event wait, a stream context) would create a context on GPU 0 in
+    every rank's process. With ``threads`` the thread first sets its OpenMP team to that many
+    (``host_threads.limit_thread``: the D2H worker's accumulation adds run on a team of their own)."""
+
+    def __init__(self, name: str, stream: torch.cuda.Stream | None, delay_s: float, device=None,
+                 threads: int = 0):  # fmt: skip
+        device = torch.device(device) if device is not None else None
+        cuda = device if device is not None and device.type == "cuda" else None
+        self._pool = ThreadPoolExecutor(1, name, initializer=_init_worker, initargs=(cuda, threads))
+        self._stream = stream
+        self._delay_s = delay_s
+        self.busy_s = 0.0
+        """Seconds spent copying since the last :meth:`take_busy_s`."""
+
+    def submit(self, fn, gate: list[Future] = ()) -> Future:
+        ready = None
+        if self._stream is not None:  # the copy may start only after compute queued so far
+            ready = torch.cuda.current_stream().record_event()
+        return self._pool.submit(self._run, fn, ready, gate)
+
+    def _run(self, fn, ready, gate):
+        for fut in gate:
+            fut.result()
+        if self._delay_s:
+            time.sleep(self._delay_s)
+        if self._stream is None:
+            t0 = time.perf_counter()
+            fn()
+            self.busy_s += time.perf_counter() - t0
+            return None
+        _wait_for_compute(ready)
+        t0 = time.perf_counter()
+        with torch.cuda.stream(self._stream):
+            fn()
+            done = self._stream.record_event()
+        done.synchronize()  # measured to completion; the consumer's wait is then free
+        self.busy_s += time.perf_counter() - t0
+        return done
+
+    def take_busy_s(self) -> float:
+        busy, self.busy_s = self.busy_s, 0.0
+        return busy
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _init_worker(device: torch.device | None, threads: int) -> None:
+    """A copy worker's set-up: the rank's CUDA device (if any), then its OpenMP team (if given)."""
+    if device is not None:
+        torch.cuda.set_device(device)
+    if threads:
+        limit_thread(threads)
+
+
+def _wait_for_compute(ready: torch.cuda.Event) -> None:
+    """The slot-reuse wait: block the copy worker until the compute queued before its job was
+    submitted (the kernels still reading the slot the copy overwrites) has finished. A hook point:
+    tests/test_gpu.py removes it to show that its check catches a missing wait."""
+    ready.synchronize()
+
+
+def _wait(fut: Future) -> None:
+    done = fut.result()  # re-raises a worker's exception here
+    if done is not None:
+        torch.cuda.current_stream().wait_event(done)
+
+
+class Window:
+    """``slots`` device buffers through which a stage's blocks stream, plus resident blocks.
+
+    Args:
+        store: the host store (source of ``compute`` copies, target of gradients).
+        bindings: per block index, the parameters it binds (see ``HFModel.bindings``).
+        blocks: block indices of this stage (only these are ever loaded).
+        owned_units: units whose optimizer runs on this stage; a binding to any other unit (the
+            tied embedding on the last stage) accumulates into that unit's ``grad_tied``.
+        slots: number of device buffers (≥ 1).
+        device: compute device.
+        delay_s: test-only sleep before each copy.
+        resident: blocks held in buffers of their own for the whole sequence.
+        rows: blocks of a single [V, D] binding (the embedding) that travel as the rows a
+            micro-batch uses (:meth:`gather_rows`, :meth:`offload_rows`), never through a slot.
+        accum_threads: OpenMP team of the D2H worker, which adds the offloaded gradients into the
+            host store (``stream.accum_threads``, split by ``host_threads.split_cores``); 0 = torch's.
+
+    Memory: ``slots × max streamed block numel × compute itemsize`` bytes (row blocks are not
+    streamed: their gathered rows and row gradients are per micro-batch) plus each resident block's
+    ``numel × (compute itemsize + 4)`` bytes (its weights and its fp32 gradient accumulator) on the
+    device (``nbytes``; ``resident_nbytes`` the latter); ``slots × max block numel ×
+    compute itemsize`` bytes of host staging (``staging_nbytes``; page-locked on CUDA).
+
+    Hooks (set by the engine): ``gate(block) -> list[Future]``; ``on_offloaded(block)``, called on
+    the D2H worker after a block's gradients are accumulated; ``timeline``.
+    """
+
+    def __init__(self, store: HostStore, bindings, blocks, owned_units, slots: int, device, delay_s=0.0,
+                 resident=(), rows=(), accum_threads: int = 0):  # fmt: skip
+        self.store, self.bindings, self.device = store, bindings, torch.device(device)
+        dtype = store.layout.compute_dtype
+        self.resident = sorted(set(resident))
+        assert set(self.resident) <= set(blocks), f"resident blocks {self.resident} not in {list(blocks)}"
+        self.rows = sorted(set(rows))
+        assert not set(self.rows) & set(self.resident), "a block is either resident or gathered as rows"
+        assert all(len(bindings[i]) == 1 and len(bindings[i][0].shape) == 2 for i in self.rows), self.rows
+        streamed = [i for i in blocks if i not in self.resident and i not in self.rows]
+        numel = max((self._numel(i) for i in streamed), default=0)
+        self._slots = [torch.empty(numel, dtype=dtype, device=self.device) for _ in range(slots)]
+        self._resident = {i: torch.empty(self._numel(i), dtype=dtype, device=self.device) for i in resident}
+        # fp32 gradient accumulators of resident blocks (their gradients leave once per step)
+        self._grad_acc = {
+            i: torch.empty(self._numel(i), dtype=torch.float32, device=self.device) for i in resident
+        }
+        self._backwards_left: dict[int, int] = {}  # resident block -> backwards left in this sequence
+        self._acc_started: set[int] = set()  # resident blocks whose accumulator was written since begin()
+        self._views = {i: self._slot_views(bindings[i]) for i in blocks}
+        self._grad_targets = {i: self._grad_views(bindings[i], set(owned_units)) for i in blocks}
+        self._check_targets()
+        self._written: set[int] = set()  # data_ptr of accumulators offloaded into since begin()
+        h2d_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._h2d = _CopyWorker("h2d", h2d_stream, delay_s, self.device)
+        # copies on the staging's stream; the accumulation adds on a team of accum_threads
+        self._d2h = _CopyWorker("d2h", None, delay_s, self.device, accum_threads)
+        self._staging = GradStaging(slots, max(self._numel(i) for i in blocks), dtype, self.device)
+        self._num_offloads = 0
+        self.gate = None
+        self.on_offloaded = None
+        self.timeline = NULL_TIMELINE
+        self._seq: list[int] = []
+        self._loads: dict[int, tuple[Future, list[Future]]] = {}  # position -> (load, its gate)
+        self._slot_at: dict[int, torch.Tensor] = {}  # position -> buffer of a streamed load
+        self._resident_loads: dict[int, tuple[Future, list[Future]]] = {}  # block -> this sequence's
+        self._last_load: tuple[tuple[Future, list[Future]], torch.Tensor] | None = None  # latest streamed
+        self._next = self._cursor = self._streamed = self._in_flight = 0
+        self._offloads: list[Future] = []
+        self._ships: list[Future] = []  # resident accumulators on their way to the store
+        self.stall_s = 0.0
+        """Seconds compute waited for H2D since the last :meth:`begin`."""
+        self.h2d_bytes = self.d2h_bytes = 0
+        """Bytes copied each way since the last :meth:`take_stats`."""
+        self.accum_host_bytes = 0
+        """Host bytes read and written by the gradient accumulation since the last take_stats: per
+        element, a staged first write ``e + 4`` (read staging, write fp32), a staged add ``e + 8``, a
+        resident accumulator's copy ``4``, its add into a shared target ``12``."""
+
+    def _numel(self, block: int) -> int:
+        return sum(b.numel for b in self.bindings[block])
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes held by the slots and the resident blocks."""
+        return sum(s.numel() * s.element_size() for s in self._slots) + self.resident_nbytes
+
+    @property
+    def staging_nbytes(self) -> int:
+        """Host bytes of the gradient staging buffers (page-locked on CUDA)."""
+        return self._staging.nbytes
+
+    @property
+    def resident_nbytes(self) -> int:
+        """Device bytes held by the resident blocks: weights (compute dtype) and fp32 accumulators."""
+        held = [*self._resident.values(), *self._grad_acc.values()]
+        return sum(s.numel() * s.element_size() for s in held)
+
+    def _slot_views(self, bindings: tuple[Binding, ...]) -> list[tuple[str, int, tuple[int, ...]]]:
+        out, pos = [], 0
+        for b in bindings:
+            out.append((b.local_name, pos, b.shape))
+            pos += b.numel
+        return out
+
+    def _grad_views(self, bindings, owned: set[int]) -> dict[str, torch.Tensor]:
+        out = {}
+        for b in bindings:
+            field = "grad" if b.unit in owned else "grad_tied"
+            out[b.local_name] = self.store.buffer(b.unit, field)[b.offset : b.offset + b.numel]
+        return out
+
+    def _check_targets(self) -> None:
+        """Gradient targets are disjoint or identical ranges (first-write tracking relies on it)."""
+        targets = [t for views in self._grad_targets.values() for t in views.values()]
+        spans = sorted({(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in targets})
+        for (_, end), (start, _) in itertools.pairwise(spans):
+            assert end <= start, "two bindings' gradient ranges overlap partially"
+
+    def begin(self, sequence: list[int], backwards: dict[int, int] | None = None) -> None:
+        """Start a new load sequence (block indices in compute order) and prefetch its head.
+
+        Args:
+            sequence: block indices in the order they are acquired.
+            backwards: block -> offloads (backwards) it gets in this sequence; a resident block
+                listed here accumulates on the device and is shipped at its last one. A resident
+                block not listed offloads each backward through staging, as a streamed one does.
+        """
+        assert not self._loads, "previous sequence not drained"
+        self._seq, self.stall_s = list(sequence), 0.0
+        self._written.clear()
+        self._backwards_left = {b: n for b, n in (backwards or {}).items() if b in self._grad_acc and n > 0}
+        self._acc_started.clear()
+        self._next = self._cursor = self._streamed = self._in_flight = 0
+        self._slot_at.clear()
+        self._resident_loads.clear()
+        self._last_load = None
+        self._fill()
+
+    def _fill(self) -> None:
+        """Issue loads in sequence order while a slot is free (resident first uses need none)."""
+        while self._cursor < len(self._seq):
+            k, block = self._cursor, self._seq[self._cursor]
+            if block in self._resident:
+                if block not in self._resident_loads:
+                    self._resident_loads[block] = self._load(block, self._resident[block])
+            elif self._reuses(k):  # the previous position's slot, still held: no copy, no new slot
+                self._loads[k], self._slot_at[k] = self._last_load
+            elif self._in_flight < len(self._slots):
+                self._slot_at[k] = self._slots[self._streamed % len(self._slots)]
+                self._loads[k] = self._load(block, self._slot_at[k])
+                self._last_load = self._loads[k], self._slot_at[k]
+                self._streamed += 1
+                self._in_flight += 1
+            else:
+                return
+            self._cursor += 1
+
+    def _reuses(self, k: int) -> bool:
+        """Position ``k`` uses the same streamed block as ``k - 1`` and so shares its load and slot."""
+        return (
+            0 < k < len(self._seq) and self._seq[k] == self._seq[k - 1] and self._seq[k] not in self._resident
+        )
+
+    def _load(self, block: int, buf: torch.Tensor) -> tuple[Future, list[Future]]:
+        pieces, pos = [], 0
+        for b in self.bindings[block]:
+            src = self.store.compute(b.unit)[b.offset : b.offset + b.numel]
+            pieces.append((buf[pos : pos + b.numel], src))
+            pos += b.numel
+        self.h2d_bytes += pos * buf.element_size()
+
+        def copy():
+            for dst, src in pieces:
+                dst.copy_(src, non_blocking=True)
+
+        gate = self.gate(block) if self.gate is not None else []
+        return self._h2d.submit(copy, gate), gate
+
+    def acquire(self, block: int) -> dict[str, torch.Tensor]:
+        """Wait for the next load (which must be ``block``) and return its parameter views.
+
+        Returns:
+            local name -> view of the slot, shaped as the parameter (compute dtype, device).
+        """
+        k = self._next
+        assert self._seq[k] == block, f"load order broken: expected block {self._seq[k]}, got {block}"
+        if block in self._resident:
+            (load, gate), buf = self._resident_loads[block], self._resident[block]
+        else:
+            (load, gate), buf = self._loads.pop(k), self._slot_at.pop(k)
+        if not all(f.done() for f in gate):
+            with self.timeline.phase("optim"):  # the load waits for the unit's AdamW update
+                for f in gate:
+                    f.result()
+        t0 = time.perf_counter()
+        with self.timeline.phase("stall"):
+            _wait(load)
+        self.stall_s += time.perf_counter() - t0
+        views = self._views[block]
+        return {name: buf[pos : pos + math.prod(shape)].view(shape) for name, pos, shape in views}
+
+    def release(self) -> None:
+        """Compute on the current load is issued; its slot (if streamed and not reused by the next
+        position) takes the next load."""
+        k = self._next
+        self._next += 1
+        if self._seq[k] not in self._resident and not self._reuses(k + 1):
+            self._in_flight -= 1
+        self._fill()
+
+    def offload(self, block: int, grads: dict[str, torch.Tensor]) -> None:
+        """Queue D2H of ``grads`` (local name -> gradient, device) added into the host accumulators.
+
+        The gradients are copied into staging buffer ``n % slots`` (``n`` counts offloads; on CUDA
+        asynchronously on the D2H stream, after the compute queued so far); the D2H worker waits
+        for that copy and accumulates the buffer into the store. At most ``slots`` offloads are in
+        flight, so the buffer's previous offload has been accumulated before it is written again.
+        """
+        if block in self._backwards_left:
+            self._accumulate_on_device(block, grads)
+            return
+        self._free_staging()
+        targets = self._grad_targets[block]
+        jobs = []
+        for name in grads:
+            dst = targets[name]
+            jobs.append((dst, dst.data_ptr() not in self._written))
+            self._written.add(dst.data_ptr())
+        self.d2h_bytes += sum(g.numel() * g.element_size() for g in grads.values())
+        staged = self._staging.issue(self._num_offloads % len(self._staging), list(grads.values()))
+        self._num_offloads += 1
+
+        def accumulate():
+            for (dst, first), src in zip(jobs, staged.wait(), strict=True):
+                if first:  # overwrite: no zeroing pass, no read of the stale accumulator
+                    dst.copy_(src)
+                else:  # fp32 += compute dtype, widened elementwise
+                    dst.add_(src)
+                self.accum_host_bytes += dst.numel() * (src.element_size() + (4 if first else 8))
+            if self.on_offloaded is not None:
+                self.on_offloaded(block)
+
+        self._offloads.append(self._d2h.submit(accumulate))
+
+    def _accumulate_on_device(self, block: int, grads: dict[str, torch.Tensor]) -> None:
+        """Add a resident block's gradients into its device fp32 accumulator (the same elementwise
+        fp32 += compute-dtype sums, in the same order, as the host accumulation); ship it at the
+        block's last backward of the sequence."""
+        acc, first = self._grad_acc[block], block not in self._acc_started
+        for name, pos, shape in self._views[block]:
+            view = acc[pos : pos + math.prod(shape)].view(shape)
+            if first:
+                view.copy_(grads[name])
+            else:
+                view.add_(grads[name])
+        self._acc_started.add(block)
+        self._backwards_left[block] -= 1
+        if self._backwards_left[block] == 0:
+            self._ship(block)
+
+    def _ship(self, block: int) -> None:
+        """Queue the D2H copy of ``block``'s accumulator into the store (first write: a copy)."""
+        acc, targets = self._grad_acc[block], self._grad_targets[block]
+        jobs = []
+        for name, pos, shape in self._views[block]:
+            dst = targets[name]
+            jobs.append((dst, dst.data_ptr() not in self._written, acc[pos : pos + math.prod(shape)]))
+            self._written.add(dst.data_ptr())
+        self.d2h_bytes += acc.numel() * acc.element_size()
+        cuda = self.device.type == "cuda"
+        ready = torch.cuda.current_stream(self.device).record_event() if cuda else None
+        stream = self._staging.stream
+
+        def ship():
+            if ready is not None:  # the accumulator's last add was queued on the compute stream
+                ready.synchronize()
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for dst, first, src in jobs:
+                    if first:
+                        dst.copy_(src)
+                    else:  # a target shared with another block (the tied embedding of one stage)
+                        dst.add_(src.to(dst.device))
+                    self.accum_host_bytes += dst.numel() * (4 if first else 12)
+            if self.on_offloaded is not None:
+                self.on_offloaded(block)
+
+        self._ships.append(self._d2h.submit(ship))
+
+    def _free_staging(self) -> None:
+        """Bound gradient memory in flight: wait until a staging buffer is free."""
+        if len(self._offloads) >= len(self._staging):
+            with self.timeline.phase("d2h_wait"):
+                while len(self._offloads) >= len(self._staging):
+                    self._offloads.pop(0).result()
+
+    def gather_rows(self, block: int, index: torch.Tensor) -> torch.Tensor:
+        """The rows ``index`` of a row block's transfer copy, on the device.
+
+        Waits for the block's pending AdamW updates (``gate``) first, as a load does.
+
+        Args:
+            block: one of ``rows``.
+            index: [U] int64 row indices on the host (unique: each row crosses once).
+
+        Returns:
+            [U, D] compute dtype on the device.
+        """
+        (b,) = self.bindings[block]
+        gate = self.gate(block) if self.gate is not None else []
+        with self.timeline.phase("optim"):
+            for f in gate:
+                f.result()
+        t0 = time.perf_counter()
+        with self.timeline.phase("stall"):
+            table = self.store.compute(b.unit)[b.offset : b.offset + b.numel].view(b.shape)  # [V, D]
+            rows = table.index_select(0, index).to(self.device)  # [U, D]
+        self.stall_s += time.perf_counter() - t0
+        self.h2d_bytes += rows.numel() * rows.element_size()
+        return rows
+
+    def offload_rows(self, block: int, index: torch.Tensor, grad_rows: torch.Tensor) -> None:
+        """Queue D2H of a row block's gradient rows, scatter-added into its host accumulator.
+
+        The first offload into the accumulator since :meth:`begin` zeroes it before adding (rows
+        no micro-batch used have zero gradient), the later ones only add, as :meth:`offload` does.
+
+        Args:
+            block: one of ``rows``.
+            index: [U] int64 row indices on the host, unique.
+            grad_rows: [U, D] compute dtype on the device, the gradient of those rows.
+        """
+        self._free_staging()
+        (b,) = self.bindings[block]
+        dst = self._grad_targets[block][b.local_name].view(b.shape)  # [V, D] fp32, host
+        first = dst.data_ptr() not in self._written
+        self._written.add(dst.data_ptr())
+        self.d2h_bytes += grad_rows.numel() * grad_rows.element_size()
+        staged = self._staging.issue(self._num_offloads % len(self._staging), [grad_rows])
+        self._num_offloads += 1
+        shape = grad_rows.shape  # not the device tensor: its memory goes back once the copy landed
+
+        def accumulate():
+            (src,) = staged.wait()
+            if first:
+                dst.zero_()
+            dst.index_add_(0, index, src.view(shape).float())
+            # host bytes: the zeroing pass (4 B per element of [V, D]) once, then per row element the
+            # staged gradient read and the accumulator's read and write
+            self.accum_host_bytes += dst.numel() * 4 * first + src.numel() * (src.element_size() + 8)
+            if self.on_offloaded is not None:
+                self.on_offloaded(block)
+
+        self._offloads.append(self._d2h.submit(accumulate))
+
+    def flush(self) -> None:
+        """Wait for every queued offload; the host accumulators are then complete."""
+        with self.timeline.phase("d2h_wait"):
+            while self._offloads:
+                self._offloads.pop(0).result()
+            while self._ships:
+                self._ships.pop(0).result()
+        assert self._next == len(self._seq) and not self._loads, "load sequence not fully consumed"
+        left = {b: n for b, n in self._backwards_left.items() if n}
+        assert not left, f"resident blocks' backwards left unshipped: {left}"
+
+    def take_stats(self) -> dict[str, float]:
+        """Bytes and busy seconds of both directions since the last call (after :meth:`flush`)."""
+        out = {
+            "h2d_bytes": self.h2d_bytes,
+            "d2h_bytes": self.d2h_bytes,
+            "accum_host_bytes": self.accum_host_bytes,
+            "h2d_busy_s": self._h2d.take_busy_s(),
+            "d2h_busy_s": self._d2h.take_busy_s(),
+        }
+        self.h2d_bytes = self.d2h_bytes = self.accum_host_bytes = 0
+        return out
+
+    def close(self) -> None:
+        self._h2d.shutdown()
+        self._d2h.shutdown()

@@ -1,0 +1,607 @@
+"""Cost model: the bytes and seconds a model costs on the engine, as pure arithmetic.
+
+Owns: host store bytes per field, each stage's peak device bytes (window + activations), the bytes
+a step moves (H2D, D2H, and through host DRAM: the DMA, the gradient accumulation, the optimizer),
+and a step's time split into compute, H2D, D2H, host accumulation, CPU optimizer, host DRAM and
+pipeline bubble, plus the model FLOPs used for MFU. Does not own: hardware profiles or verdicts
+(plan.py), measuring (``bench/``), or anything that needs torch.distributed. Byte counts of the
+store and the stage partition come from the engine's own code (``StoreLayout``, ``partition`` in
+the caller), so the model cannot drift from what a run allocates.
+
+Shapes: B = micro-batch size, T = sequence length, n = B·T tokens, D = hidden size, F = MLP width,
+V = vocab, H / K = query / key-value heads, Q = head dim, e = compute-dtype bytes, S = stages,
+M = micro-batches per round, G = rounds per step (grad_accum).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nodetrain.model import HFModel
+from nodetrain.store import StoreLayout
+
+__all__ = [
+    "ModelShape",
+    "shape_of",
+    "store_layout",
+    "field_bytes",
+    "pin_overhead_bytes",
+    "StageMemory",
+    "stage_memory",
+    "GRAD_ACC_ITEMSIZE",
+    "resident_bytes_per_param",
+    "model_flops",
+    "optimizer_bytes_per_param",
+    "StageTraffic",
+    "load_sequence",
+    "stage_traffic",
+    "HostRates",
+    "speculative_backup_bytes",
+    "speculative_bytes_per_param",
+    "StepTime",
+    "step_time",
+]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the arithmetic needs of a model; built from the HF adapter by ``shape_of``."""
+
+    unit_numels: tuple[int, ...]
+    """Elements of each unit in the host store (0 = embed, 1..L = layers, L+1 = head)."""
+    load_numels: tuple[int, ...]
+    """Elements each block binds, i.e. one H2D load and one D2H gradient offload (the tied head
+    binds the embedding too)."""
+    largest_tensors: tuple[int, ...]
+    """Elements of the largest tensor each block binds."""
+    costs: tuple[int, ...]
+    """Parameters each block multiplies per token (``HFModel.block_cost``; 0 for the embedding)."""
+    tied: bool
+    hidden: int
+    intermediate: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    qk_norm: bool
+    """Qwen3's per-head RMSNorm on q and k."""
+
+    @property
+    def num_params(self) -> int:
+        return sum(self.unit_numels)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.unit_numels) - 2
+
+
+def shape_of(model: HFModel) -> ModelShape:
+    """The ``ModelShape`` of an HF adapter (its templates live on the meta device: nothing allocated)."""
+    c = model.config
+    heads = c.num_attention_heads
+    return ModelShape(
+        unit_numels=tuple(u.numel for u in model.units),
+        load_numels=tuple(sum(b.numel for b in bs) for bs in model.bindings),
+        largest_tensors=tuple(max(b.numel for b in bs) for bs in model.bindings),
+        costs=tuple(model.block_cost(i) for i in range(len(model.units))),
+        tied=model.tied,
+        hidden=c.hidden_size,
+        intermediate=c.intermediate_size,
+        vocab=c.vocab_size,
+        heads=heads,
+        kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+        qk_norm=c.architectures[0] == "Qwen3ForCausalLM",
+    )
+
+
+def store_layout(shape: ModelShape, compute_dtype: torch.dtype, state: str = "full") -> StoreLayout:
+    """The engine's host store layout for ``shape`` (the tied embedding carries ``grad_tied``);
+    ``state``: ``optim.state`` (``full`` or ``lean``)."""
+    return StoreLayout(shape.unit_numels, compute_dtype, tied_units=(0,) if shape.tied else (), state=state)
+
+
+def field_bytes(layout: StoreLayout) -> dict[str, int]:
+    """Bytes of each store field summed over units, page-aligned as stored; sums to ``layout.nbytes``."""
+    starts = sorted((off, name) for (_, name), off in layout.offsets.items())
+    out: dict[str, int] = {}
+    for (off, name), (nxt, _) in zip(starts, [*starts[1:], (layout.nbytes, "")], strict=True):
+        out[name] = out.get(name, 0) + nxt - off
+    return out
+
+
+PIN_BYTES_PER_PAGE = 16
+"""Host bytes the CUDA driver and kernel keep per registered 4 KiB page (its GPU-visible mapping and
+the pin bookkeeping); an assumption, ~0.4% of the registered bytes."""
+
+
+def pin_overhead_bytes(compute_bytes: int) -> int:
+    """Host bytes of page-locking the store's transfer copies on a GPU node (``HostStore.pin``):
+    every rank registers only the units it loads, so over the node the transfer copy
+    (``field_bytes(layout)["compute"]``) is registered about once (the tied embedding twice)."""
+    return compute_bytes // 4096 * PIN_BYTES_PER_PAGE
+
+
+# ----------------------------------------------------------------------------- device memory
+
+GRAD_ACC_ITEMSIZE = 4
+"""Bytes per parameter of a resident block's fp32 gradient accumulator on the device."""
+
+
+def resident_bytes_per_param(itemsize: int) -> int:
+    """Device bytes per parameter of a resident block: its weights in the compute dtype plus its fp32
+    gradient accumulator (``Window``'s resident buffers; DESIGN invariant 8)."""
+    return itemsize + GRAD_ACC_ITEMSIZE
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Device bytes one stage holds at its peak (on a CPU profile: host bytes of that rank)."""
+
+    stage: int
+    blocks: range
+    window_bytes: int
+    """``slots × largest block load × e`` (``Window.nbytes``)."""
+    staging_bytes: int
+    """Host bytes (on every profile, page-locked on CUDA) of the gradient offloads' staging buffers,
+    ``slots × largest block × e`` (``Window.staging_nbytes``, staging.py); not device memory."""
+    saved_bytes: int
+    """Saved block inputs of the micro-batches in flight (1F1B: min(S − s, M); GPipe: M)."""
+    p2p_bytes: int
+    """Sent activations and input gradients, held by their ``isend`` until the step ends (G·M each)."""
+    transient_bytes: int
+    """Recompute + backward of one block (the largest such), plus gradients queued for D2H."""
+    resident_bytes: int = 0
+    """Resident blocks' weights and fp32 gradient accumulators, ``load × (e + 4)`` each
+    (``Window.resident_nbytes``)."""
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.saved_bytes + self.p2p_bytes + self.transient_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.window_bytes + self.resident_bytes + self.activation_bytes
+
+
+def _layer_saved_per_token(shape: ModelShape, e: int) -> int:
+    """Bytes per token that autograd saves while recomputing one decoder layer (transformers 5's
+    Llama/Qwen3 ``DecoderLayer`` with SDPA; no T×T matrix), plus its output and incoming gradient.
+
+    Read off the layer's forward: ``input_layernorm`` keeps its fp32 upcast 4·D (with e = 4 that is
+    the block input, already saved), the normalized copy and the output, 2·D·e; attention keeps
+    q and k after RoPE and v, (H + 2K)·Q·e (GQA: k and v are not repeated), SDPA's output H·Q·e,
+    the ``.transpose(1, 2).contiguous()`` copy ``o_proj`` reads, H·Q·e, and SDPA's fp32
+    log-sum-exp 4·H; Qwen3's q/k norms add (H + K)·Q·(4 + e); ``post_attention_layernorm`` keeps
+    4·D + 2·D·e (its input, the residual sum, is new in every dtype); the SwiGLU MLP keeps gate,
+    act(gate), up and their product, 4·F·e. The recomputed output and the gradient arriving for
+    it are 2·D·e more.
+    """
+    d, f, q = shape.hidden, shape.intermediate, shape.head_dim
+    h, k = shape.heads, shape.kv_heads
+    norm_in = (4 * d if e < 4 else 0) + 2 * d * e
+    attention = (h + 2 * k) * q * e + 2 * h * q * e + 4 * h
+    attention += (h + k) * q * (4 + e) if shape.qk_norm else 0
+    return norm_in + attention + (4 * d + 2 * d * e) + 4 * f * e + 2 * d * e
+
+
+def _layer_backward_peak(shape: ModelShape, n: int, e: int, grads: int) -> int:
+    """Peak bytes of recomputing one decoder layer for ``n`` tokens and taking its gradients.
+
+    Autograd runs the MLP's backward first (``down_proj``, the SwiGLU product, ``up_proj``, the
+    SiLU, ``gate_proj``: reverse creation order) and frees each node's saved tensors once it ran,
+    while the weight gradients (F·D·e each) accumulate. With S the saved bytes
+    (:func:`_layer_saved_per_token` × n) the live bytes at each node are:
+
+    - ``down_proj``: S + n·F·e (gradient of its input) + F·D·e;
+    - the product: its input p is freed, grad_p stays while grad_a, grad_u are made: S + 2·n·F·e + F·D·e;
+    - ``up_proj``: p, a, u, grad_p freed, grad_a kept: S − n·F·e + n·D·e + 2·F·D·e;
+    - ``gate_proj``: the MLP's saved tensors and grad_a, grad_u freed, grad_g kept:
+      S − 3·n·F·e + 2·n·D·e + 3·F·D·e;
+    - SDPA's backward (the MLP and the post-attention norm done, ``o_proj``'s input copy freed):
+      the input norm's and the attention's saved tensors, output, incoming and residual gradients
+      3·D·e, the gradient of SDPA's output H·Q·e and the q, k, v gradients it makes (H + 2K)·Q·e,
+      per token; weight gradients 3·F·D·e + ``o_proj``'s D·H·Q·e;
+    - the end of the layer: every weight gradient (``grads``: the block's load × e), the input
+      norm's saved tensors, the output, the incoming
+      gradient and the input gradient.
+
+    Checked against the resident peak of one layer's recompute + backward (``VmHWM`` with a pinned
+    mmap threshold) on the three configurations of ``bench/plan_accuracy.py``: 3–4% above it.
+    """
+    d, f, q, h, k = shape.hidden, shape.intermediate, shape.head_dim, shape.heads, shape.kv_heads
+    saved = n * _layer_saved_per_token(shape, e)
+    w = d * f * e
+    norm_in = (4 * d if e < 4 else 0) + 2 * d * e
+    attention = (h + 2 * k) * q * e + h * q * e + 4 * h + ((h + k) * q * (4 + e) if shape.qk_norm else 0)
+    sdpa = n * (norm_in + attention + 3 * d * e + h * q * e + (h + 2 * k) * q * e) + 3 * w + d * h * q * e
+    return max(
+        saved + n * f * e + w,
+        saved + 2 * n * f * e + w,
+        saved - n * f * e + n * d * e + 2 * w,
+        saved - 3 * n * f * e + 2 * n * d * e + 3 * w,
+        sdpa,
+        grads + n * (norm_in + 3 * d * e),
+    )
+
+
+def _head_recompute_bytes(shape: ModelShape, n: int, e: int) -> int:
+    """The final norm, 4·D + 2·D·e per token, and the loss: its fp32 log-softmax (saved), the
+    gradient flowing into it and the one it produces, 3 × 4 bytes per token and vocabulary entry
+    (the bf16 logits and their fp32 copy, 2 + 4 + 4 bytes in the forward, are fewer)."""
+    return n * (shape.hidden * (4 + 2 * e) + 12 * shape.vocab)
+
+
+def _block_peak_bytes(shape: ModelShape, block: int, n: int, e: int, on_cpu: bool) -> int:
+    """Peak of recomputing ``block`` and taking its gradients.
+
+    A decoder layer: :func:`_layer_backward_peak`. The embedding and the head: activation
+    gradients and saved tensors are freed as the backward walks the block while its weight
+    gradients (``load × e``) accumulate, so the peak is the larger of the two, not their sum.
+    When the device is the CPU, ``Window.offload`` first copies the block's gradients into its
+    staging buffer (staging.py, allocated with the window) and releases them; only then does the
+    D2H worker convert each staged tensor to fp32 to add it to the store (4 bytes per element of
+    the block's largest tensor, when e < 4), so that copy is a separate, later peak, not one on
+    top of the gradients.
+    """
+    last = len(shape.unit_numels) - 1
+    grads = shape.load_numels[block] * e
+    convert = 4 * shape.largest_tensors[block] if on_cpu and e < 4 else 0
+    if 0 < block < last:
+        return max(_layer_backward_peak(shape, n, e, grads), convert)
+    acts = _head_recompute_bytes(shape, n, e) if block == last else 0  # the embedding only scatters
+    return max(acts, grads, convert)
+
+
+def stage_memory(
+    shape: ModelShape,
+    blocks: range,
+    stage: int,
+    num_stages: int,
+    *,
+    b: int,
+    t: int,
+    m: int,
+    g: int,
+    schedule: str,
+    slots: int,
+    itemsize: int,
+    on_cpu: bool = False,
+    resident=(),
+) -> StageMemory:
+    """Peak device bytes of ``stage`` (owning ``blocks``) for micro-batches of ``b × t`` tokens.
+
+    Gradients queued for D2H: on a GPU up to ``slots`` earlier blocks' (``Window.offload``'s bound;
+    the planner takes the bound, since a D2H-bound stage reaches it); on the CPU none (measured by
+    ``bench/plan_accuracy.py``: the copy worker drains each block's gradients before the next
+    block's recompute peaks). A CPU copy worker starved of cores (a machine running more threads
+    than it has) can still hold up to ``slots`` blocks' gradients at that peak, which the planner
+    does not count (the likely cause of one run of the bench's 4-stage configuration, under a load
+    of ~8 on 2 cores, measuring 54.8 MB in a middle stage against 45.4 MB predicted; other runs:
+    within 8%).
+
+    Args:
+        shape: the model; blocks: this stage's block indices (from ``partition``).
+        b, t, m, g: micro-batch size, sequence length, micro-batches per round, rounds per step.
+        schedule: ``1f1b`` or ``gpipe``; slots: window slots; itemsize: compute-dtype bytes (e).
+        on_cpu: the device is the CPU (the stage's memory is host memory).
+        resident: blocks kept resident (residency.py): out of the slots' ``largest``, counted at
+            ``load × (e + 4)`` bytes each; their gradients accumulate on the device, none queue.
+    """
+    n, e, d = b * t, itemsize, shape.hidden
+    largest = max(shape.load_numels[i] for i in blocks)
+    streamed = max((shape.load_numels[i] for i in blocks if i not in resident), default=0)
+    in_flight = m if schedule == "gpipe" else min(num_stages - stage, m)
+    per_mb = sum(n * 8 if i == 0 else n * d * e for i in blocks)  # the embedding saves its int64 ids
+    sends = (stage < num_stages - 1) + (stage > 0)
+    queued = 0 if on_cpu else slots * streamed * e
+    return StageMemory(
+        stage=stage,
+        blocks=blocks,
+        window_bytes=slots * streamed * e,
+        staging_bytes=slots * largest * e,
+        saved_bytes=in_flight * per_mb,
+        p2p_bytes=sends * g * m * n * d * e,
+        transient_bytes=max(_block_peak_bytes(shape, i, n, e, on_cpu) for i in blocks) + queued,
+        resident_bytes=sum(shape.load_numels[i] for i in resident) * resident_bytes_per_param(e),
+    )
+
+
+# ----------------------------------------------------------------------------- time
+
+
+def model_flops(shape: ModelShape, tokens: int, t: int) -> float:
+    """Useful training FLOPs for ``tokens`` tokens of sequences of length ``t``.
+
+    ``6·N·tokens + 12·L·H·Q·t·tokens`` (PaLM, arXiv:2204.02311, appendix B), N = the parameters
+    multiplied per token (every matmul weight incl. the head; the embedding lookup is free).
+    Recompute is not useful work and is not counted here.
+    """
+    n_matmul = sum(shape.costs)
+    attention = 12 * shape.num_layers * shape.heads * shape.head_dim * t
+    return float(6 * n_matmul + attention) * tokens
+
+
+def optimizer_bytes_per_param(itemsize: int) -> int:
+    """Host memory traffic of one CPU AdamW update per parameter: the fused AdamW reads master,
+    grad, exp_avg, exp_avg_sq (16) and writes master, exp_avg, exp_avg_sq (12); the global norm
+    reads the grad (4); refreshing the transfer copy reads master (4) and writes ``itemsize``;
+    zeroing the grad writes 4. (An active clip adds 8 more.)"""
+    return 40 + itemsize
+
+
+def speculative_backup_bytes(shape: ModelShape, speculative: bool) -> int:
+    """Private host RAM of ``optim.speculative``'s backups, all ranks of a node together: master
+    weights, ``exp_avg`` and ``exp_avg_sq`` of every unit updated during the backward, 12 bytes per
+    parameter (StoreAdamW.backup_unit); 0 without speculation."""
+    return 12 * shape.num_params if speculative else 0
+
+
+def speculative_bytes_per_param(rolled_back: bool) -> int:
+    """Extra host memory traffic of ``optim.speculative`` per parameter and step, over
+    :func:`optimizer_bytes_per_param`: the backup reads and writes 12 (24); a step that clipped
+    adds the restore (24) and a second AdamW update and transfer-copy refresh (36)."""
+    return 24 + (24 + 36 if rolled_back else 0)
+
+
+@dataclass(frozen=True)
+class StageTraffic:
+    """What one stage moves in one optimizer step (bytes), under the engine's transfer rules."""
+
+    loads: int
+    """H2D loads of blocks (a resident block's one load counted once)."""
+    h2d_bytes: int
+    """Host → device: every load's bytes (the embedding's: the gathered rows only)."""
+    d2h_bytes: int
+    """Device → host: streamed blocks' gradients per backward (e bytes), resident ones' once (fp32)."""
+    accum_bytes: int
+    """Host DRAM bytes the D2H worker touches adding gradients into the fp32 accumulators (reads of
+    the staged gradients, reads and writes of the accumulators; not the DMA itself)."""
+    optimizer_bytes: int
+    """Host DRAM bytes of the CPU AdamW over the stage's units (``optimizer_bytes_per_param``)."""
+
+    @property
+    def host_bytes(self) -> int:
+        """Everything through host DRAM: the DMA reads (H2D) and writes (D2H) plus the host's passes."""
+        return self.h2d_bytes + self.d2h_bytes + self.accum_bytes + self.optimizer_bytes
+
+
+def load_sequence(shape: ModelShape, blocks: range, actions, resident=frozenset()) -> list[int]:
+    """The blocks one round of ``actions`` loads, in order, under the engine's rules.
+
+    A forward visits the stage's blocks in order, a backward in reverse, except the last stage's
+    head (it takes its gradients in the forward, so its backward needs no second load) and stage
+    0's embedding (it gathers rows outside the load sequence; its backward scatter-adds a row
+    gradient and needs no weights). Resident blocks
+    are loaded once per step, not here; a block used twice in a row is loaded once (1F1B's last
+    block between F(i + w) and B(i), the first between B(i) and F(i + 1 + w)).
+
+    Args:
+        shape: the model; blocks: this stage's blocks; actions: ``pipeline.build_schedule``'s list
+            for one round of G·M micro-batches; resident: blocks kept on the device.
+    """
+    last = len(shape.unit_numels) - 1
+    seq: list[int] = []
+    for a in actions:
+        order = (
+            [i for i in blocks if i != 0]
+            if a.kind == "F"
+            else [i for i in reversed(blocks) if i not in (0, last)]
+        )
+        for i in order:
+            if i not in resident and (not seq or seq[-1] != i):
+                seq.append(i)
+    return seq
+
+
+def _embed_sparse(block: int) -> bool:
+    """Stage 0's embedding moves gathered rows, not V×D (tied or not: the tied head, on the last
+    stage, binds the whole matrix as its own load)."""
+    return block == 0
+
+
+def stage_traffic(
+    shape: ModelShape, blocks: range, actions, *, n: int, itemsize: int, resident=frozenset()
+) -> StageTraffic:
+    """Bytes one stage moves per step (see :func:`load_sequence` for which loads happen).
+
+    Gradients: a streamed block offloads ``load × e`` after each of its backwards (the last stage's
+    head after each forward) and the D2H worker adds it into the fp32 accumulator: it reads the
+    staged copy (e) and the accumulator (4) and writes the accumulator (4), except that the step's
+    first offload overwrites it (no read). A resident block accumulates on the device and offloads
+    its fp32 gradient once per step, copied into the accumulator (read 4 + write 4). Stage 0's
+    embedding gathers only the n used rows (n·D·e in) and offloads an n-row gradient (n·D·e
+    and the 8-byte ids out) that is scatter-added into an accumulator zeroed once per step.
+
+    Args:
+        n: tokens per micro-batch (B·T); itemsize: compute-dtype bytes (e); the rest as
+            :func:`load_sequence`.
+    """
+    e, d = itemsize, shape.hidden
+    num_mb = sum(1 for a in actions if a.kind == "F")
+    seq = load_sequence(shape, blocks, actions, resident)
+    row_bytes = n * d * e
+    h2d = sum(shape.load_numels[i] * e for i in seq)
+    h2d += num_mb * row_bytes if 0 in blocks and 0 not in resident else 0  # the gathered rows
+    h2d += sum(shape.load_numels[i] * e for i in resident)
+    d2h = accum = 0
+    for i in blocks:
+        p = shape.load_numels[i]
+        if i in resident:
+            d2h, accum = d2h + 4 * p, accum + 8 * p
+        elif _embed_sparse(i):
+            d2h += num_mb * (row_bytes + 8 * n)
+            accum += 4 * p + num_mb * (row_bytes + 8 * n + 8 * n * d)
+        else:
+            d2h += num_mb * p * e
+            accum += num_mb * p * e + 4 * p + (num_mb - 1) * 8 * p
+    owned = sum(shape.unit_numels[i] for i in blocks)
+    opt = owned * optimizer_bytes_per_param(e)
+    return StageTraffic(len(seq) + len(resident), h2d, d2h, accum, opt)
+
+
+@dataclass(frozen=True)
+class HostRates:
+    """The node's host side as the planner sees one rank's share of it (bytes/s)."""
+
+    link_bytes_per_s: float
+    """One device's host link, per direction."""
+    host_bytes_per_s: float
+    """The node's DRAM bandwidth, shared by all its ranks."""
+    core_bytes_per_s: float
+    """What one core's stream of loads and stores reaches (``hardware.core_memory_bandwidth_gbps``)."""
+    ranks: int
+    """Ranks (one per GPU) sharing the node's DRAM and cores."""
+    accum_threads: int
+    """The D2H worker's OpenMP team (``host_threads.split_cores``)."""
+    optim_threads: int
+    """The optimizer thread's OpenMP team."""
+
+    def rate(self, threads: int) -> tuple[float, str]:
+        """Bytes/s of a team of ``threads`` on one rank, and what bounds it: its cores, or its share
+        of the node's DRAM bandwidth."""
+        cores, share = threads * self.core_bytes_per_s, self.host_bytes_per_s / self.ranks
+        return (cores, "cores") if cores < share else (share, "host DRAM")
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one optimizer step, split by what the slowest stage waits for."""
+
+    tokens: int
+    model_flops: float
+    compute_s: float
+    """Busy compute of the slowest stage: forward + recompute + backward, 8·N_s·n (+ attention); the
+    last stage's head 6·N·n (its gradients come with the forward, no recompute)."""
+    h2d_s: float
+    """Weight prefetch of the busiest stage (:func:`stage_traffic`'s loads)."""
+    d2h_s: float
+    """Gradient offload of the busiest stage (streamed: per backward; resident: once, fp32)."""
+    accum_s: float
+    """Host accumulation of the busiest stage's D2H worker on its ``accum_threads`` cores."""
+    bubble_s: float
+    """Pipeline fill and drain: (S − 1) micro-batch slots, once per step (one round of G·M)."""
+    optimizer_s: float
+    """CPU AdamW of the slowest stage on its ``optim_threads`` cores (or DRAM share)."""
+    host_dram_s: float
+    """All stages' host bytes (:attr:`StageTraffic.host_bytes`) over the node's DRAM bandwidth."""
+    step_s: float
+    bottleneck: str
+    """compute, H2D, D2H, host accumulation, pipeline bubble, host DRAM or optimizer cores."""
+    traffic: tuple[StageTraffic, ...] = ()
+    """Per stage, the bytes behind these times."""
+
+    @property
+    def tokens_per_day(self) -> float:
+        return self.tokens / self.step_s * 86400
+
+    @property
+    def host_bytes(self) -> int:
+        """Host DRAM bytes per step, all stages together."""
+        return sum(x.host_bytes for x in self.traffic)
+
+    def mfu(self, peak_flops: float) -> float:
+        """Model FLOPs per second over ``peak_flops`` (all devices together)."""
+        return self.model_flops / self.step_s / peak_flops
+
+
+def _stage_flops(shape: ModelShape, blocks: range, n: int, t: int) -> float:
+    """FLOPs of one micro-batch on a stage: 8·cost·n per block (forward, recompute, backward), the
+    head 6·cost·n (no recompute), plus 4 × the forward attention 4·n·T·H·Q per layer."""
+    last = len(shape.unit_numels) - 1
+    attention = 16 * n * t * shape.heads * shape.head_dim
+    return sum(
+        (6 if i == last else 8) * shape.costs[i] * n + (attention if 0 < i < last else 0) for i in blocks
+    )
+
+
+def step_time(
+    shape: ModelShape,
+    stage_blocks: list[range],
+    *,
+    b: int,
+    t: int,
+    m: int,
+    g: int,
+    itemsize: int,
+    flops_per_s: float,
+    rates: HostRates,
+    overlap_optimizer: bool,
+    schedule: str = "1f1b",
+    resident: list[frozenset[int]] | None = None,
+    node_flops_per_s: float = 0.0,
+) -> StepTime:
+    """Step time when the window overlaps H2D, compute, D2H and the host accumulation on each stage.
+
+    1F1B runs the G rounds as one pipeline round of G·M micro-batches, GPipe as G rounds of M
+    (``pipeline.step_rounds``); a round of M' takes (M' + S − 1) slots (GPipe arXiv:1811.06965, same
+    for 1F1B), a slot being the slowest stage's per-micro-batch
+    max(compute, H2D, D2H, accumulation). The CPU optimizer runs after the step, or hidden behind
+    it when ``overlap_optimizer``; either way the node's DRAM must carry every stage's host bytes
+    within the step, so the step is at least ``host_dram_s``.
+
+    Args:
+        flops_per_s: achieved FLOP/s of one stage's device; rates: the host side;
+            resident: per stage, the blocks kept on the device (none when omitted);
+        node_flops_per_s: > 0 when the stages share one set of cores (a CPU profile): a stage idle
+            in the bubble leaves its core to the others, so the pipeline takes at least every
+            stage's compute over the node's FLOP/s (work-conserving), not only the critical path.
+    """
+    from nodetrain.engine.pipeline import (  # pure; imported here: costs stays light
+        build_schedule,
+        step_rounds,
+    )
+
+    n, s = b * t, len(stage_blocks)
+    rounds, per_round = step_rounds(schedule, g, m)
+    resident = resident or [frozenset()] * s
+    accum_rate, _ = rates.rate(rates.accum_threads)
+    optim_rate, optim_bound = rates.rate(rates.optim_threads)
+    traffic, per_stage = [], []  # per stage: (compute, h2d, d2h, accum) seconds per step
+    for k, blocks in enumerate(stage_blocks):
+        actions = build_schedule(schedule, s, k, per_round) * rounds  # the engine's rounds
+        x = stage_traffic(shape, blocks, actions, n=n, itemsize=itemsize, resident=resident[k])
+        traffic.append(x)
+        compute = g * m * _stage_flops(shape, blocks, n, t) / flops_per_s
+        link = rates.link_bytes_per_s
+        per_stage.append((compute, x.h2d_bytes / link, x.d2h_bytes / link, x.accum_bytes / accum_rate))
+    slot = max(max(p) for p in per_stage) / (g * m)
+    compute, h2d, d2h, accum = (max(p[j] for p in per_stage) for j in range(4))
+    optimizer = max(x.optimizer_bytes for x in traffic) / optim_rate
+    host_dram = sum(x.host_bytes for x in traffic) / rates.host_bytes_per_s
+    pipeline, bubble = rounds * (per_round + s - 1) * slot, rounds * (s - 1) * slot
+    if node_flops_per_s > 0:
+        total = g * m * sum(_stage_flops(shape, blocks, n, t) for blocks in stage_blocks) / node_flops_per_s
+        if total > pipeline:
+            pipeline, bubble = total, max(0.0, total - g * m * slot)
+    step = max(pipeline, optimizer) if overlap_optimizer else pipeline + optimizer
+    step = max(step, host_dram)
+    parts = {
+        "compute": compute,
+        "H2D": h2d,
+        "D2H": d2h,
+        "host accumulation": accum,
+        "pipeline bubble": bubble,
+    }
+    bottleneck = max(parts, key=parts.get)
+    if optimizer > (pipeline if overlap_optimizer else max(parts.values())):
+        bottleneck = "optimizer cores" if optim_bound == "cores" else "host DRAM"
+    if host_dram >= step and host_dram > pipeline:
+        bottleneck = "host DRAM"
+    tokens = g * m * n
+    return StepTime(
+        tokens=tokens,
+        model_flops=model_flops(shape, tokens, t),
+        compute_s=compute,
+        h2d_s=h2d,
+        d2h_s=d2h,
+        accum_s=accum,
+        bubble_s=bubble,
+        optimizer_s=optimizer,
+        host_dram_s=host_dram,
+        step_s=step,
+        bottleneck=bottleneck,
+        traffic=tuple(traffic),
+    )

@@ -1,0 +1,185 @@
+"""Print a ``Plan`` as rich tables: host store by component, per-stage device memory, step time and
+its bottleneck, throughput, the token budget, and the verdict. Owns layout and wording only; every
+number comes from ``plan.make_plan``."""
+
+from __future__ import annotations
+
+import os
+
+from rich.console import Console
+from rich.table import Table
+
+from nodetrain.plan.planner import GB, Plan
+
+__all__ = ["render"]
+
+_FIELD_NAMES = {
+    "master": "master weights (fp32)",
+    "grad": "gradient accumulator (fp32)",
+    "exp_avg": "AdamW exp_avg (fp32)",
+    "exp_avg_sq": "AdamW exp_avg_sq (fp32)",
+    "compute": "transfer copy ({dtype})",
+    "grad_tied": "tied-embedding 2nd gradient (fp32)",
+}
+
+
+_LEAN_NAMES = {  # optim.state=lean (optim/lean.py)
+    "exp_avg": "AdamW exp_avg (4-bit codes)",
+    "exp_avg_absmax": "exp_avg block scales (fp32 / 128)",
+    "exp_avg_sq": "AdamW exp_avg_sq (8-bit codes)",
+    "exp_avg_sq_absmax": "exp_avg_sq block scales (fp32 / 2048)",
+    "compute": "master weights = transfer copy ({dtype})",
+}
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / GB:,.2f}"
+
+
+def _header(plan: Plan) -> str:
+    cfg, hw, s = plan.cfg, plan.cfg.hardware, plan.shape
+    devices = f"{hw.gpus_per_node} GPU(s)" if hw.gpus_per_node else "CPU only"
+    t, per_round = plan.time, cfg.train.micro_batch_size * cfg.train.seq_len * cfg.pipeline.microbatches
+    return (
+        f"[bold]nodetrain plan[/]: model [bold]{cfg.model.name}[/] ({s.num_params / 1e9:,.3f}B parameters, "
+        f"{s.num_layers} layers) on [bold]{hw.name}[/] ({devices}, {hw.host_memory_gb:,.0f} GB host RAM)\n"
+        f"batch: {cfg.train.micro_batch_size} × {cfg.train.seq_len} tokens × {cfg.pipeline.microbatches} "
+        f"micro-batches × {t.tokens // per_round} round(s) = {t.tokens:,} tokens/step; {plan.num_stages} "
+        f"stage(s), {cfg.pipeline.schedule}, {cfg.train.dtype}, {cfg.stream.slots} window slots"
+    )
+
+
+def _store_table(plan: Plan) -> Table:
+    table = Table(title="Host store (one copy per node)", title_justify="left")
+    for col in ("component", "bytes/param", "GB"):
+        table.add_column(col, justify="left" if col == "component" else "right")
+    n = plan.shape.num_params
+    names = _LEAN_NAMES if plan.cfg.optim.state == "lean" else {}
+    for name, nbytes in plan.fields.items():
+        label = names.get(name, _FIELD_NAMES.get(name, name)).format(dtype=plan.cfg.train.dtype)
+        table.add_row(label, f"{nbytes / n:.2f}", _gb(nbytes))
+    table.add_row(
+        "[bold]host store[/]", f"[bold]{plan.store_bytes / n:.2f}[/]", f"[bold]{_gb(plan.store_bytes)}[/]"
+    )
+    extra = plan.host_need_bytes - plan.store_bytes
+    what = "rank overhead + D2H staging"
+    what += " + windows and activations" if not plan.device_limit_bytes else ""
+    table.add_row(f"+ {what} ({plan.num_stages} ranks)", "", _gb(extra))
+    host = plan.cfg.hardware.host_memory_gb * GB
+    table.add_row(
+        "[bold]host need / host memory[/]", "", f"{_gb(plan.host_need_bytes)} / {_gb(host)} "
+        f"({plan.host_need_bytes / host:.0%})"
+    )  # fmt: skip
+    return table
+
+
+def _stage_table(plan: Plan) -> Table:
+    where = "device" if plan.device_limit_bytes else "host (CPU stages)"
+    table = Table(
+        title=f"Peak {where} memory per stage at micro_batch_size={plan.cfg.train.micro_batch_size} (GB)",
+        title_justify="left",
+    )
+    for col in ("stage", "units", "window", "saved inputs", "P2P held", "recompute+grads", "total", "usable"):
+        table.add_column(col, justify="right")
+    usable = _gb(plan.device_limit_bytes) if plan.device_limit_bytes else "shared"
+    units = plan.shape.num_layers + 2
+    for st in plan.stages:
+        names = [("embed" if i == 0 else "head" if i == units - 1 else f"L{i - 1}") for i in st.blocks]
+        span = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+        table.add_row(
+            str(st.stage), span, _gb(st.window_bytes), _gb(st.saved_bytes), _gb(st.p2p_bytes),
+            _gb(st.transient_bytes), _gb(st.total_bytes), usable,
+        )  # fmt: skip
+    return table
+
+
+def _time_table(plan: Plan) -> Table:
+    t, over = plan.time, plan.cfg.plan.overlap_optimizer
+    how = "the optimizer hidden behind them" if over else "then the optimizer"
+    title = (
+        "Predicted step time of the slowest stage (parts overlap: max(compute, H2D, D2H, accumulation) + "
+        f"bubble, {how}; at least the host DRAM time)"
+    )
+    table = Table(title=title, title_justify="left")
+    for col in ("part", "seconds", "of step"):
+        table.add_column(col, justify="left" if col == "part" else "right")
+    rows = [
+        ("compute: forward + recompute + backward", t.compute_s),
+        ("H2D: weight prefetch (overlapped)", t.h2d_s),
+        ("D2H: gradient offload (overlapped)", t.d2h_s),
+        (f"host accumulation, {plan.rates.accum_threads} thread(s)/rank (overlapped)", t.accum_s),
+        ("pipeline bubble", t.bubble_s),
+        (
+            f"CPU optimizer, {plan.rates.optim_threads} thread(s)/rank ({'overlapped' if over else 'after'})",
+            t.optimizer_s,
+        ),
+        (f"host DRAM: {t.host_bytes / GB:,.1f} GB/step of all ranks (overlapped)", t.host_dram_s),
+    ]
+    for label, seconds in rows:
+        table.add_row(label, f"{seconds:,.3f}", f"{seconds / t.step_s:.0%}")
+    table.add_row("[bold]step[/]", f"[bold]{t.step_s:,.3f}[/]", "")
+    return table
+
+
+def _traffic_table(plan: Plan) -> Table:
+    table = Table(
+        title="Bytes per step per stage (GB): what the times above are made of", title_justify="left"
+    )
+    for col in ("stage", "resident", "loads", "H2D", "D2H", "accumulation", "optimizer", "host DRAM"):
+        table.add_column(col, justify="right")
+    units = plan.shape.num_layers + 2
+    for k, x in enumerate(plan.time.traffic):
+        res = sorted(plan.resident[k]) if plan.resident else []
+        names = ", ".join("embed" if i == 0 else "head" if i == units - 1 else f"L{i - 1}" for i in res)
+        table.add_row(
+            str(k), names or "-", f"{x.loads:,}", _gb(x.h2d_bytes), _gb(x.d2h_bytes), _gb(x.accum_bytes),
+            _gb(x.optimizer_bytes), _gb(x.host_bytes),
+        )  # fmt: skip
+    return table
+
+
+def _summary(plan: Plan) -> list[str]:
+    t, hw = plan.time, plan.cfg.hardware
+    tokens_budget = plan.cfg.plan.train_tokens
+    budget = "plan.train_tokens" if tokens_budget else "20 × parameters, Chinchilla"
+    r = plan.rates
+    lines = [
+        *plan.choices,
+        f"bottleneck: [bold]{t.bottleneck}[/]",
+        f"host side: {r.ranks} rank(s) share {r.host_bytes_per_s / GB:,.0f} GB/s of DRAM; each rank's "
+        f"{r.accum_threads} accumulation + {r.optim_threads} optimizer thread(s) at "
+        f"{r.core_bytes_per_s / GB:,.1f} GB/s per core; link {r.link_bytes_per_s / GB:,.1f} GB/s each way",
+        f"throughput: {t.tokens / t.step_s:,.0f} tokens/s = {t.tokens_per_day / 1e9:,.3f}B tokens/day; "
+        f"MFU {t.mfu(plan.peak_flops):.1%} (model FLOPs 6·N·tokens + attention, PaLM arXiv:2204.02311, "
+        f"over {plan.peak_flops / 1e12:,.1f} TFLOP/s peak at {hw.matmul_efficiency:.0%} matmul efficiency)",
+        f"largest micro-batch that fits: train.micro_batch_size={plan.max_micro_batch}",
+        f"training budget: {plan.train_tokens / 1e9:,.1f}B tokens ({budget}) = "
+        f"{plan.days_one_node:,.1f} days on one node",
+    ]
+    if plan.nodes:
+        lines.append(
+            f"to finish in {plan.cfg.plan.days:g} days: {plan.nodes:,} nodes = "
+            f"{plan.nodes * plan.num_stages:,} GPUs (data-parallel replicas of this node, assuming linear "
+            "scaling; nodetrain itself runs one node)"
+        )
+    return lines
+
+
+def render(plan: Plan, console: Console | None = None) -> None:
+    """Print ``plan`` to ``console`` (default: stdout; 120 columns when it is not a terminal and
+    ``COLUMNS`` is unset)."""
+    console = console or Console(width=None if Console().is_terminal or "COLUMNS" in os.environ else 120)
+    console.print(_header(plan))
+    console.print(_store_table(plan))
+    console.print(_stage_table(plan))
+    console.print(_time_table(plan))
+    console.print(_traffic_table(plan))
+    for line in _summary(plan):
+        console.print(line)
+    color = "red" if plan.problems else "green"
+    console.print(f"[bold {color}]verdict: {plan.verdict}[/]")
+    for reason in plan.problems:
+        console.print(f"  - {reason}")
+    for hint in plan.hints:
+        console.print(f"  hint: {hint}")
+    console.print(f"[dim]hardware source: {plan.cfg.hardware.source}[/]")

@@ -1,0 +1,235 @@
+"""What a run does when something goes wrong: signals, non-finite steps, and test-only fault injection.
+
+Owns:
+    :class:`StopRequest`  SIGINT/SIGTERM during the training loop set a flag instead of killing the
+        rank mid-step; the engine adds the flag to the step's one all-reduce (engine.py), so every
+        rank learns of it at the same step and all stop after that step (then save, if
+        ``checkpoint.on_signal=save``). A second signal more than ``FORCE_AFTER_S`` after the first
+        ends the rank at once.
+    :class:`BadSteps`  counts steps whose loss or gradient norm was NaN/inf (the engine skipped
+        their update on every stage) and ends the run after ``train.max_bad_steps`` in a row.
+    :func:`maybe_fail`, :func:`poison_grads`, :func:`nan_injection`  the ``test.*`` knobs
+        (config.FaultInjectionConfig): fail or hang a rank at a step, put a NaN into a rank's gradient.
+    :func:`record_failure`  the failing rank's traceback into torchrun's error file, so torchrun's
+        summary names it as the root cause.
+    :func:`stop_with_launcher`  a rank whose torchrun launcher dies (``kill -9``) gets SIGTERM from
+        the kernel and stops as on any SIGTERM, instead of training on unsupervised.
+
+Does not own: the exit of the other ranks when one fails (torchrun's agent terminates them; every
+collective and receive is bounded by ``dist.timeout_s``, train.py), or the store's removal (store.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import math
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from nodetrain.config.schema import FaultInjectionConfig
+
+__all__ = [
+    "FORCE_AFTER_S",
+    "BadSteps",
+    "NonFiniteError",
+    "StopRequest",
+    "maybe_fail",
+    "nan_injection",
+    "poison_grads",
+]
+__all__ += ["record_failure", "stop_with_launcher"]
+
+log = logging.getLogger(__name__)
+
+FORCE_AFTER_S = 2.0
+"""A signal this long after the first one ends the rank at once. Shorter gaps are the same request
+delivered twice: Ctrl-C reaches every rank from the terminal and again from torchrun's agent."""
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class NonFiniteError(RuntimeError):
+    """``train.max_bad_steps`` consecutive steps had a NaN/inf loss or gradient norm."""
+
+
+class StopRequest:
+    """A context manager that turns SIGINT/SIGTERM into a stop request for the training loop.
+
+    Inside the ``with`` block the first signal only sets :attr:`signum`; the loop passes
+    :attr:`requested` to ``Engine.train_step``, whose all-reduce tells every rank, and the loop ends
+    after that step. Outside the block (set-up, teardown) the previous handlers apply. Only the main
+    thread can install handlers; elsewhere the block does nothing.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        """The first signal received, or None."""
+        self._first_s = 0.0
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def _handle(self, signum: int, frame) -> None:
+        del frame
+        now = time.monotonic()
+        if self.signum is None:
+            self.signum, self._first_s = signum, now
+        elif now - self._first_s > FORCE_AFTER_S:
+            raise SystemExit(128 + signum)  # asked twice: stop now, without the clean stop
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for s in _SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+
+
+class BadSteps:
+    """Consecutive and total counts of skipped (non-finite) steps.
+
+    Args:
+        max_in_a_row: ``train.max_bad_steps``; :meth:`check` raises when this many steps in a row
+            were skipped.
+    """
+
+    def __init__(self, max_in_a_row: int) -> None:
+        self.max_in_a_row = max_in_a_row
+        self.total = 0
+        self.in_a_row = 0
+
+    def count(self, skipped: bool) -> None:
+        self.total += int(skipped)
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+
+    def check(self, step: int) -> None:
+        """Raises:
+        NonFiniteError: the last ``max_in_a_row`` steps up to ``step`` (1-based) were all skipped.
+        """
+        if self.in_a_row >= self.max_in_a_row:
+            first = step - self.in_a_row + 1
+            raise NonFiniteError(
+                f"train.max_bad_steps={self.max_in_a_row}: steps {first}-{step} all had a NaN/inf loss or "
+                "gradient norm, so their updates were skipped (the weights are those after step "
+                f"{first - 1}, except that with optim.update_in_backward and no clipping the finite units "
+                "of those steps were updated); fix: lower optim.lr, use optim.max_grad_norm > 0, "
+                "train.dtype=bfloat16 instead of float16, or check the data"
+            )
+
+
+def maybe_fail(test: FaultInjectionConfig, rank: int, step: int) -> None:
+    """Test-only: fail (or hang) here when ``rank`` and the 1-based ``step`` are the configured ones.
+
+    Raises:
+        RuntimeError: ``test.fail_mode=raise`` on the configured rank and step.
+    """
+    if rank != test.fail_rank or step != test.fail_step:
+        return
+    if test.fail_mode == "hang":  # the classic hang: ranks waiting in different collectives
+        log.error("test.fail_mode=hang: rank %d enters a barrier no other rank joins at step %d", rank, step)
+        dist.barrier()  # fails after dist.timeout_s, as the other ranks' waits do
+    raise RuntimeError(f"test.fail_rank={rank}, test.fail_step={step}: injected failure")
+
+
+def poison_grads(test: FaultInjectionConfig, rank: int, step: int, grads: list[torch.Tensor]) -> None:
+    """Test-only: write NaN into the first element of the last of ``grads`` (the flat fp32 gradient
+    accumulators of this rank's units, in the host store) when ``rank`` and the 1-based ``step`` are
+    ``test.nan_rank`` and ``test.nan_step``."""
+    if rank == test.nan_rank and step == test.nan_step and grads:
+        log.warning("test.nan_step=%d: NaN written into rank %d's gradient", step, rank)
+        grads[-1][0] = math.nan
+
+
+def nan_injection(test: FaultInjectionConfig, store, last_unit: int, step: list[int]):
+    """Test-only NaN injection (``test.nan_rank``/``nan_step``), the engine's one hook for it: None when
+    off (the optimizer thread then calls nothing), else ``poison(*units)``, which writes a NaN into the
+    gradient of this stage's last unit (``store.grad(last_unit)``, flat fp32) if it is among ``units``,
+    once that gradient is final: from the optimizer thread for an in-backward unit
+    (``UnitUpdates.on_final``), else after the flush; before the norm in both cases. ``step[0]`` is
+    the 0-based step being run. A closure, not an Engine method: the optimizer holding a bound method
+    would keep the engine, and with it the store's mapping, alive after the job drops it (jobs.Release)."""
+    if test.nan_rank < 0 or test.nan_step < 0:
+        return None
+
+    def poison(*units: int) -> None:
+        if last_unit in units:
+            poison_grads(test, dist.get_rank(), step[0] + 1, [store.grad(last_unit)])
+
+    return poison
+
+
+_PEER_FAILED = re.compile(r"(closed|reset) by peer|Broken pipe|Connection refused|remote process exited")
+"""Communication errors that only say another rank went away (gloo and NCCL wording)."""
+
+
+def record_failure(exc: BaseException, callstack: str | None = None) -> None:
+    """Write ``exc`` and its traceback (or ``callstack`` in its place) to torchrun's error file
+    (``TORCHELASTIC_ERROR_FILE``; nothing outside torchrun), which torchrun's failure summary prints,
+    naming the earliest as root cause.
+
+    torchrun orders failures by whole seconds, and the ranks that lose their connection to a failed
+    rank fail within milliseconds of it. Such a consequence is stamped one second later so that the
+    rank that failed first stays the root cause.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    stamp = int(time.time()) + (1 if _PEER_FAILED.search(str(exc)) else 0)
+    callstack = callstack or "".join(traceback.format_exception(exc))
+    data = {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {"py_callstack": callstack, "timestamp": str(stamp)},
+        }
+    }  # the layout of torch.distributed.elastic's ErrorHandler.record_exception
+    try:
+        Path(path).write_text(json.dumps(data))
+    except OSError:  # the summary is a convenience: never let it hide the real error
+        log.exception("could not write torchrun's error file %s", path)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def stop_with_launcher() -> bool:
+    """Under torchrun on Linux: have the kernel send this rank SIGTERM when its parent (the torchrun
+    agent) dies, e.g. by ``kill -9``, which forwards nothing. The rank then stops as on any SIGTERM:
+    inside the training loop every rank stops after the same step (and saves, with
+    ``checkpoint.on_signal=save``); before it, the process ends and its store goes with it.
+
+    ``prctl(PR_SET_PDEATHSIG)`` fires when the thread that started the rank exits; torchrun starts
+    its ranks from its main thread, which lives as long as the agent. A parent that died before this
+    call is caught by ``getppid() == 1`` (the rank was re-parented to init).
+
+    Returns:
+        True when the death signal is armed (False outside torchrun or Linux, or if prctl failed).
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        log.warning(
+            "prctl(PR_SET_PDEATHSIG) failed (errno %d): this rank outlives its launcher", ctypes.get_errno()
+        )
+        return False
+    if os.getppid() == 1:
+        log.error("the torchrun launcher is gone: stopping")
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
