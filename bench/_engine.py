@@ -6,6 +6,7 @@ Not a benchmark itself; ``engine_overhead.py`` and ``cpu_optimizer.py`` import i
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import statistics
@@ -80,3 +81,15 @@ def median_time(fn, reps: int) -> tuple[float, float]:
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     return statistics.median(wall), statistics.median(cpu)
+
+
+def bench_args(description: str, microbatches: int) -> argparse.ArgumentParser:
+    """The command-line options the 1-rank engine benchmarks share (model, shape, threads, reps)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--model", default="llama_10m")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per step")
+    ap.add_argument("--microbatches", type=int, default=microbatches)
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads of the compute")
+    ap.add_argument("--reps", type=int, default=4, help="steps per block; three blocks each")
+    return ap

@@ -14,33 +14,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(ROOT))
+from bench._launch import train_cmd  # noqa: E402
 
 
 def _run(
     run_dir: Path, steps: int, data_dir: str, async_write: bool
 ) -> list[tuple[int, float, float, float]]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={_free_port()}",
-    ]
-    cmd += ["-m", "nodetrain.train", f"hydra.run.dir={run_dir}", f"train.steps={steps}", "train.eval_every=0"]
+    cmd = train_cmd(2, run_dir, f"train.steps={steps}", "train.eval_every=0")
     cmd += [f"data.dir={data_dir}", "checkpoint.every=2", "checkpoint.keep_last=0", "logging.wandb=false"]
     cmd += [f"checkpoint.async_write={str(async_write).lower()}"]
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)

@@ -15,7 +15,6 @@ gradients the chunked cross-entropy takes in its forward, costs a second forward
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench._engine import base_config, make_engine, median_time, model_config
+from bench._engine import base_config, bench_args, make_engine, median_time, model_config
 from nodetrain.model import build_hf_config
 
 VOCAB = 4096
@@ -74,13 +73,7 @@ def engine_step_fns(mcfg, args, xs: torch.Tensor, ys: torch.Tensor) -> tuple[dic
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama_10m")
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8, help="sequences per step")
-    ap.add_argument("--microbatches", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads of the compute")
-    ap.add_argument("--reps", type=int, default=4, help="steps per block; three blocks each")
+    ap = bench_args(__doc__.splitlines()[0], microbatches=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

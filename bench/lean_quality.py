@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,27 +29,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after the backend is chosen
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench._launch import train_cmd  # noqa: E402
+
 _BYTES = re.compile(r"([\d.]+) bytes/parameter \(optim\.state=(\w+)\)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(state: str, steps: int, runs: Path, shm: str) -> tuple[list[dict], float]:
     """One 2-rank launch; returns (rank 0's metrics records, store bytes per parameter)."""
     out = runs / state
     env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=str(ROOT))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={_free_port()}",
-    ]
-    cmd += ["-m", "nodetrain.train", f"hydra.run.dir={out}", f"optim.state={state}", f"train.steps={steps}"]
+    cmd = train_cmd(2, out, f"optim.state={state}", f"train.steps={steps}")
     cmd += ["logging.wandb=false", f"store.dir={shm}", f"data.dir={ROOT / 'data'}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:

@@ -30,7 +30,6 @@ updates are already hidden behind the next forward, so speculation has no expose
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -38,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench._engine import base_config, make_engine, model_config
+from bench._engine import base_config, bench_args, make_engine, model_config
 
 VOCAB = 4096
 
@@ -70,13 +69,7 @@ def make_runs(mcfg, args, xs: torch.Tensor, ys: torch.Tensor) -> tuple[dict, lis
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama_10m")
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8, help="sequences per step")
-    ap.add_argument("--microbatches", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads of the compute")
-    ap.add_argument("--reps", type=int, default=4, help="steps per block; three blocks each")
+    ap = bench_args(__doc__.splitlines()[0], microbatches=2)
     ap.add_argument("--max-norms", type=float, nargs="+", default=[1.0, 1e9])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -12,13 +12,11 @@ and a NaN step, skipped whole (test_update_in_backward's reference).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from test_overlap import BINDINGS, BLOCKS, CFG, UNITS, store  # noqa: F401  (store: a fixture)
 from test_parity import (
     ATOL_WEIGHT,
@@ -26,9 +24,6 @@ from test_parity import (
     STEPS,
     Case,
     check_parity,
-    make_batches,
-    run_nodetrain,
-    save_seeded_model,
 )
 from test_plan import A_EMBED, A_HEAD, A_LAYER, _config_a
 from test_update_in_backward import (
@@ -39,6 +34,7 @@ from test_update_in_backward import (
     _in_backward_counts,
     _Launch,
     _reference_left_out,
+    run_nan_case,
 )
 
 from nodetrain.config.schema import OptimConfig
@@ -221,24 +217,10 @@ def test_speculative_never_clipping_and_a_nan_step_skipped_whole(
     every finite step (no rollback), and step NAN_AT, poisoned in the last stage's head, has them
     rolled back on both stages, so it is skipped whole: weights, AdamW moments and step counts equal
     the unclipped reference without step NAN_AT's update (and not the per-unit in-backward rule)."""
-    model_dir = tmp_path / "hf"
-    save_seeded_model(NAN_CASE, model_dir)
-    inputs, labels, lengths = make_batches(NAN_CASE)
-    overrides = {
-        "optim.speculative": True,
-        "optim.max_grad_norm": 1e9,
-        "test.nan_rank": 1,
-        "test.nan_step": NAN_AT,
-    }
-    launch = _Launch(torchrun, overrides, export_state=True)
-    run = run_nodetrain(NAN_CASE, tmp_path, shm_dir, model_dir, inputs, labels, launch)
-    out = Path(launch.spec["out_dir"])
-    state, counts = {}, {}
-    for rank in range(NAN_CASE.stages):
-        state.update(load_file(str(out / f"state_rank{rank}.safetensors")))
-        counts.update(json.loads((out / f"rank{rank}.json").read_text())["adamw_steps"])
-
-    assert [s["skipped"] for s in run.steps] == [s + 1 == NAN_AT for s in range(STEPS)]
+    overrides = {"optim.speculative": True, "optim.max_grad_norm": 1e9}
+    run, state, counts, _, (model_dir, inputs, labels, lengths) = run_nan_case(
+        overrides, tmp_path, shm_dir, torchrun
+    )
     losses, norms, weights, ref_state, ref_counts = _reference_left_out(
         model_dir, inputs, labels, lengths, None
     )

@@ -267,14 +267,14 @@ def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: fl
         torch.testing.assert_close(got[name], w, rtol=RTOL, atol=tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("in_backward", [True, False], ids=["in-backward", "deferred"])
-def test_nan_gradient_leaves_out_the_unit_or_the_step(
-    in_backward: bool, tmp_path: Path, shm_dir: Path, torchrun
-) -> None:
+def run_nan_case(overrides: dict, tmp_path: Path, shm_dir: Path, torchrun):
+    """NAN_CASE run with ``overrides`` and a NaN injected into the last stage at step NAN_AT:
+    returns (run, exported AdamW state, AdamW step counts, the launch's output, (model dir, inputs,
+    labels, lengths)); checks that exactly step NAN_AT was reported skipped."""
     model_dir = tmp_path / "hf"
     save_seeded_model(NAN_CASE, model_dir)
     inputs, labels, lengths = make_batches(NAN_CASE)
-    overrides = {"optim.update_in_backward": in_backward, "test.nan_rank": 1, "test.nan_step": NAN_AT}
+    overrides = {**overrides, "test.nan_rank": 1, "test.nan_step": NAN_AT}
     launch = _Launch(torchrun, overrides, export_state=True)
     run = run_nodetrain(NAN_CASE, tmp_path, shm_dir, model_dir, inputs, labels, launch)
     out = Path(launch.spec["out_dir"])
@@ -282,8 +282,18 @@ def test_nan_gradient_leaves_out_the_unit_or_the_step(
     for rank in range(NAN_CASE.stages):
         state.update(load_file(str(out / f"state_rank{rank}.safetensors")))
         counts.update(json.loads((out / f"rank{rank}.json").read_text())["adamw_steps"])
-
     assert [s["skipped"] for s in run.steps] == [s + 1 == NAN_AT for s in range(STEPS)]
+    return run, state, counts, launch.output, (model_dir, inputs, labels, lengths)
+
+
+@pytest.mark.parametrize("in_backward", [True, False], ids=["in-backward", "deferred"])
+def test_nan_gradient_leaves_out_the_unit_or_the_step(
+    in_backward: bool, tmp_path: Path, shm_dir: Path, torchrun
+) -> None:
+    overrides = {"optim.update_in_backward": in_backward}
+    run, state, counts, output, (model_dir, inputs, labels, lengths) = run_nan_case(
+        overrides, tmp_path, shm_dir, torchrun
+    )
     assert math.isnan(run.steps[NAN_AT - 1]["grad_norm"])
     left_out = LEFT_OUT_IN_BACKWARD if in_backward else None
     losses, norms, weights, ref_state, ref_counts = _reference_left_out(
@@ -308,16 +318,14 @@ def test_nan_gradient_leaves_out_the_unit_or_the_step(
     assert gap > 100 * ATOL_WEIGHT, f"within {gap:.2e} of the other NaN rule"
 
     if in_backward:
-        assert "rank 1 left out ['head'] (NaN/inf gradient) and []" in launch.output
-        assert "rank 0 left out [] (NaN/inf gradient) and ['embed'] (updated only after" in launch.output
-        assert "set optim.update_in_backward=false to skip whole steps" in launch.output
+        assert "rank 1 left out ['head'] (NaN/inf gradient) and []" in output
+        assert "rank 0 left out [] (NaN/inf gradient) and ['embed'] (updated only after" in output
+        assert "set optim.update_in_backward=false to skip whole steps" in output
         # ordering, not speed (step NAN_AT aside: its first final unit, the head, is not updated)
         counts = [c for s, c in enumerate(_in_backward_counts(run.steps, NAN_CASE.stages)) if s + 1 != NAN_AT]
         assert all(n >= 1 for row in counts for n in row), f"no update ran during the backward: {counts}"
     else:
-        assert (
-            f"step {NAN_AT}: loss or gradient norm is NaN/inf; update skipped on every stage" in launch.output
-        )
+        assert f"step {NAN_AT}: loss or gradient norm is NaN/inf; update skipped on every stage" in output
         assert _in_backward_counts(run.steps, NAN_CASE.stages) == [[0, 0]] * STEPS
 
 

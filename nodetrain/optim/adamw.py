@@ -21,7 +21,7 @@ from nodetrain.config.schema import OptimConfig
 from nodetrain.model import Unit
 from nodetrain.store import HostStore
 
-__all__ = ["lr_at", "clip_coef", "chunk_numel", "StoreAdamW"]
+__all__ = ["lr_at", "clip_coef", "zero_grads", "chunk_numel", "StoreAdamW"]
 
 _STATE_FIELDS = ("master", "exp_avg", "exp_avg_sq")
 """The store fields an AdamW update writes (besides the transfer copy, rewritten from ``master``)."""
@@ -39,6 +39,13 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
     progress = min(progress, 1.0)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def zero_grads(store: HostStore, unit: int) -> None:
+    """Zero every gradient accumulator of ``unit`` in the store (``grad`` and, if bound, ``grad_tied``)."""
+    for name in store.layout.fields_of(unit):
+        if name.startswith("grad"):
+            store.buffer(unit, name).zero_()
 
 
 def clip_coef(total_norm: float, max_norm: float) -> float:
@@ -146,9 +153,7 @@ class StoreAdamW:
 
     def drop_unit_grads(self, unit: int) -> None:
         """:meth:`drop_grads` for one owned unit (a unit whose gradient is NaN/inf, overlap.py)."""
-        for name in self.store.layout.fields_of(unit):
-            if name.startswith("grad"):
-                self.store.buffer(unit, name).zero_()
+        zero_grads(self.store, unit)
 
     def unit_grad_dots(self, unit: int) -> list[torch.Tensor]:
         """Σ gradient² of each of one owned unit's parameter groups: 0-dim fp32 tensors, the terms

@@ -34,7 +34,7 @@ import torch
 
 from nodetrain.config.schema import OptimConfig
 from nodetrain.model import Unit
-from nodetrain.optim.adamw import CHUNK_NUMEL
+from nodetrain.optim.adamw import CHUNK_NUMEL, zero_grads
 from nodetrain.optim.quant import dequantize_blockwise, quantize_blockwise, stochastic_round_bf16
 from nodetrain.store import LEAN_FORMATS, HostStore
 
@@ -116,9 +116,7 @@ class LeanAdamW:
 
     def drop_unit_grads(self, unit: int) -> None:
         """:meth:`drop_grads` for one owned unit."""
-        for name in self.store.layout.fields_of(unit):
-            if name.startswith("grad"):
-                self.store.buffer(unit, name).zero_()
+        zero_grads(self.store, unit)
 
     def step_unit(
         self, unit: int, lr: float, grad_scale: float = 1.0, found_inf: torch.Tensor | None = None
