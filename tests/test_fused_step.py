@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_overlap import seeded_store
 
 from nodetrain.config.schema import OptimConfig
 from nodetrain.model.hf import Unit
 from nodetrain.optim import adamw as optim
 from nodetrain.optim.adamw import StoreAdamW, clip_coef
-from nodetrain.store import HostStore, StoreLayout
+from nodetrain.store import HostStore
 
 UNITS = [Unit(0, "layers.0", (), 1000, 900), Unit(1, "layers.1", (), 333, 300)]
 CFG = OptimConfig(lr=1e-2, weight_decay=0.1, eps=1e-8, max_grad_norm=0.5)
@@ -28,13 +29,7 @@ ATOL = 1e-6
 @pytest.fixture(params=[64, None], ids=["chunks", "whole-groups"])
 def store(shm_dir, monkeypatch, request):
     monkeypatch.setattr(optim, "chunk_numel", lambda: request.param)
-    s = HostStore.create(StoreLayout(tuple(u.numel for u in UNITS), torch.bfloat16), shm_dir, "fused-test")
-    s.unlink()
-    gen = torch.Generator().manual_seed(0)
-    for u in UNITS:
-        s.master(u.index).copy_(torch.randn(u.numel, generator=gen))
-        s.compute(u.index).copy_(s.master(u.index))
-    return s
+    return seeded_store(shm_dir, UNITS, torch.bfloat16, "fused-test")
 
 
 def _reference(store: HostStore) -> dict[int, tuple[list[torch.Tensor], torch.optim.AdamW]]:

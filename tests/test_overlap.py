@@ -37,15 +37,21 @@ BLOCKS = [0, 1, 2]
 CFG = OptimConfig(lr=1e-2, weight_decay=0.1, eps=1e-8)
 
 
-@pytest.fixture
-def store(shm_dir):
-    s = HostStore.create(StoreLayout(tuple(u.numel for u in UNITS), torch.float32), shm_dir, "overlap-test")
+def seeded_store(shm_dir, units, dtype: torch.dtype, name: str) -> HostStore:
+    """A host store for ``units`` (unlinked: gone with the test), master weights ~ N(0, 1) from seed
+    0 and the transfer copies refreshed from them."""
+    s = HostStore.create(StoreLayout(tuple(u.numel for u in units), dtype), shm_dir, name)
     s.unlink()
     gen = torch.Generator().manual_seed(0)
-    for u in UNITS:
+    for u in units:
         s.master(u.index).copy_(torch.randn(u.numel, generator=gen))
         s.compute(u.index).copy_(s.master(u.index))
     return s
+
+
+@pytest.fixture
+def store(shm_dir):
+    return seeded_store(shm_dir, UNITS, torch.float32, "overlap-test")
 
 
 def _grads(gen: torch.Generator) -> dict[int, torch.Tensor]:
