@@ -93,3 +93,14 @@ def bench_args(description: str, microbatches: int) -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads of the compute")
     ap.add_argument("--reps", type=int, default=4, help="steps per block; three blocks each")
     return ap
+
+
+def random_batch(args, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sets the compute threads (``args.threads``) and seed 0; returns inputs and next-token labels
+    of ``args.batch`` random sequences of ``args.seq_len`` ids, [M, B/M, T] int64 each (M =
+    ``args.microbatches``)."""
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    ids = torch.randint(0, vocab, (args.batch, args.seq_len + 1))
+    m, b = args.microbatches, args.batch // args.microbatches
+    return ids[:, :-1].contiguous().view(m, b, -1), ids[:, 1:].contiguous().view(m, b, -1)

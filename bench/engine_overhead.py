@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench._engine import base_config, bench_args, make_engine, median_time, model_config
+from bench._engine import base_config, bench_args, make_engine, median_time, model_config, random_batch
 from nodetrain.model import build_hf_config
 
 VOCAB = 4096
@@ -75,14 +75,10 @@ def engine_step_fns(mcfg, args, xs: torch.Tensor, ys: torch.Tensor) -> tuple[dic
 def main() -> None:
     ap = bench_args(__doc__.splitlines()[0], microbatches=1)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    ids = torch.randint(0, VOCAB, (args.batch, args.seq_len + 1))
-    x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()  # [N·B, T]
-    m, b = args.microbatches, args.batch // args.microbatches
+    x, y = random_batch(args, VOCAB)  # [M, B, T] each
     mcfg = model_config(args.model, VOCAB)
-    fns, last, engines = engine_step_fns(mcfg, args, x.view(m, b, -1), y.view(m, b, -1))
-    runs = {"plain transformers + AdamW": plain_step_fn(mcfg, x, y), **fns}
+    fns, last, engines = engine_step_fns(mcfg, args, x, y)
+    runs = {"plain transformers + AdamW": plain_step_fn(mcfg, x.flatten(0, 1), y.flatten(0, 1)), **fns}
     for fn in runs.values():  # warm-up
         fn()
     wall, cpu = {name: [] for name in runs}, {name: [] for name in runs}
@@ -93,7 +89,10 @@ def main() -> None:
             cpu[name].append(c)
     med = {name: (statistics.median(wall[name]), statistics.median(cpu[name])) for name in runs}
     base_w, base_c = med["plain transformers + AdamW"]
-    print(f"{args.model}, {args.batch}×{args.seq_len} tokens/step, {m} micro-batch(es), fp32, ", end="")
+    print(
+        f"{args.model}, {args.batch}×{args.seq_len} tokens/step, {args.microbatches} micro-batch(es), fp32, ",
+        end="",
+    )
     print(f"{args.threads} compute thread(s)")
     print(f"  {'':32s} {'wall ms':>9s} {'× plain':>8s} {'CPU ms':>9s} {'× plain':>8s}")
     for name, (w, c) in med.items():

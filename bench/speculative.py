@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench._engine import base_config, bench_args, make_engine, model_config
+from bench._engine import base_config, bench_args, make_engine, model_config, random_batch
 
 VOCAB = 4096
 
@@ -72,19 +72,18 @@ def main() -> None:
     ap = bench_args(__doc__.splitlines()[0], microbatches=2)
     ap.add_argument("--max-norms", type=float, nargs="+", default=[1.0, 1e9])
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    ids = torch.randint(0, VOCAB, (args.batch, args.seq_len + 1))
-    x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()  # [N·B, T]
-    m, b = args.microbatches, args.batch // args.microbatches
-    runs, engines = make_runs(model_config(args.model, VOCAB), args, x.view(m, b, -1), y.view(m, b, -1))
+    x, y = random_batch(args, VOCAB)  # [M, B, T] each
+    runs, engines = make_runs(model_config(args.model, VOCAB), args, x, y)
     for fn, _ in runs.values():  # warm-up
         fn()
     for _ in range(3):  # interleaved blocks: a load change on the machine hits every variant
         for fn, _results in runs.values():
             for _rep in range(args.reps):
                 fn()
-    print(f"{args.model}, {args.batch}×{args.seq_len} tokens/step, {m} micro-batches, fp32, ", end="")
+    print(
+        f"{args.model}, {args.batch}×{args.seq_len} tokens/step, {args.microbatches} micro-batches, fp32, ",
+        end="",
+    )
     print(f"{args.threads} compute thread(s), {3 * args.reps} steps each after 1 warm-up")
     head = ("step ms", "optim_s ms", "busy ms", "clipped", "rollbacks", "steps rolled")
     print(f"  {'':42s} " + " ".join(f"{h:>12s}" for h in head))
