@@ -70,6 +70,7 @@ from nodetrain.engine.pipeline import P2P, Action, build_schedule, p2p_groups, p
 from nodetrain.engine.replicas import ReplicaGradSum, Topology, node_group, replica_slice
 from nodetrain.engine.residency import resident_blocks
 from nodetrain.engine.stage import IGNORE_INDEX, StageRunner, stage_loads, stage_offloads
+from nodetrain.engine.step_batch import StepBatch
 from nodetrain.engine.window import Window, arrival_order
 from nodetrain.model import HFModel
 from nodetrain.optim.adamw import StoreAdamW, clip_coef, lr_at
@@ -398,25 +399,25 @@ class Engine:
                 seq += self.runner.loads(a.kind)
         return seq
 
-    def _run_round(self, actions, r: int, inputs, labels, loss_scale: float, train: bool, positions) -> float:
+    def _run_round(self, actions, r: int, batch: StepBatch, loss_scale: float, train: bool, loss_sum) -> None:
+        """Run one pipeline round's actions; the last stage adds each forward's summed token loss
+        into ``loss_sum`` (an fp64 scalar on the device, read on the host once per step)."""
         base = r * sum(a.kind == "F" for a in actions)  # micro-batches of the earlier rounds
         groups = p2p_groups(actions, self.stage, self.num_stages)  # paired send/recv: NCCL-safe order
-        loss_sum, out = 0.0, None
+        out = None
         for a, group in zip(actions, groups[:-1], strict=True):
             got = self.p2p.exchange(group, out, base)
             mb = base + a.mb
-            lab = labels[mb].to(self.device) if self.runner.is_last else None
-            pos = None if positions is None else positions[mb].to(self.device)
+            lab, pos, packed = batch.microbatch(mb)  # views of the step's device copies
             if a.kind == "F":
-                x = inputs[mb] if self.runner.is_first else got.to(self.device)  # ids stay on the host
-                out = self.runner.forward(mb, x, lab, train, pos, loss_scale)
+                x = batch.inputs[mb] if self.runner.is_first else got.to(self.device)
+                out = self.runner.forward(mb, x, lab, train, pos, loss_scale, packed)
                 if self.runner.is_last:
-                    loss_sum += float(out)
+                    loss_sum += out  # on the device: no sync per micro-batch
             else:
                 g = None if self.runner.is_last else got.to(self.device)
-                out = self.runner.backward(mb, g, lab, loss_scale, position_ids=pos)
+                out = self.runner.backward(mb, g, position_ids=pos, packed=packed)
         self.p2p.exchange(groups[-1], out, base)
-        return loss_sum
 
     def _check_batch(self, inputs: torch.Tensor, labels: torch.Tensor, num_mb: int) -> None:
         t = self.cfg.train
@@ -466,16 +467,18 @@ class Engine:
         self.updates.begin_step(lr, Counter(arrivals), arrivals)
         self.window.begin(self._load_sequence(actions, rounds), Counter(backwards))
         self.p2p.reset_timer()
-        loss_sum = 0.0
+        batch = StepBatch.of(self.runner, inputs, labels, positions, self.device)  # one H2D per tensor
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for r in range(rounds):
-            loss_sum += self._run_round(actions, r, inputs, labels, 1.0 / max(tokens, 1), True, positions)
+            self._run_round(actions, r, batch, 1.0 / max(tokens, 1), True, loss_sum)
         self.updates.end_backward()
         self.window.flush()
         with timeline.phase("bubble"):
             self.p2p.wait_sends()
         grad_sq = self._settle_grads()
         with timeline.phase("optim"):
-            totals = self.comm.tensor([grad_sq, loss_sum, float(stop)])  # on the group's device
+            totals = self.comm.tensor([grad_sq, 0.0, float(stop)])  # on the group's device
+            totals[1].copy_(loss_sum)  # the step's one read of the loss (with the all-reduce's)
         with timeline.phase("bubble"):
             self.comm.all_reduce(totals)  # NaN/inf on any stage makes the sums non-finite on every stage
         grad_sq_all, loss_all, stop_all = totals.tolist()  # one device → host copy
@@ -538,11 +541,14 @@ class Engine:
         inputs, labels, positions = self._replica_share(inputs, labels, position_ids)
         actions = [Action("F", i) for i in range(inputs.shape[0])]
         self.window.begin(self._load_sequence(actions, 1))
+        batch = StepBatch.of(self.runner, inputs, labels, positions, self.device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         with self.model.eval_mode():
-            loss_sum = self._run_round(actions, 0, inputs, labels, 1.0, False, positions)
+            self._run_round(actions, 0, batch, 1.0, False, loss_sum)
         self.window.flush()
         self.p2p.wait_sends()
-        total = self.comm.tensor([loss_sum])
+        total = self.comm.tensor([0.0])
+        total[0].copy_(loss_sum)  # the evaluation's one read of the loss
         self.comm.all_reduce(total)
         return float(total[0]) / max(tokens, 1), tokens
 

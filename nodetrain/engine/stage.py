@@ -14,7 +14,8 @@ neither reloads nor recomputes the head. Full logits [B, T, V] are never built.
 A streamed embedding (a block of ``window.rows``) is not a dense layer: the forward gathers only
 the rows of the micro-batch's distinct ids (``Window.gather_rows``) and the backward sums the
 output gradient into those rows and offloads them (``Window.offload_rows``), so neither V × D
-weights nor a V × D gradient cross per micro-batch.
+weights nor a V × D gradient cross per micro-batch. The distinct ids of every micro-batch of a step
+are found on the host and their row indices cross once per step (:meth:`StageRunner.first_inputs`).
 
 Shapes: B = micro-batch size, T = sequence length, D = hidden, V = vocab.
 """
@@ -22,15 +23,29 @@ Shapes: B = micro-batch size, T = sequence length, D = hidden, V = vocab.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from nodetrain.engine.linear_ce import IGNORE_INDEX, linear_cross_entropy
+from nodetrain.engine.step_batch import to_device
 from nodetrain.engine.window import Window
 from nodetrain.model import HFModel
 
-__all__ = ["StageRunner", "IGNORE_INDEX", "stage_loads", "stage_offloads"]
+__all__ = ["StageRunner", "EmbeddingRows", "IGNORE_INDEX", "stage_loads", "stage_offloads"]
+
+
+@dataclass(frozen=True)
+class EmbeddingRows:
+    """A micro-batch's token ids as a streamed embedding reads them (U = its distinct ids)."""
+
+    index: torch.Tensor
+    """[U] int64 on the host: the distinct ids, sorted (the rows gathered and offloaded)."""
+    inverse: torch.Tensor
+    """[B, T] int64 on the device: each token's position in ``index``."""
+    padding: torch.Tensor | None
+    """[U] bool on the device: ``index == padding_idx`` (that row gets no gradient); None without one."""
 
 
 @contextlib.contextmanager
@@ -95,46 +110,74 @@ class StageRunner:
         at its forward, every other block's at the backward, last block first."""
         return stage_offloads(self.blocks, self.is_last, kind)
 
+    def first_inputs(self, ids: torch.Tensor) -> list:
+        """The first stage's input of each micro-batch of a step, with one H2D copy per step.
+
+        A dense embedding gets the token ids on the device; a streamed one (``window.rows``) the
+        :class:`EmbeddingRows` of each micro-batch: distinct ids found on the host, the row indices
+        (and padding flags) of all micro-batches moved together.
+
+        Args:
+            ids: [N, B, T] int64 token ids on the host.
+
+        Returns:
+            N inputs for :meth:`forward`: [B, T] int64 on the device, or :class:`EmbeddingRows`.
+        """
+        device = self.window.device
+        if 0 not in self._rows:
+            return list(to_device(ids, device).unbind(0))
+        found = [torch.unique(x, return_inverse=True) for x in ids]  # per micro-batch: [U], [B, T]
+        index = [i for i, _ in found]
+        inverse = to_device(torch.stack([inv for _, inv in found]), device)  # [N, B, T]
+        padding = [None] * len(found)
+        if self._padding_idx is not None:
+            flags = to_device(torch.cat(index) == self._padding_idx, device)  # [Σ U] bool
+            padding = flags.split([len(i) for i in index])
+        return [EmbeddingRows(i, inv, p) for i, inv, p in zip(index, inverse, padding, strict=True)]
+
     def forward(
         self,
         mb: int,
-        x: torch.Tensor,
+        x,
         labels: torch.Tensor | None,
         keep: bool = True,
         position_ids: torch.Tensor | None = None,
         loss_scale: float = 1.0,
+        packed: bool = True,
     ):
         """Forward micro-batch ``mb``.
 
         Args:
-            x: first stage: input ids [B, T] int64 (host or device); others: hidden [B, T, D]
-                compute dtype on the device.
-            labels: last stage: [B, T] int64 next-token ids (-100 = ignore); else None.
+            x: first stage: its input from :meth:`first_inputs`, or input ids [B, T] int64 on the
+                device (a streamed embedding: also on the host; its rows are then found now);
+                others: hidden [B, T, D] compute dtype on the device.
+            labels: last stage: [B, T] int64 next-token ids (-100 = ignore) on the device; else None.
             keep: training: save block inputs for a later :meth:`backward` and, on the last stage,
                 offload the head's weight gradients now (False for evaluation: the loss only).
-            position_ids: [B, T] int64 (packed documents restart at 0), or None (0..T-1).
+            position_ids: [B, T] int64 on the device (packed documents restart at 0), or None (0..T-1).
             loss_scale: last stage, training: 1 / (valid tokens of the whole step), the scale of
                 the head's gradients (see :meth:`backward`).
+            packed: False when no row of ``position_ids`` restarts (``HFModel.context``).
 
         Returns:
             hidden [B, T, D] to send on, or on the last stage the summed token loss (fp32 scalar).
         """
         saved, ctx, grad_h = [], None, None
+        if self._rows and isinstance(x, torch.Tensor):  # a caller outside a step: this micro-batch's rows now
+            (x,) = self.first_inputs(x.cpu()[None])
         with torch.no_grad():
             for block in self.blocks:
                 if block in self._rows:
                     x, used = self._gather_embedding(block, x)
                     saved.append((used, None))
                     continue
-                if block == 0:
-                    x = x.to(self.window.device)
                 params = self.window.acquire(block)
                 if block == self._head:
                     x, grad_h = self._head_forward(block, params, x, labels, keep, loss_scale)
                     self.window.release()
                     break
                 if ctx is None and block != 0:
-                    ctx = self.model.context(x, position_ids)
+                    ctx = self.model.context(x, position_ids, packed)
                 saved.append((x, self._rng_state()))
                 x = self.model.forward_block(block, params, x, ctx)
                 self.window.release()
@@ -159,6 +202,7 @@ class StageRunner:
         labels=None,
         loss_scale: float = 1.0,
         position_ids: torch.Tensor | None = None,
+        packed: bool = True,
     ):
         """Backward micro-batch ``mb``: recompute each block, offload its weight gradients.
 
@@ -169,7 +213,7 @@ class StageRunner:
         Args:
             grad_out: gradient of the stage output [B, T, D] (None on the last stage).
             labels, loss_scale: unused (the head's loss was taken in forward); kept for callers.
-            position_ids: the same as in forward.
+            position_ids, packed: the same as in forward.
 
         Returns:
             gradient of the stage input [B, T, D], or None on the first stage.
@@ -185,7 +229,7 @@ class StageRunner:
                 return None
             params = self.window.acquire(block)
             if ctx is None and block != 0:
-                ctx = self.model.context(x, position_ids)
+                ctx = self.model.context(x, position_ids, packed)
             grad_out = self._backward_block(block, params, x, rng, ctx, grad_out)
             self.window.release()
         return grad_out
@@ -200,24 +244,20 @@ class StageRunner:
         self.window.offload(block, dict(zip(leaves, grads[: len(leaves)], strict=True)))
         return grads[len(leaves)] if x_in.requires_grad else None
 
-    def _gather_embedding(self, block: int, ids: torch.Tensor):
-        """Embedding by gathered rows: ids [B, T] int64 -> ([B, T, D] compute dtype on the device,
-        (index [U] int64 host, inverse [B, T] int64 device)), U = distinct ids."""
-        index, inverse = torch.unique(ids.cpu(), return_inverse=True)  # [U], [B, T]
-        rows = self.window.gather_rows(block, index)  # [U, D]
-        inverse = inverse.to(rows.device)
-        return F.embedding(inverse, rows), (index, inverse)
+    def _gather_embedding(self, block: int, x: EmbeddingRows) -> tuple[torch.Tensor, EmbeddingRows]:
+        """Embedding by gathered rows: [B, T, D] compute dtype on the device, and ``x`` (the backward's)."""
+        rows = self.window.gather_rows(block, x.index)  # [U, D]
+        return F.embedding(x.inverse, rows), x
 
-    def _embedding_backward(self, block: int, used, grad_out: torch.Tensor) -> None:
+    def _embedding_backward(self, block: int, used: EmbeddingRows, grad_out: torch.Tensor) -> None:
         """Σ of grad_out [B, T, D] over the positions of each used row (fp32), offloaded as rows;
         the padding row gets none (``nn.Embedding(padding_idx=...)``'s rule)."""
-        index, inverse = used
         g = grad_out.flatten(0, 1).float()  # [N, D]
-        rows = torch.zeros(len(index), g.shape[1], dtype=torch.float32, device=g.device)  # [U, D]
-        rows.index_add_(0, inverse.flatten(), g)
-        if self._padding_idx is not None:
-            rows.masked_fill_((index == self._padding_idx).to(rows.device)[:, None], 0.0)
-        self.window.offload_rows(block, index, rows.to(self.dtype))
+        rows = torch.zeros(len(used.index), g.shape[1], dtype=torch.float32, device=g.device)  # [U, D]
+        rows.index_add_(0, used.inverse.flatten(), g)
+        if used.padding is not None:
+            rows.masked_fill_(used.padding[:, None], 0.0)
+        self.window.offload_rows(block, used.index, rows.to(self.dtype))
 
     def _rng_state(self):
         if not self.model.has_dropout:

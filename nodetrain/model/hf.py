@@ -248,7 +248,7 @@ class HFModel:
 
     # ---- compute ---------------------------------------------------------------------------
 
-    def context(self, h: torch.Tensor, position_ids: torch.Tensor | None = None) -> dict:
+    def context(self, h: torch.Tensor, position_ids: torch.Tensor | None = None, packed: bool = True) -> dict:
         """Per micro-batch inputs every decoder layer needs: rotary (cos, sin), position ids, masks.
 
         Args:
@@ -257,6 +257,9 @@ class HFModel:
                 restart at 0 for each document; transformers' mask functions then detect the
                 packing (``find_packed_sequence_indices``) and make the causal mask block-diagonal,
                 so no token attends across a document boundary.
+            packed: False when the caller knows that no row of ``position_ids`` restarts: the masks
+                are then built without position ids (the same causal mask, without the detection,
+                whose ``.all()`` is a device sync on CUDA). Without ``position_ids`` they never see any.
         """
         device = h.device
         if device not in self._rotary:
@@ -264,9 +267,12 @@ class HFModel:
         if position_ids is None:
             pos = torch.arange(h.shape[1], device=device).unsqueeze(0)  # [1, T]
         else:
-            pos = position_ids.to(device)  # [B, T]
+            pos = position_ids  # [B, T], moved by the caller (once per step, not per block)
+        mask_pos = pos if position_ids is not None and packed else None  # None: no packing detection
         cos_sin = self._rotary[device](h, pos)
-        kwargs = dict(config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
+        kwargs = dict(
+            config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=mask_pos
+        )
         masks = {"full_attention": create_causal_mask(**kwargs)}
         if getattr(self.config, "sliding_window", None) is not None:
             masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
