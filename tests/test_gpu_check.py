@@ -62,6 +62,8 @@ def test_dry_run_writes_the_results(tmp_path: Path) -> None:
     # no checkpoint unless asked (gpu_train.py --checkpoint): the 3B run's would be ~45 GB
     assert summary["failed"] == {} and "ckpt_stall_s" not in last
     assert not list(out.rglob("step-*")), sorted(str(p.relative_to(out)) for p in out.rglob("step-*"))
+    written = [str(p.relative_to(out)) for d in out.rglob("checkpoints") for p in d.iterdir()]
+    assert written == []  # each run's checkpoint.dir only held its lock file while the run lived
 
 
 def _gpu_train():
