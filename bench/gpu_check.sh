@@ -10,9 +10,9 @@
 # installed into /tmp/site first and PYTHONPATH=/tmp/site:$PWD (skipped in a dry run).
 #
 # Steps (all always run; each one's figures go into RESULTS_DIR/check.json):
-# 1. gpu_tests: `pytest -m gpu` (tests/test_gpu.py: CUDA parity in fp32, side-stream copies, a slot
-#    reloaded only after its reads with no host sync before release(), the D2H staging wait,
-#    CUDA timeline), ≤ 150 s, log and JUnit XML;
+# 1. gpu_tests: `pytest -m gpu` (the CUDA cases of tests/test_gpu.py, whose CPU cases run in the
+#    suite: CUDA parity in fp32, side-stream copies, a slot reloaded only after its reads with no
+#    host sync before release(), the D2H staging wait, CUDA timeline), ≤ 150 s, log and JUnit XML;
 # 2. copy_bandwidth: bench/copy_bandwidth.py, H2D from the page-locked store and D2H through the
 #    pinned staging, next to pageable copies, ≤ 60 s;
 # 3. two_rank: bench/gpu_two_rank.py, 2 ranks (two stages) sharing the one GPU with
@@ -21,6 +21,7 @@
 # 4. train: bench/gpu_train.py, Llama-3.2-3B streamed through one GPU (then automatic residency
 #    if time is left): TFLOP/s, MFU against the datasheet (and its source), H2D/D2H GB/s, stall %,
 #    d2h_wait %, host-accumulation seconds per step (the D2H worker's busy time), D2H GB per step;
+#    no run writes a checkpoint (the 3B one is ~45 GB; `gpu_train.py --checkpoint` asks for one);
 # 5. RESULTS_DIR/check.json: {"passed", "gpu", "torch", "total_s", "steps": {name: {"passed",
 #    "rc", "s", figures...}}}.
 # Exit status: non-zero if any step failed. PYTHON overrides the interpreter (default python3).

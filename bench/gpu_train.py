@@ -14,7 +14,13 @@ profile naming the GPU, e.g. 989.4 TFLOP/s dense bf16 for an H200, or ``--peak-f
 source is ``peak_flops_source``), H2D/D2H GB/s, stall %, d2h_wait %, host-accumulation seconds
 per step (the D2H worker's busy time), D2H and host-accumulation GB per step, and the last step's
 whole breakdown, and
-``<out>/summary.json`` with all runs.
+``<out>/summary.json`` with all runs (and ``failed``: the runs that did not finish, with why).
+
+No run writes a checkpoint (``checkpoint.enable=false``): the 3B model's final checkpoint is ~45 GB,
+which a 64 GiB disk may not hold next to the results. ``--checkpoint`` saves the streamed run's
+final checkpoint (its save time is in its last step's ``ckpt_stall_s``), after checking up front
+that the free space of ``--out`` holds it (less the host store's size when the store lives on the
+same filesystem); otherwise it refuses before any launch, with exit status 2.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import argparse
 import json
 import os
 import shutil
-import socket
+import signal
 import statistics
 import subprocess
 import sys
@@ -33,6 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench._launch import train_cmd  # noqa: E402
 from nodetrain.run.breakdown import PHASES  # noqa: E402
 
 DRY_RUN_HF = {
@@ -47,16 +54,53 @@ DRY_RUN_HF = {
 """The dry run's shape (the layer count comes from ``fit_layers``)."""
 
 
+def _model(layers: int, dry_run: bool):
+    """The benchmark model with ``layers`` decoder layers (templates on the meta device, no memory)."""
+    from nodetrain.model import HFModel, build_hf_config
+
+    return HFModel(build_hf_config(_model_cfg(layers, dry_run)))
+
+
 def store_bytes(layers: int, dry_run: bool) -> int:
-    """Host store bytes of the benchmark model with ``layers`` decoder layers (meta device, no memory)."""
+    """Host store bytes of the benchmark model with ``layers`` decoder layers."""
     import torch
 
-    from nodetrain.model import HFModel, build_hf_config
     from nodetrain.store import StoreLayout
 
-    model = HFModel(build_hf_config(_model_cfg(layers, dry_run)))
+    model = _model(layers, dry_run)
     units = tuple(u.numel for u in model.units)
     return StoreLayout(units, torch.bfloat16, tied_units=(0,) if model.tied else ()).nbytes
+
+
+def checkpoint_nbytes(layers: int, dry_run: bool) -> int:
+    """Bytes of one checkpoint of the benchmark model (bf16 export + fp32 master and AdamW moments)."""
+    from nodetrain.run.outputs import checkpoint_bytes
+
+    return checkpoint_bytes(_model(layers, dry_run), "bfloat16")
+
+
+def checkpoint_refusal(out: Path, store_dir: str, store_nbytes: int, ckpt_nbytes: int) -> str | None:
+    """Why the streamed run's final checkpoint cannot be written under ``out`` (None: it can).
+
+    The checkpoint goes to ``<out>/run_streamed/checkpoints``; it needs ``ckpt_nbytes`` of the free
+    space of ``out``'s filesystem, of which the host store takes ``store_nbytes`` first when
+    ``store_dir`` is on the same filesystem (the store does not exist yet when this is asked).
+    """
+    free = shutil.disk_usage(out).free
+    shared = os.stat(out).st_dev == os.stat(store_dir).st_dev
+    room = free - (store_nbytes if shared else 0)
+    if ckpt_nbytes <= room:
+        return None
+    store = (
+        f", less the host store's {store_nbytes / 1e9:.1f} GB in {store_dir} on the same filesystem"
+        if shared
+        else ""
+    )
+    return (
+        f"--checkpoint: the final checkpoint needs {ckpt_nbytes / 1e9:.1f} GB but {out} has "
+        f"{free / 1e9:.1f} GB free{store}; free space there, point --out at a larger filesystem, or run "
+        "without --checkpoint"
+    )
 
 
 def _model_cfg(layers: int, dry_run: bool):
@@ -87,32 +131,50 @@ def fit_layers(store_dirs: list[str], dry_run: bool) -> tuple[int, int, int, str
     return layers, store_bytes(layers, dry_run), room, store_dir
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def train(name: str, overrides: list[str], out: Path, timeout_s: float, nproc: int = 1) -> list[dict]:
-    """One ``torchrun --nproc_per_node <nproc> -m nodetrain.train`` launch; its step records."""
+    """One ``torchrun --nproc_per_node <nproc> -m nodetrain.train`` launch; its step records.
+
+    The launch runs in a session of its own: past ``timeout_s``, or when this process gets SIGTERM
+    (gpu_check.sh's ``timeout``) or Ctrl-C, the whole job (torchrun and every rank, which hold the GPU
+    and the host store) is killed, not only torchrun.
+
+    Raises:
+        RuntimeError: the launch failed or ran past ``timeout_s`` (its output is in ``<out>/<name>.log``).
+    """
     run_dir = out / f"run_{name}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        f"--master_port={_free_port()}",
-    ]
-    cmd += ["-m", "nodetrain.train", f"hydra.run.dir={run_dir}", *overrides]
+    cmd = train_cmd(nproc, run_dir, *overrides)
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keep /tmp/site
     env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=path)
     print("+", " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout_s, text=True, capture_output=True)
-    (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        output, _ = proc.communicate(timeout=max(timeout_s, 1))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        (out / f"{name}.log").write_text(output)
+        raise RuntimeError(f"{name}: killed after {timeout_s:.0f} s; see {out / f'{name}.log'}") from None
+    except BaseException:  # SIGTERM or Ctrl-C: the job must not outlive this process
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    (out / f"{name}.log").write_text(output)
     if proc.returncode != 0:
-        raise RuntimeError(
-            f"{name}: exit {proc.returncode}; see {out / f'{name}.log'}:\n{proc.stderr[-2000:]}"
-        )
+        raise RuntimeError(f"{name}: exit {proc.returncode}; see {out / f'{name}.log'}:\n{output[-2000:]}")
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if "loss" in r]
 
@@ -156,6 +218,11 @@ def main() -> None:
     ap.add_argument(
         "--store-dir", action="append", help="candidate store directories (default /dev/shm, $TMPDIR)"
     )
+    ap.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="save the streamed run's final checkpoint (disk checked first)",
+    )
     args = ap.parse_args()
     t_start = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -163,6 +230,11 @@ def main() -> None:
     layers, nbytes, room, store_dir = fit_layers(dirs, args.dry_run)
     where = f"{store_dir} ({room / 1e9:.1f} GB room)"
     print(f"model: llama3_2_3b, {layers} layers, host store {nbytes / 1e9:.1f} GB in {where}")
+    if args.checkpoint:
+        refusal = checkpoint_refusal(args.out, store_dir, nbytes, checkpoint_nbytes(layers, args.dry_run))
+        if refusal:
+            print(refusal, file=sys.stderr)
+            sys.exit(2)
     steps = 2 if args.dry_run else args.steps
     seq, mb, m = (64, 2, 2) if args.dry_run else (4096, 2, 4)
     data_dir = args.out / "data"
@@ -196,20 +268,33 @@ def main() -> None:
         "tokens_per_step": seq * mb * m,
         "peak_flops": args.peak_flops or None,
         "runs": {},
+        "failed": {},
     }
-    runs = [("streamed", ["stream.device_budget=0"], 0), ("auto_residency", [], 150)]
+    save = (
+        ["checkpoint.enable=true", "checkpoint.every=0"] if args.checkpoint else ["checkpoint.enable=false"]
+    )
+    runs = [
+        ("streamed", ["stream.device_budget=0", *save], 0),
+        ("auto_residency", ["checkpoint.enable=false"], 150),
+    ]
     for name, extra, need_s in runs[:1] if args.dry_run else runs:
         left = args.budget_s - (time.monotonic() - t_start)
         if left < need_s:
             print(f"{name}: skipped, {left:.0f} s left")
             continue
-        records = train(name, common + extra, args.out, timeout_s=left)
+        try:
+            records = train(name, common + extra, args.out, timeout_s=left)
+        except RuntimeError as e:  # the other run still gets its time; the summary says what failed
+            print(e, file=sys.stderr, flush=True)
+            summary["failed"][name] = str(e)[-2000:]
+            continue
         result = summarise(records, skip=1 if args.dry_run else 2)
         (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
         summary["runs"][name] = {k: v for k, v in result.items() if k != "last_step"}
         print(f"{name}: " + json.dumps(summary["runs"][name]), flush=True)
     summary["wall_s"] = time.monotonic() - t_start
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    sys.exit(1 if summary["failed"] else 0)
 
 
 if __name__ == "__main__":

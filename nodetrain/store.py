@@ -7,11 +7,13 @@ once per node, mapping it in every rank, page-locking (CUDA) only the transfer c
 loads, and removing it on every exit path.
 Does not own: what the numbers mean (optim.py, model/).
 
-Lifecycle: local rank 0 removes stores of dead runs, creates ``nodetrain-<run id>-<pid>.store``
-with ``posix_fallocate`` (pages are touched once, here), the other ranks map it, and as soon as
-all have mapped it the creator unlinks the name. The memory then lives exactly as long as the
-processes that map it, so even ``kill -9`` cannot leak it; a store left between creation and
-that unlink carries the creator's pid and is found at the next start.
+Lifecycle: local rank 0 removes stores of dead runs and creates ``nodetrain-<run id>-<pid>.store``
+at its full size without allocating its pages, the other ranks map it, each rank allocates the
+pages of its own units (``posix_fallocate`` of their byte ranges: first touch, by a thread already
+bound to the rank's NUMA node, so each stage's units live on its GPU's node), and as soon as all
+have done so the creator unlinks the name. The memory then lives exactly as long as the processes
+that map it, so even ``kill -9`` cannot leak it; a store left between creation and that unlink
+carries the creator's pid and is found at the next start.
 """
 
 from __future__ import annotations
@@ -108,6 +110,13 @@ class StoreLayout:
                 pos += _align(self.field_nbytes(u, name))
         return out
 
+    def unit_span(self, unit: int) -> tuple[int, int]:
+        """Byte range ``[start, end)`` of ``unit``'s buffers in the file (page-aligned, contiguous)."""
+        offsets = self.offsets
+        start = offsets[(unit, self.fields_of(unit)[0])]
+        last = self.fields_of(unit)[-1]
+        return start, offsets[(unit, last)] + _align(self.field_nbytes(unit, last))
+
     @property
     def nbytes(self) -> int:
         """Total bytes of the store file."""
@@ -186,13 +195,24 @@ class HostStore:
 
     @classmethod
     def create(
-        cls, layout: StoreLayout, directory: str | Path, run_id: str, cleanup_stale: bool = True
+        cls,
+        layout: StoreLayout,
+        directory: str | Path,
+        run_id: str,
+        cleanup_stale: bool = True,
+        populate: bool = True,
     ) -> HostStore:
-        """Create the store file (zero-filled, pages allocated now) and map it, after removing (or,
-        with ``cleanup_stale=False``, reporting) the stale stores of dead runs in ``directory``.
+        """Create the store file (zero-filled) and map it, after removing (or, with
+        ``cleanup_stale=False``, reporting) the stale stores of dead runs in ``directory``.
+
+        Args:
+            populate: allocate every page now (one process uses the store); False = only size the
+                file, and each rank then allocates its own units' pages with :meth:`populate`
+                (first touch on its NUMA node). Pages never allocated are allocated at first access.
 
         Raises:
-            OSError: the directory cannot hold ``layout.nbytes`` (e.g. /dev/shm too small).
+            OSError: the directory cannot hold ``layout.nbytes`` (e.g. /dev/shm too small; with
+                ``populate=False`` :meth:`populate` raises it).
         """
         directory = Path(directory)
         remove_stale_stores(directory, remove=cleanup_stale)
@@ -200,10 +220,39 @@ class HostStore:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         _register_cleanup(path)
         try:
-            os.posix_fallocate(fd, 0, layout.nbytes)
+            if populate:
+                os.posix_fallocate(fd, 0, layout.nbytes)
+            else:
+                os.ftruncate(fd, layout.nbytes)  # the size only: no page is allocated
         finally:
             os.close(fd)
         return cls(layout, path, owner=True)
+
+    def populate(self, units) -> None:
+        """Allocate the pages of ``units``' buffers now, from this thread (``posix_fallocate`` of
+        their byte ranges; the first touch, so the kernel places them on this thread's NUMA node
+        under the default memory policy). Call before :meth:`unlink`, on the rank that owns them.
+
+        Args:
+            units: unit indices (a stage's own units).
+
+        Raises:
+            OSError: the store's filesystem cannot hold them (e.g. /dev/shm too small).
+        """
+        spans = sorted(self.layout.unit_span(u) for u in set(units))
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            for start, end in spans:
+                try:
+                    os.posix_fallocate(fd, start, end - start)
+                except OSError as e:
+                    raise OSError(
+                        e.errno,
+                        f"allocating {(end - start) / 1e6:.1f} MB of the host store {self.path} failed "
+                        f"({os.strerror(e.errno)}): its filesystem needs {self.nbytes / 1e6:.1f} MB in all",
+                    ) from e
+        finally:
+            os.close(fd)
 
     @classmethod
     def attach(cls, layout: StoreLayout, path: str | Path) -> HostStore:

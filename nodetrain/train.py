@@ -223,9 +223,9 @@ def _run(cfg, run_dir, resolved, job, ckpt_dir, rank, world_size, local_rank, de
     # refuse a store the node cannot hold (nodes are alike: node 0 answers for all)
     _on_rank0(lambda: preflight(cfg, model, topology.num_stages))
     # a checkpoint must fit before the store exists, not at the first save after hours of training
-    _on_rank0(
-        lambda: check_space(ckpt_dir, checkpoint_bytes(model, cfg.checkpoint.export_dtype), "checkpoint.dir")
-    )
+    if cfg.checkpoint.enable:
+        ckpt_bytes = checkpoint_bytes(model, cfg.checkpoint.export_dtype)
+        _on_rank0(lambda: check_space(ckpt_dir, ckpt_bytes, "checkpoint.dir"))
     # resume or import is checked before the store exists; checkpoints carry the run's tokenizer
     ckpt = _checkpointing(cfg, run_dir, resolved, model, data_dir, data_cfg.tokenizer, ckpt_dir)
     engine = Engine(

@@ -254,3 +254,26 @@ def test_auto_takes_the_newest_complete_and_falls_back_with_a_warning(tmp_path: 
         os.truncate(tmp_path / f"step-{step}" / "config.json", 0)
     with pytest.raises(st.CheckpointError, match="every checkpoint"):
         choose_checkpoint("auto", tmp_path)
+
+
+@pytest.mark.parametrize("enable", [True, False])
+def test_after_step_saves_only_when_checkpoints_are_enabled(enable: bool) -> None:
+    """``checkpoint.enable=false`` saves nothing: not at ``every``, before ``stop_after_steps`` ends
+    the launch, at the last step or on a signal; the stop still ends the launch."""
+    from types import SimpleNamespace
+
+    from nodetrain.checkpoint import Checkpointing
+    from nodetrain.config.schema import Config
+
+    cfg = Config()
+    cfg.train.steps, cfg.checkpoint.every, cfg.checkpoint.enable = 6, 2, enable
+    cfg.checkpoint.stop_after_steps = 5
+    saved = []
+    writer = SimpleNamespace(save=lambda step, state: saved.append(step) or 0.0, poll=lambda: None)
+    ckpt = SimpleNamespace(
+        cfg=cfg, start_step=0, writer=writer, _engine=lambda: None, _run_state=lambda step: {}
+    )
+    stops = [Checkpointing.after_step(ckpt, step)[0] for step in range(1, 6)]
+    stops.append(Checkpointing.after_step(ckpt, 6, save=True)[0])  # the last step, and a signal
+    assert stops == [False, False, False, False, True, False]
+    assert saved == ([2, 4, 5, 6] if enable else [])

@@ -9,8 +9,10 @@ closing note reports, in one ``check.json``.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -57,3 +59,33 @@ def test_dry_run_writes_the_results(tmp_path: Path) -> None:
     assert run["h2d_gbps"] > 0 and 0 < run["mfu"]
     last = json.loads((out / "streamed.json").read_text())["last_step"]
     assert "stage0/compute_s" in last and last["num_resident"] == 0
+    # no checkpoint unless asked (gpu_train.py --checkpoint): the 3B run's would be ~45 GB
+    assert summary["failed"] == {} and "ckpt_stall_s" not in last
+    assert not list(out.rglob("step-*")), sorted(str(p.relative_to(out)) for p in out.rglob("step-*"))
+    written = [str(p.relative_to(out)) for d in out.rglob("checkpoints") for p in d.iterdir()]
+    assert written == []  # each run's checkpoint.dir only held its lock file while the run lived
+
+
+def _gpu_train():
+    """bench/gpu_train.py as a module (it is a script beside the package)."""
+    spec = importlib.util.spec_from_file_location("gpu_train", ROOT / "bench" / "gpu_train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_checkpoint_space_is_checked_up_front(tmp_path: Path) -> None:
+    """``--checkpoint`` is refused before any launch unless the free space of ``--out`` holds the
+    checkpoint, less the host store's size when the store is on the same filesystem."""
+    gpu_train, gb = _gpu_train(), 1 << 30
+    free = shutil.disk_usage(tmp_path).free
+    other = "/dev/shm"
+    assert os.stat(other).st_dev != os.stat(tmp_path).st_dev
+    assert gpu_train.checkpoint_refusal(tmp_path, other, free, free // 2) is None  # the store lives elsewhere
+    refusal = gpu_train.checkpoint_refusal(tmp_path, str(tmp_path), free // 2 + gb, free // 2)
+    assert refusal is not None and "less the host store's" in refusal and "without --checkpoint" in refusal
+    refusal = gpu_train.checkpoint_refusal(tmp_path, other, 0, free + 4 * gb)
+    assert refusal is not None and f"{(free + 4 * gb) / 1e9:.1f} GB" in refusal
+    # the 3B model's checkpoint: 14 bytes per parameter (bf16 export, fp32 master, exp_avg, exp_avg_sq)
+    params = sum(u.numel for u in gpu_train._model(28, False).units)
+    assert 3.2e9 < params < 3.3e9 and gpu_train.checkpoint_nbytes(28, False) >= 14 * params

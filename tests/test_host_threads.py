@@ -1,10 +1,13 @@
-"""Host threads: the core split, each worker's OpenMP team, and NUMA binding read from fake sysfs trees."""
+"""Host threads: the core split, each worker's OpenMP team, NUMA binding read from fake sysfs trees, and
+the engine's start-up order (bind, then first-touch the rank's own units of the host store)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +16,9 @@ import torch
 from nodetrain.engine.engine import _host_threads
 from nodetrain.engine.host_threads import bind_threads, numa_binding, parse_cpulist, split_cores
 from nodetrain.engine.window import _CopyWorker
+from nodetrain.store import PAGE_BYTES, StoreLayout
+
+WORKER = Path(__file__).resolve().parent / "numa_order_worker.py"
 
 
 @pytest.mark.parametrize(
@@ -127,3 +133,46 @@ def test_engine_logs_the_split(caplog, monkeypatch) -> None:
     text = caplog.text
     assert "not a GPU: threads not bound" in text
     assert f"stream.accum_threads={split.accum_threads} (auto)" in text and "OMP_NUM_THREADS=" in text
+
+
+def _expected_span(layout: StoreLayout, units: list[int]) -> tuple[int, int]:
+    """The byte range of a stage's (contiguous) units, from the layout's field offsets."""
+    ends = [
+        (off, off + -(-layout.field_nbytes(u, f) // PAGE_BYTES) * PAGE_BYTES)
+        for (u, f), off in layout.offsets.items()
+        if u in units
+    ]
+    return min(a for a, _ in ends), max(b for _, b in ends)
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for start, end in sorted(ranges):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [tuple(r) for r in out]
+
+
+def test_each_rank_binds_before_it_first_touches_its_own_units(tmp_path, shm_dir, torchrun) -> None:
+    """NUMA first touch: a 2-rank start (gloo) records, per rank, the call that binds its threads, the
+    store's creation and every page allocation of the store. Each rank binds first, and allocates
+    exactly the byte range of its own units (mutants: opening the store before ``_host_threads``, or
+    local rank 0 allocating the whole file in ``create``, fail here); together they cover the store."""
+    torchrun(2, WORKER, str(shm_dir), str(tmp_path), timeout_s=180)
+    reports = [json.loads((tmp_path / f"order_rank{r}.json").read_text()) for r in range(2)]
+    r0 = reports[0]
+    layout = StoreLayout(
+        tuple(r0["unit_numels"]), getattr(torch, r0["compute_dtype"]), tuple(r0["tied_units"])
+    )
+    touched = []
+    for rank, report in enumerate(reports):
+        events = report["events"]
+        kinds = [e[0] for e in events]
+        assert kinds[0] == "bind" and kinds.count("bind") == 1, (rank, events)
+        assert kinds.count("create") == (rank == 0), (rank, events)
+        ranges = _merged([(off, off + length) for _, off, length in (e for e in events if e[0] == "touch")])
+        assert ranges == [_expected_span(layout, report["units"])], (rank, events)
+        touched += ranges
+    assert _merged(touched) == [(0, layout.nbytes)] and reports[1]["nbytes"] == layout.nbytes

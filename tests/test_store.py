@@ -97,6 +97,45 @@ def test_create_and_attach_share_memory(shm_dir: Path) -> None:
         store.unlink()
 
 
+def test_populate_allocates_exactly_the_given_units_pages(shm_dir: Path) -> None:
+    """``create(populate=False)`` sizes the file and allocates no page (tmpfs counts allocated pages in
+    ``st_blocks``); ``populate(units)`` allocates those units' page-aligned buffers and nothing else
+    (each rank first-touches its own units, NUMA); the default ``create`` allocates every page."""
+    layout = StoreLayout((1000, 5000, 3, 70_000), torch.float32, tied_units=(0,))
+    store = HostStore.create(layout, shm_dir, "populate", populate=False)
+    try:
+
+        def allocated() -> int:
+            return store.path.stat().st_blocks * 512
+
+        def buffers(units) -> int:
+            return sum(
+                -(-layout.field_nbytes(u, f) // PAGE_BYTES) * PAGE_BYTES
+                for u in units
+                for f in layout.fields_of(u)
+            )
+
+        assert store.path.stat().st_size == layout.nbytes and allocated() == 0
+        store.populate([2, 1])
+        assert allocated() == buffers([1, 2])
+        for u in (1, 2):
+            start, end = layout.unit_span(u)
+            assert (start, end) == (
+                min(off for (v, _), off in layout.offsets.items() if v == u),
+                min((off for (v, _), off in layout.offsets.items() if v == u + 1), default=layout.nbytes),
+            )
+        store.populate([0, 1, 3])
+        assert allocated() == buffers(range(4)) == layout.nbytes
+        assert not store.master(3).any() and not store.buffer(0, "grad_tied").any(), "zero-filled"
+    finally:
+        store.unlink()
+    whole = HostStore.create(layout, shm_dir, "populate-all")
+    try:
+        assert whole.path.stat().st_blocks * 512 == layout.nbytes
+    finally:
+        whole.unlink()
+
+
 def _dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()

@@ -187,7 +187,8 @@ class Checkpointing:
 
     def after_step(self, step: int, save: bool = False) -> tuple[bool, float | None]:
         """Save if ``step`` (completed optimizer steps) is due or ``save`` asks for it (the run stops
-        on a signal with ``checkpoint.on_signal=save``), else commit a finished save.
+        on a signal with ``checkpoint.on_signal=save``), and ``checkpoint.enable``; else commit a
+        finished save.
 
         Returns:
             (stop: this launch ends here, ``checkpoint.stop_after_steps``;
@@ -196,9 +197,9 @@ class Checkpointing:
         c = self.cfg.checkpoint
         stop = bool(c.stop_after_steps) and step - self.start_step >= c.stop_after_steps
         due = save or stop or step == self.cfg.train.steps or (c.every > 0 and step % c.every == 0)
-        if not due:
+        if not (due and c.enable):
             self.writer.poll()
-            return False, None
+            return stop and step < self.cfg.train.steps, None
         engine = self._engine()
         if engine is not None and hasattr(engine, "wait_optimizer"):
             engine.wait_optimizer()

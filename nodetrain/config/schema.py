@@ -406,6 +406,10 @@ class CheckpointConfig:
     plus the fp32 resume state and ``trainer_state.json``; see the README's "Checkpoints and resume".
     """
 
+    enable: bool = True
+    """False: the run saves no checkpoint (not every ``every`` steps, not at the last step, not before
+    ``stop_after_steps`` or a signal ends it) and needs no free space for one; it may still resume
+    from one. For benchmarks whose checkpoint would not fit the disk (bench/gpu_train.py)."""
     every: int = 500
     """Save every this many optimizer steps (>= 0); the last step is always saved; 0 = only at the end."""
     keep_last: int = 3

@@ -175,6 +175,8 @@ class Engine:
         self.stage_blocks = partition(costs, topo.num_stages)
         self.blocks = self.stage_blocks[topo.stage]
         self.units = [model.units[i] for i in self.blocks]
+        # bind first: opening the store first-touches this rank's units' pages (NUMA placement)
+        self.host_threads = _host_threads(cfg, device, topo.local_rank)
         self.store = self._open_store(topo.local_rank, run_id)
         self.optimizer = (
             LeanAdamW(self.store, self.units, cfg.optim, cfg.seed)
@@ -192,7 +194,6 @@ class Engine:
         self.grad_sum_optim = ReplicaGradSum(topo, cfg.dist.timeout_s, self.comm, kind="stage_optim")
         self._step = [0]  # the step being run, read by the NaN injection (on the optimizer thread too)
         self._poison = nan_injection(cfg.test, self.store, self.units[-1].index, self._step)  # None: off
-        self.host_threads = _host_threads(cfg, device, topo.local_rank)
         self.updates = self._make_updates(device)
         self._peak = self._peak_flops()  # before the residency budget reads free device memory
         resident = resident_blocks(
@@ -290,6 +291,9 @@ class Engine:
         return peak, source
 
     def _open_store(self, local_rank: int, run_id: str) -> HostStore:
+        """Local rank 0 creates the node's store without allocating it, the others map it, and each
+        rank allocates its own units' pages (after ``_host_threads`` bound it: first touch on its
+        GPU's NUMA node); then the name goes (store.py's lifecycle). Collective over the world."""
         layout = StoreLayout(
             tuple(u.numel for u in self.model.units),
             self.dtype,
@@ -298,13 +302,15 @@ class Engine:
         )
         path = [None]
         if local_rank == 0:
-            store = HostStore.create(layout, Path(self.cfg.store.dir), run_id, self.cfg.store.cleanup_stale)
+            directory, cleanup = Path(self.cfg.store.dir), self.cfg.store.cleanup_stale
+            store = HostStore.create(layout, directory, run_id, cleanup, populate=False)
             path = [str(store.path)]
         node = node_group(self.topo, self.cfg.dist.timeout_s)
         dist.broadcast_object_list(path, src=self.topo.node_root, group=node)  # one per node
         if local_rank != 0:
             store = HostStore.attach(layout, path[0])
-        dist.barrier()  # every rank has mapped it: the name can go, the memory stays while mapped
+        store.populate([u.index for u in self.units])
+        dist.barrier()  # every rank has mapped it and allocated its units: the name can go
         store.unlink()
         return store
 

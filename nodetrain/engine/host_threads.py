@@ -21,8 +21,9 @@ and ``/sys/devices/system/node/node<N>/cpulist``), and the rank's core share is 
 over the ranks whose GPU sits on it. Only CPUs the process may use count (a container's cpuset).
 torchrun's ``--numa-binding=node`` (``torch.numa.binding``, torch >= 2.9) binds a rank to the same
 CPUs before it starts; binding again here is then a no-op, and keeps the binding (and its log line)
-for launches without the flag. The host store is one shared file read by every rank, so its pages
-are left where first touch puts them (``mbind`` per rank's units is not done).
+for launches without the flag. The engine binds before it opens the host store, where each rank
+allocates its own units' pages (``HostStore.populate``): first touch then puts each stage's units on
+its GPU's node (no ``mbind``; units another rank reads, the tied embedding, stay on their owner's).
 """
 
 from __future__ import annotations
