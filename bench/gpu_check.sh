@@ -18,6 +18,8 @@
 # 3. two_rank: bench/gpu_two_rank.py, 2 ranks (two stages) sharing the one GPU with
 #    dist.backend=gloo (NCCL refuses two ranks on one device) against 1 rank (NCCL), 1F1B, fp32,
 #    5 steps: the losses must agree to 1e-5, ≤ 150 s;
+# 3b. gpu_syncs: bench/gpu_syncs.py, torch.cuda.set_sync_debug_mode('warn') counts per step at M and
+#    2M micro-batches (the training thread's must not grow with M), ≤ 90 s;
 # 4. train: bench/gpu_train.py, Llama-3.2-3B streamed through one GPU (then automatic residency
 #    if time is left): TFLOP/s, MFU against the datasheet (and its source), H2D/D2H GB/s, stall %,
 #    d2h_wait %, host-accumulation seconds per step (the D2H worker's busy time), D2H GB per step;
@@ -75,6 +77,9 @@ two_args=()
 timeout 150 "$py" bench/gpu_two_rank.py --out "$out/two_rank" --timeout-s 70 ${two_args[@]+"${two_args[@]}"} 2>&1 \
     | tee "$out/two_rank.log"
 two_rc=${PIPESTATUS[0]}
+t_syncs=$(date +%s)
+timeout 90 "$py" bench/gpu_syncs.py --out "$out" ${extra[@]+"${extra[@]}"} 2>&1 | tee "$out/gpu_syncs.log"
+syncs_rc=${PIPESTATUS[0]}
 t3=$(date +%s)
 
 left=$((440 - (t3 - t0)))
@@ -84,13 +89,14 @@ train_rc=${PIPESTATUS[0]}
 [[ -n "$store_dir" ]] && rm -rf "$store_dir"
 t4=$(date +%s)
 
-OUT="$out" DRY_RUN="$dry_run" RCS="$tests_rc $copy_rc $two_rc $train_rc" SECS="$((t1 - t0)) $((t2 - t1)) $((t3 - t2)) $((t4 - t3))" \
+OUT="$out" DRY_RUN="$dry_run" RCS="$tests_rc $copy_rc $two_rc $syncs_rc $train_rc" \
+    SECS="$((t1 - t0)) $((t2 - t1)) $((t_syncs - t2)) $((t3 - t_syncs)) $((t4 - t3))" \
     "$py" - <<'EOF'
 import json, os, xml.etree.ElementTree as ET
 from pathlib import Path
 
 out = Path(os.environ["OUT"])
-names = ("gpu_tests", "copy_bandwidth", "two_rank", "train")
+names = ("gpu_tests", "copy_bandwidth", "two_rank", "gpu_syncs", "train")
 rcs, secs = map(int, os.environ["RCS"].split()), map(int, os.environ["SECS"].split())
 steps = {n: {"rc": rc, "s": s, "passed": rc == 0} for n, rc, s in zip(names, rcs, secs)}
 
@@ -111,6 +117,10 @@ steps["copy_bandwidth"].update({k: v for k, v in copies.items() if k.endswith("_
 two = load(out / "two_rank" / "two_rank.json")
 steps["two_rank"].update({k: two.get(k) for k in ("max_abs_diff", "tolerance", "backend_1rank", "backend_2rank")})
 steps["two_rank"]["passed"] = steps["two_rank"]["passed"] and bool(two.get("passed"))
+syncs = load(out / "gpu_syncs.json")
+keys = ("syncs_per_step", "scalar_reads_per_step", "data_moves_per_step", "grows_with_microbatches")
+steps["gpu_syncs"].update({k: syncs.get(k) for k in keys})
+steps["gpu_syncs"]["passed"] = steps["gpu_syncs"]["passed"] and bool(syncs.get("passed"))
 runs = load(out / "summary.json").get("runs", {})
 for name, run in runs.items():
     keys = ("tflops", "mfu", "peak_flops_source", "h2d_gbps", "d2h_gbps", "stall_pct", "d2h_wait_pct",

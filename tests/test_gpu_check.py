@@ -38,11 +38,12 @@ def test_dry_run_writes_the_results(tmp_path: Path) -> None:
     check = json.loads((out / "check.json").read_text())
     assert check["dry_run"] and check["passed"] and check["gpu"] is None
     steps = check["steps"]
-    assert set(steps) == {"gpu_tests", "copy_bandwidth", "two_rank", "train"}
+    assert set(steps) == {"gpu_tests", "copy_bandwidth", "two_rank", "gpu_syncs", "train"}
     assert all(s["passed"] and s["rc"] == 0 and s["s"] >= 0 for s in steps.values()), steps
     assert steps["gpu_tests"]["tests"] == steps["gpu_tests"]["skipped"] > 0  # no CUDA here
     assert steps["copy_bandwidth"]["h2d_store_gbps"] > 0
     assert 0 <= steps["two_rank"]["max_abs_diff"] <= 1e-5 and "gloo" in steps["two_rank"]["backend_2rank"]
+    assert steps["gpu_syncs"]["grows_with_microbatches"] is False  # the CPU counter's, on a dry run
     streamed = steps["train"]["streamed"]
     assert streamed["mfu"] > 0 and streamed["peak_flops_source"] == "measured matmul (CPU)"
     two = json.loads((out / "two_rank" / "two_rank.json").read_text())
