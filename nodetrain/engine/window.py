@@ -437,9 +437,10 @@ class Window:
     def _ship(self, block: int) -> None:
         """Queue the D2H copy of ``block``'s fp32 accumulator into the store (first write: a copy).
 
-        It takes a staging buffer as an offload does (the same rotation and in-flight bound) and
-        streams the accumulator through its two halves, chunk by chunk (:meth:`_ship_chunks`)."""
-        self._free_staging()
+        It takes the next staging buffer of the rotation and counts as an offload in flight, so a
+        later offload's copy waits for it (``_free_staging``); it need not wait itself: its buffer is
+        written only inside its job, after the buffer's previous job on the in-order D2H worker.
+        It streams the accumulator through the buffer's two halves in chunks (:meth:`_ship_chunks`)."""
         acc, targets = self._grad_acc[block], self._grad_targets[block]
         jobs = []
         for name, pos, shape in self._views[block]:
