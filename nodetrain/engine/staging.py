@@ -2,9 +2,10 @@
 
 Owns: the host buffers a block's gradients land in on their way from the device to the host store's
 fp32 accumulators, the D2H CUDA stream their copies run on, and the event that tells the D2H worker
-a copy has landed. Does not own: which buffer is free (``Window.offload`` bounds the offloads in
-flight to the number of buffers, so buffer ``n % num_buffers`` is reused only after offload
-``n - num_buffers`` was accumulated) nor the accumulation itself (window.py).
+a copy has landed. A resident block's fp32 accumulator is shipped through a buffer too, as two
+halves (``halves``, window.py). Does not own: which buffer is free (``Window.offload`` bounds the
+offloads and ships in flight to the number of buffers, so buffer ``n % num_buffers`` is reused only
+after job ``n - num_buffers`` was accumulated) nor the accumulation itself (accumulate.py).
 
 Why: a device→host copy into pageable memory goes through the driver's own bounce buffer and
 blocks the issuing thread (a few GB/s); into page-locked memory it is a DMA that runs on its
