@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch.autograd.profiler import profile
 
+import nodetrain.engine.staging as staging
 from nodetrain.engine.accumulate import HostAccumulator
 from nodetrain.engine.staging import GradStaging, page_round
 from nodetrain.engine.window import Window
@@ -220,3 +221,48 @@ def test_a_failed_registration_releases_the_others(fake_cuda) -> None:
 def test_cpu_staging_pins_nothing() -> None:
     stage = GradStaging(2, 1000, torch.bfloat16, torch.device("cpu"))
     assert stage.pinned_nbytes == 0 and not stage.pinned and stage.nbytes == 4000
+
+
+SLEEP_CYCLES = 20_000_000
+"""A GPU sleep of ~10 ms (at ~2 GHz): far longer than the host needs to land a chunk."""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (gpu-marked test)")
+@pytest.mark.parametrize("mutant", [False, True], ids=["waits", "mutant-no-chunk-wait"])
+def test_cuda_ship_lands_only_copied_chunks(shm_dir, monkeypatch, mutant: bool) -> None:
+    """A resident block's two backwards write its accumulator late (GPU sleeps on the compute
+    stream) and each chunk's D2H copy lands late (a sleep on the D2H stream): the ship must wait for
+    the accumulator's event and for each chunk's before landing it (4 chunks through page-locked
+    halves of 1 MiB). The mutant lands without the chunk's event wait and must read stale staging."""
+    copy_in = staging._copy_in
+
+    def slow_copy_in(dst, src):
+        torch.cuda._sleep(SLEEP_CYCLES)  # on the D2H stream: the chunk lands late
+        copy_in(dst, src)
+
+    monkeypatch.setattr(staging, "_copy_in", slow_copy_in)
+    if mutant:
+        land = Window._land
+        monkeypatch.setattr(
+            Window, "_land", lambda self, dst, first, half, event: land(self, dst, first, half, None)
+        )
+    store = HostStore.create(StoreLayout((1 << 20,), torch.bfloat16), shm_dir, "gpu-ship")
+    store.unlink()
+    window = Window(
+        store, [(Binding("w", 0, 0, (1024, 1024)),)], [0], [0], 2, torch.device("cuda"), resident=[0]
+    )
+    try:
+        assert window._staging.pinned and window.staging_pinned_nbytes == 2 * page_round(2 << 20)
+        store.grad(0).fill_(-1.0)  # the previous step's leftovers: the ship's first write overwrites them
+        window.begin([], {0: 2})
+        for i in range(2):
+            torch.cuda._sleep(SLEEP_CYCLES)  # the gradient below is written late on the compute stream
+            window.offload(
+                0, {"w": torch.full((1024, 1024), float(i + 1), device="cuda", dtype=torch.bfloat16)}
+            )
+        window.flush()
+        got = store.grad(0).clone()
+    finally:
+        window.close()
+    assert torch.equal(got, torch.full_like(got, 3.0)) != mutant

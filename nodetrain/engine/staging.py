@@ -160,6 +160,11 @@ class GradStaging:
         half = wide.numel() // 2
         return wide[:half], wide[half : 2 * half]
 
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` (device) into ``dst``, a view of a buffer (from :meth:`halves`), on the
+        caller's current stream, asynchronously on CUDA (the caller records the event)."""
+        _copy_in(dst, src)
+
     def close(self) -> None:
         """Release the page-locks (CUDA); idempotent. The buffers must not be in use."""
         self._release()

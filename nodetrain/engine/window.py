@@ -476,7 +476,7 @@ class Window:
         for k, (dst, first, src) in enumerate(chunks):
             half = halves[k % 2][: src.numel()]
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                half.copy_(src, non_blocking=True)
+                self._staging.copy_in(half, src)
                 event = stream.record_event() if stream is not None else None
             if landing is not None:
                 self._land(*landing)
