@@ -238,3 +238,63 @@ def test_optimizer_thread_has_its_own_team_size() -> None:
     t.join()
     assert seen == [want]
     assert torch.get_num_threads() == main_threads
+
+
+@pytest.mark.parametrize(
+    "optim", [{"max_grad_norm": 1.0}, {"overlap": False}], ids=["deferred", "no-overlap"]
+)
+def test_grad_norm_runs_on_the_accumulation_team(monkeypatch, optim) -> None:
+    """The norm² after the flush (deferred clipping, or no overlap) runs on the D2H worker with its
+    OpenMP team of ``stream.accum_threads``, not on the training thread that torchrun leaves at
+    ``OMP_NUM_THREADS=1`` (set here on this thread); its value is the float64 sum of the fp32 dots."""
+    import os
+
+    import torch.distributed as dist
+
+    from bench._engine import base_config, make_engine, model_config
+
+    was_up = dist.is_initialized()
+    env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                          "LOCAL_WORLD_SIZE")}  # fmt: skip
+    seen: list[tuple[str, int, float, float]] = []
+    grad_sq_sum = StoreAdamW.grad_sq_sum
+
+    def recorded(self) -> float:
+        got = grad_sq_sum(self)
+        want = sum(float(self.store.grad(u.index).double().square().sum()) for u in self.units)
+        seen.append((threading.current_thread().name, torch.get_num_threads(), got, want))
+        return got
+
+    monkeypatch.setattr(StoreAdamW, "grad_sq_sum", recorded)
+    hf = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "intermediate_size": 64}  # fmt: skip
+    cfg = base_config(
+        model_config("llama_10m", 256, **hf),
+        train={"seq_len": 8, "micro_batch_size": 1, "dtype": "float32", "steps": 1},
+        pipeline={"stages": 1, "microbatches": 2},
+        stream={"accum_threads": 2},
+        optim={"threads": 1, **optim},
+    )
+    cfg.data.vocab_size = 256
+    before = torch.get_num_threads()
+    limit_thread(1)  # the training thread under torchrun
+    engine = None
+    try:
+        engine, _ = make_engine(cfg, "norm-team")
+        x = torch.randint(0, 256, (engine.grad_accum * 2, 1, 8), generator=torch.Generator().manual_seed(0))
+        engine.train_step(0, x, x)
+        engine.wait_optimizer()
+    finally:
+        if engine is not None:
+            engine.close()
+        limit_thread(before)
+        if not was_up:
+            dist.destroy_process_group()
+            for key, value in env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+    assert [(name.split("_")[0], team) for name, team, _, _ in seen] == [("d2h", 2)], seen
+    ((_, _, got, want),) = seen
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)

@@ -162,10 +162,11 @@ def _plain_sums(offloads) -> dict[int, torch.Tensor]:
 
 # accumulation host bytes by hand (fp32, 2 micro-batches): all streamed, every target gets a first
 # write (8 B/elem) then adds (12 B/elem): unit 0's 32 elements 4 offloads, units 1-3's 20 two each;
-# all resident: one copy of each accumulator (4 B/elem), unit 0's second (the embedding's) an add (12)
+# all resident: one ship of each accumulator through fp32 staging (read 4 + write 4 B/elem), unit 0's
+# second (the embedding's) an add (12)
 ACCUM_BYTES = {
     (): 8 * 32 + 3 * 12 * 32 + 3 * (8 * 20 + 12 * 20),
-    (0, 1, 2, 3): 4 * (32 + 20 + 20 + 20) + 12 * 32,
+    (0, 1, 2, 3): 8 * (32 + 20 + 20 + 20) + 12 * 32,
 }
 
 

@@ -366,7 +366,7 @@ class Engine:
         with timeline.phase("bubble"):  # the cross-node sum, before any of these units is updated
             self.grad_sum([self.store.grad(u) for u in later])
         with timeline.phase("optim"):
-            return self.updates.grad_sq_sum() if self.topo.replica == 0 else 0.0
+            return self.updates.grad_sq_sum(self.window.run_host) if self.topo.replica == 0 else 0.0
 
     def _skip_step(self, step: int) -> None:
         """A NaN/inf step: no further update, gradients dropped (after every running update)."""

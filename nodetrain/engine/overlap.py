@@ -343,20 +343,27 @@ class UnitUpdates:
         for fut in list(self._measured.values()):
             fut.result()
 
-    def grad_sq_sum(self) -> float:
+    def grad_sq_sum(self, run=None) -> float:
         """This stage's Σ gradient² (after the flush and the tied sum), without racing the updates
-        still running: in-backward units were measured when they became final."""
+        still running: in-backward units were measured when they became final.
+
+        Args:
+            run: ``run(fn) -> fn()``, the thread the norm² of the units measured now is computed on
+                (the engine passes ``Window.run_host``: the D2H worker, whose OpenMP team is the
+                accumulation's, idle after the flush); None = the calling thread.
+        """
+        run = run or (lambda fn: fn())
         if not self.in_backward:
-            return self.opt.grad_sq_sum()
+            return run(self.opt.grad_sq_sum)
         self.wait_measured()
         missing = [u for u in self._owned if u not in self._shared and u not in self._grad_sq]
         assert not missing, f"units {missing} never became final; offload count mismatch"
         if self.speculative:  # the deferred sum's own fp32 terms and order: the same clip coefficient
             for u in self._shared:
-                self._dots[u] = self.opt.unit_grad_dots(u)
+                self._dots[u] = run(lambda u=u: self.opt.unit_grad_dots(u))
             return float(sum(d for u in self._owned for d in self._dots[u]))
         for u in self._shared:
-            self._grad_sq[u] = self.opt.unit_grad_sq(u)
+            self._grad_sq[u] = run(lambda u=u: self.opt.unit_grad_sq(u))
         return sum(self._grad_sq[u] for u in self._owned)
 
     def end_backward(self) -> None:

@@ -2,9 +2,10 @@
 
 Owns: the host buffers a block's gradients land in on their way from the device to the host store's
 fp32 accumulators, the D2H CUDA stream their copies run on, and the event that tells the D2H worker
-a copy has landed. Does not own: which buffer is free (``Window.offload`` bounds the offloads in
-flight to the number of buffers, so buffer ``n % num_buffers`` is reused only after offload
-``n - num_buffers`` was accumulated) nor the accumulation itself (window.py).
+a copy has landed. A resident block's fp32 accumulator is shipped through a buffer too, as two
+halves (``halves``, window.py). Does not own: which buffer is free (``Window.offload`` bounds the
+offloads and ships in flight to the number of buffers, so buffer ``n % num_buffers`` is reused only
+after job ``n - num_buffers`` was accumulated) nor the accumulation itself (accumulate.py).
 
 Why: a device→host copy into pageable memory goes through the driver's own bounce buffer and
 blocks the issuing thread (a few GB/s); into page-locked memory it is a DMA that runs on its
@@ -19,13 +20,60 @@ there is no stream and no event, so the buffer rotation is exercised by the CPU 
                  gradient into the buffer and an event after the copies;
     wait()       D2H worker: blocks on that event, drops the device gradients (their memory goes
                  back to the compute stream only after the copy finished), returns the host views.
+
+Page-locking: each buffer is its own anonymous ``mmap`` (page-aligned, whole pages) registered with
+``cudaHostRegister`` on CUDA, as the host store's transfer copies are (store.py ``pin``), so the
+pinned bytes are the requested ones rounded up to a page (``pinned_nbytes``). Not
+``torch.empty(pin_memory=True)``: torch's CachingHostAllocator rounds each block up to a power of two
+(a 1.1 GB buffer pins 2 GB) and keeps it cached after it is freed.
 """
 
 from __future__ import annotations
 
+import mmap
+import weakref
+
 import torch
 
-__all__ = ["GradStaging", "Staged"]
+__all__ = ["GradStaging", "Staged", "page_round"]
+
+PAGE = mmap.PAGESIZE
+
+
+def page_round(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pages (at least one)."""
+    return max(1, -(-nbytes // PAGE)) * PAGE
+
+
+def _host_buffer(nbytes: int) -> torch.Tensor:
+    """[page_round(nbytes)] uint8 of page-aligned anonymous memory (the tensor keeps the map alive)."""
+    return torch.frombuffer(mmap.mmap(-1, page_round(nbytes)), dtype=torch.uint8)
+
+
+def _register(buffers: list[torch.Tensor]) -> list[int]:
+    """Page-lock each buffer (``cudaHostRegister``, default flags); returns the registered addresses.
+
+    Raises:
+        RuntimeError: a registration failed (those made so far are released first).
+    """
+    cudart, done = torch.cuda.cudart(), []
+    for buf in buffers:
+        addr, size = buf.data_ptr(), buf.numel()
+        err = int(cudart.cudaHostRegister(addr, size, 0))
+        if err != 0:
+            _unregister(done)
+            raise RuntimeError(
+                f"cudaHostRegister of a {size / 1e6:.1f} MB gradient staging buffer failed with CUDA error "
+                f"{err}: check `ulimit -l` (locked memory) and free host memory"
+            )
+        done.append(addr)
+    return done
+
+
+def _unregister(addrs: list[int]) -> None:
+    """Release :func:`_register`'s page-locks (``cudaHostUnregister``); empties ``addrs``."""
+    while addrs:
+        torch.cuda.cudart().cudaHostUnregister(addrs.pop())
 
 
 def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -54,7 +102,7 @@ class Staged:
 
 
 class GradStaging:
-    """``num_buffers`` host buffers of ``numel`` elements; pinned when ``device`` is a CUDA device.
+    """``num_buffers`` host buffers of ``numel`` elements; page-locked when ``device`` is a CUDA device.
 
     Args:
         num_buffers: buffers (one per window slot: ``Window.offload`` keeps that many in flight).
@@ -62,7 +110,12 @@ class GradStaging:
         dtype: the compute dtype (the gradients' dtype).
         device: the compute device; CUDA: page-locked buffers and a D2H stream of its own.
 
-    Memory: ``num_buffers × numel × dtype.itemsize`` bytes of host memory (``nbytes``).
+    Memory: ``num_buffers × numel × dtype.itemsize`` bytes of host memory (``nbytes``), each buffer
+    rounded up to whole pages; on CUDA exactly those pages are page-locked (``pinned_nbytes``) until
+    :meth:`close`.
+
+    Raises:
+        RuntimeError: on CUDA, page-locking a buffer failed.
     """
 
     def __init__(self, num_buffers: int, numel: int, dtype: torch.dtype, device: torch.device):
@@ -71,20 +124,50 @@ class GradStaging:
         cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         """The D2H stream (CUDA), or None."""
-        self._buffers = [torch.empty(numel, dtype=dtype, pin_memory=cuda) for _ in range(num_buffers)]
+        self.numel, self.dtype = numel, dtype
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        self._raw = [_host_buffer(numel * itemsize) for _ in range(num_buffers)]  # [page-rounded] uint8
+        self._buffers = [raw[: numel * itemsize].view(dtype) for raw in self._raw]
+        self._registered = _register(self._raw) if cuda else []
+        self._release = weakref.finalize(self, _unregister, self._registered)
 
     def __len__(self) -> int:
         return len(self._buffers)
 
     @property
     def nbytes(self) -> int:
-        """Host bytes of the buffers."""
+        """Host bytes of the buffers as requested (``num_buffers × numel × itemsize``)."""
         return sum(b.numel() * b.element_size() for b in self._buffers)
+
+    @property
+    def pinned_nbytes(self) -> int:
+        """Host bytes page-locked for the buffers: each rounded up to whole pages on CUDA, 0 on CPU."""
+        return sum(raw.numel() for raw in self._raw) if self._registered else 0
 
     @property
     def pinned(self) -> bool:
         """Whether every buffer is page-locked (True only on CUDA)."""
         return all(b.is_pinned() for b in self._buffers)
+
+    def halves(self, index: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffer ``index``'s bytes as two equal flat ``dtype`` views (a resident block's ship
+        double-buffers its fp32 accumulator through them, window.py). The buffer must be free.
+
+        Returns:
+            two disjoint [H] ``dtype`` views on the host, H ≥ 1 (a buffer is at least one page).
+        """
+        wide = self._raw[index].view(dtype)
+        half = wide.numel() // 2
+        return wide[:half], wide[half : 2 * half]
+
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` (device) into ``dst``, a view of a buffer (from :meth:`halves`), on the
+        caller's current stream, asynchronously on CUDA (the caller records the event)."""
+        _copy_in(dst, src)
+
+    def close(self) -> None:
+        """Release the page-locks (CUDA); idempotent. The buffers must not be in use."""
+        self._release()
 
     def issue(self, index: int, grads: list[torch.Tensor]) -> Staged:
         """Copy ``grads`` into buffer ``index``, asynchronously on CUDA.

@@ -42,7 +42,11 @@ A resident block also keeps an fp32 gradient accumulator on the device (DESIGN i
 ``offload()`` adds its gradients there (first backward of the step: a copy), in the order the host
 would have added them, and only the block's last backward of the step (``begin(..., backwards=)``
 gives the count) queues one D2H copy of the accumulator into the store (4 bytes/parameter per step,
-whatever the micro-batch count).
+whatever the micro-batch count). That ship takes a staging buffer like an offload (same rotation and
+bound) and streams the accumulator through its two halves in chunks, each chunk's copy overlapping
+the host's landing of the previous one (page-locked DMA on CUDA, not a copy into pageable memory).
+The host side of every offload, ship and row offload goes through ``HostAccumulator``
+(accumulate.py): fp32 += compute dtype in cache-sized chunks of one reused scratch, no temporaries.
 The waits enter the ``stall``, ``d2h_wait`` and ``optim`` phases of ``timeline`` (breakdown.py).
 
 Row blocks (``rows``: the embedding, one [V, D] binding) never enter a slot: ``gather_rows`` copies
@@ -61,6 +65,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from nodetrain.engine.accumulate import HostAccumulator
 from nodetrain.engine.host_threads import limit_thread
 from nodetrain.engine.staging import GradStaging
 from nodetrain.model import Binding
@@ -129,6 +134,10 @@ class _CopyWorker:
         self.busy_s += time.perf_counter() - t0
         return done
 
+    def call(self, fn):
+        """Run ``fn()`` on the worker thread after the jobs queued so far; returns its result."""
+        return self._pool.submit(fn).result()
+
     def take_busy_s(self) -> float:
         busy, self.busy_s = self.busy_s, 0.0
         return busy
@@ -180,7 +189,9 @@ class Window:
     streamed: their gathered rows and row gradients are per micro-batch) plus each resident block's
     ``numel × (compute itemsize + 4)`` bytes (its weights and its fp32 gradient accumulator) on the
     device (``nbytes``; ``resident_nbytes`` the latter); ``slots × max block numel ×
-    compute itemsize`` bytes of host staging (``staging_nbytes``; page-locked on CUDA).
+    compute itemsize`` bytes of host staging (``staging_nbytes``; page-locked on CUDA, in whole
+    pages: ``staging_pinned_nbytes``) and the D2H worker's fp32 scratch of ``accum_threads ×
+    accumulate.CHUNK_PER_THREAD`` elements.
 
     Hooks (set by the engine): ``gate(block) -> list[Future]``; ``on_offloaded(block)``, called on
     the D2H worker after a block's gradients are accumulated; ``timeline``.
@@ -214,6 +225,7 @@ class Window:
         # copies on the staging's stream; the accumulation adds on a team of accum_threads
         self._d2h = _CopyWorker("d2h", None, delay_s, self.device, accum_threads)
         self._staging = GradStaging(slots, max(self._numel(i) for i in blocks), dtype, self.device)
+        self._accum = HostAccumulator()  # used on the D2H worker only (its scratch, its team)
         self._num_offloads = 0
         self.gate = None
         self.on_offloaded = None
@@ -224,8 +236,7 @@ class Window:
         self._resident_loads: dict[int, tuple[Future, list[Future]]] = {}  # block -> this sequence's
         self._last_load: tuple[tuple[Future, list[Future]], torch.Tensor] | None = None  # latest streamed
         self._next = self._cursor = self._streamed = self._in_flight = 0
-        self._offloads: list[Future] = []
-        self._ships: list[Future] = []  # resident accumulators on their way to the store
+        self._offloads: list[Future] = []  # staged offloads and ships, each holding a staging buffer
         self.stall_s = 0.0
         """Seconds compute waited for H2D since the last :meth:`begin`."""
         self.h2d_bytes = self.d2h_bytes = 0
@@ -233,7 +244,8 @@ class Window:
         self.accum_host_bytes = 0
         """Host bytes read and written by the gradient accumulation since the last take_stats: per
         element, a staged first write ``e + 4`` (read staging, write fp32), a staged add ``e + 8``, a
-        resident accumulator's copy ``4``, its add into a shared target ``12``."""
+        resident accumulator's ship ``8`` (read its fp32 staging, write), its add into a shared target
+        ``12``."""
 
     def _numel(self, block: int) -> int:
         return sum(b.numel for b in self.bindings[block])
@@ -247,6 +259,11 @@ class Window:
     def staging_nbytes(self) -> int:
         """Host bytes of the gradient staging buffers (page-locked on CUDA)."""
         return self._staging.nbytes
+
+    @property
+    def staging_pinned_nbytes(self) -> int:
+        """Host bytes page-locked for the staging buffers (whole pages; 0 on CPU)."""
+        return self._staging.pinned_nbytes
 
     @property
     def resident_nbytes(self) -> int:
@@ -392,9 +409,9 @@ class Window:
         def accumulate():
             for (dst, first), src in zip(jobs, staged.wait(), strict=True):
                 if first:  # overwrite: no zeroing pass, no read of the stale accumulator
-                    dst.copy_(src)
-                else:  # fp32 += compute dtype, widened elementwise
-                    dst.add_(src)
+                    self._accum.copy(dst, src)
+                else:  # fp32 += compute dtype, widened chunk by chunk (accumulate.py)
+                    self._accum.add(dst, src)
                 self.accum_host_bytes += dst.numel() * (src.element_size() + (4 if first else 8))
             if self.on_offloaded is not None:
                 self.on_offloaded(block)
@@ -418,7 +435,12 @@ class Window:
             self._ship(block)
 
     def _ship(self, block: int) -> None:
-        """Queue the D2H copy of ``block``'s accumulator into the store (first write: a copy)."""
+        """Queue the D2H copy of ``block``'s fp32 accumulator into the store (first write: a copy).
+
+        It takes the next staging buffer of the rotation and counts as an offload in flight, so a
+        later offload's copy waits for it (``_free_staging``); it need not wait itself: its buffer is
+        written only inside its job, after the buffer's previous job on the in-order D2H worker.
+        It streams the accumulator through the buffer's two halves in chunks (:meth:`_ship_chunks`)."""
         acc, targets = self._grad_acc[block], self._grad_targets[block]
         jobs = []
         for name, pos, shape in self._views[block]:
@@ -428,22 +450,49 @@ class Window:
         self.d2h_bytes += acc.numel() * acc.element_size()
         cuda = self.device.type == "cuda"
         ready = torch.cuda.current_stream(self.device).record_event() if cuda else None
-        stream = self._staging.stream
+        halves = self._staging.halves(self._num_offloads % len(self._staging), torch.float32)
+        self._num_offloads += 1
 
         def ship():
-            if ready is not None:  # the accumulator's last add was queued on the compute stream
-                ready.synchronize()
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                for dst, first, src in jobs:
-                    if first:
-                        dst.copy_(src)
-                    else:  # a target shared with another block (the tied embedding of one stage)
-                        dst.add_(src.to(dst.device))
-                    self.accum_host_bytes += dst.numel() * (4 if first else 12)
+            self._ship_chunks(jobs, halves, ready)
             if self.on_offloaded is not None:
                 self.on_offloaded(block)
 
-        self._ships.append(self._d2h.submit(ship))
+        self._offloads.append(self._d2h.submit(ship))
+
+    def _ship_chunks(self, jobs, halves, ready) -> None:
+        """D2H worker: copy each (target, first, device fp32 range) through the staging halves.
+
+        Chunk k goes to half ``k % 2`` on the staging's D2H stream (CUDA: asynchronous, after the
+        event ``ready`` of the accumulator's last add) and is landed in the store (copied, or added
+        into a target shared with another block) while chunk k + 1's copy runs; a half is rewritten
+        only after its previous chunk was landed. On CPU the copies are synchronous, same order."""
+        stream, size = self._staging.stream, halves[0].numel()
+        if stream is not None:
+            stream.wait_event(ready)  # a device-side wait: this thread does not block on compute
+        chunks = [(d[lo : lo + size], first, s[lo : lo + size])
+                  for d, first, s in jobs for lo in range(0, s.numel(), size)]  # fmt: skip
+        landing = None
+        for k, (dst, first, src) in enumerate(chunks):
+            half = halves[k % 2][: src.numel()]
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                self._staging.copy_in(half, src)
+                event = stream.record_event() if stream is not None else None
+            if landing is not None:
+                self._land(*landing)
+            landing = (dst, first, half, event)
+        if landing is not None:
+            self._land(*landing)
+
+    def _land(self, dst: torch.Tensor, first: bool, half: torch.Tensor, event) -> None:
+        """Wait for a ship chunk's copy (CUDA), then write it into its fp32 target."""
+        if event is not None:
+            event.synchronize()
+        if first:
+            self._accum.copy(dst, half)
+        else:  # a target shared with another block (the tied embedding of one stage)
+            self._accum.add(dst, half)
+        self.accum_host_bytes += dst.numel() * (8 if first else 12)
 
     def _free_staging(self) -> None:
         """Bound gradient memory in flight: wait until a staging buffer is free."""
@@ -502,7 +551,7 @@ class Window:
             (src,) = staged.wait()
             if first:
                 dst.zero_()
-            dst.index_add_(0, index, src.view(shape).float())
+            self._accum.index_add(dst, index, src.view(shape))
             # host bytes: the zeroing pass (4 B per element of [V, D]) once, then per row element the
             # staged gradient read and the accumulator's read and write
             self.accum_host_bytes += dst.numel() * 4 * first + src.numel() * (src.element_size() + 8)
@@ -516,8 +565,6 @@ class Window:
         with self.timeline.phase("d2h_wait"):
             while self._offloads:
                 self._offloads.pop(0).result()
-            while self._ships:
-                self._ships.pop(0).result()
         assert self._next == len(self._seq) and not self._loads, "load sequence not fully consumed"
         left = {b: n for b, n in self._backwards_left.items() if n}
         assert not left, f"resident blocks' backwards left unshipped: {left}"
@@ -534,6 +581,15 @@ class Window:
         self.h2d_bytes = self.d2h_bytes = self.accum_host_bytes = 0
         return out
 
+    def run_host(self, fn):
+        """Run ``fn()`` on the D2H worker, after every job queued there, and return its result.
+
+        For host work on the gradients once the accumulation is done (the norm², overlap.py): that
+        thread's OpenMP team is ``accum_threads``, idle after :meth:`flush`, where the training
+        thread's is what torchrun sets (``OMP_NUM_THREADS=1``). Re-raises ``fn``'s exception."""
+        return self._d2h.call(fn)
+
     def close(self) -> None:
         self._h2d.shutdown()
         self._d2h.shutdown()
+        self._staging.close()
