@@ -9,8 +9,9 @@ for a 1F1B step of one round and a GPipe step of two rounds: each stage's peak o
 (``P2P.peak_buffers``: sends still held by P2P or the round loop, received gradients), its window
 slots and the micro-batches whose inputs its runner kept must be what ``costs.stage_memory``
 reserves for that config. The model before issue 19 reserved every send of the step until its
-end (``sends × G·M`` buffers) and ``min(S − s, M)`` micro-batches in flight for a 1F1B round of
-G·M: both fail here.
+end (``sends × G·M`` buffers), ``min(S − s, M)`` micro-batches in flight for a 1F1B round of G·M,
+and slots sized by the embedding, which the engine gathers by rows: each fails here. So does the
+engine before it (gloo sends reported complete only once waited, so P2P held them to the step's end).
 """
 
 from __future__ import annotations

@@ -235,10 +235,10 @@ class P2P:
     Each group of :func:`p2p_groups` is posted together through :meth:`Comm.batch_p2p`. A group
     with a receive is waited for (its data is needed next, in the ``bubble`` phase). A group of
     sends only is held until it is known complete: once a later group receiving from the same peer
-    was waited (that peer posted the receive of every earlier send before sending what arrived: a
-    rank pair's P2P is FIFO under NCCL, and ``p2p_groups``' order passes that test, so waiting the
+    was waited (that peer posted the receive of every earlier send no later than it sent what
+    arrived, true of ``p2p_groups``' order for every schedule, tests/test_memory.py; so waiting the
     held send returns once its data is through), or as soon as ``is_completed()`` says so (NCCL; a
-    gloo send reports completion only when waited), or at :meth:`wait_sends`. So each sent
+    gloo send reports completion only once waited), or at :meth:`wait_sends`. So each sent
     activation is let go during the step, not at its end. Tags (``2·mb`` activations,
     ``2·mb + 1`` gradients) match messages on gloo.
 

@@ -140,7 +140,8 @@ def device_budget_bytes(free: int, window_bytes: int, activations: int, ranks: i
 def ranks_on_device(index: int, local_world_size: int, device_count: int) -> int:
     """How many of the node's ranks compute on CUDA device ``index``: train.py gives local rank r
     the device ``r mod device_count`` (with ``dist.backend=gloo`` several ranks may share one;
-    NCCL refuses that), so the ranks r < ``local_world_size`` with r ≡ ``index``."""
+    NCCL refuses that), so the ranks r < ``local_world_size`` with r ≡ ``index``. (A launcher showing
+    each rank only its own GPU: NCCL is refused by train.py, gloo ranks would count as sharing.)"""
     if device_count < 1:
         return 1
     return max(1, len(range(index, max(local_world_size, 1), device_count)))
