@@ -169,15 +169,20 @@ class _Work:
 
 
 def test_p2p_drops_completed_sends_as_it_goes() -> None:
-    """A completed send's handle (and the activation it holds) is let go at the next send."""
+    """A completed send's handle (and the activation it holds) is let go at the next group; a held
+    send to a peer is waited and let go once a receive from that peer completed."""
     gloo = types.SimpleNamespace(get_backend=lambda group=None: "gloo")
-    p2p = P2P(0, 2, (1, 2, 4), torch.float32, Comm(torch.device("cpu"), dist=gloo))
-    pending, done = _Work(False), _Work(True)
-    p2p._keep([pending])
-    p2p._keep([done])
-    assert p2p._sends == [pending, done]
-    p2p._keep([_Work(False)])
-    assert done not in p2p._sends and pending in p2p._sends and done.waited, "a failed send must raise"
+    p2p = P2P(0, 3, (1, 2, 4), torch.float32, Comm(torch.device("cpu"), dist=gloo))
+    pending, done, other = _Work(False), _Work(True), _Work(False)
+    p2p._keep(1, [pending])
+    p2p._keep(1, [done])
+    assert p2p._sends == [(1, [pending]), (1, [done])]
+    p2p._keep(2, [other])
+    assert (1, [done]) not in p2p._sends and (1, [pending]) in p2p._sends and done.waited, (
+        "a failed send must raise"
+    )
+    p2p._release({1})
+    assert p2p._sends == [(2, [other])] and pending.waited and not other.waited
 
 
 # ----------------------------------------------------------------------------- bad data, in-process

@@ -28,8 +28,10 @@ FLOORS: tuple[tuple[str, ...], ...] = (
 """Floors from the bottom; a module may import its own floor and those below. Longest prefix wins."""
 
 UPWARD_ALLOWED = {
-    # inside step_time only: the step-time model prices the engine's own (pure) schedule functions
+    # inside step_time and stage_memory only: the cost model prices the engine's own (pure) schedule
     ("nodetrain.plan.costs", "nodetrain.engine.pipeline"),
+    # inside _head_peak_bytes only: the head's chunk size is the engine's (pure arithmetic)
+    ("nodetrain.plan.costs", "nodetrain.engine.linear_ce"),
 }
 
 

@@ -125,8 +125,12 @@ def test_config_a_device_memory_by_hand() -> None:
     # 1F1B: stage 0 holds min(S - 0, M) = 2 micro-batches, stage 1 holds 1; the embedding saves int64 ids
     assert s0.saved_bytes == 2 * (n * 8 + n * d * e) == 8_704
     assert s1.saved_bytes == 1 * (2 * n * d * e) == 8_192
-    # one direction of sends each (stage 0 activations, stage 1 input gradients), G·M of them
-    assert s0.p2p_bytes == s1.p2p_bytes == 1 * 2 * n * d * e == 8_192
+    # P2P buffers alive at once (n·D·e each). Stage 0 (F0 F1 B0 B1): act 0 goes alone and is held
+    # until a receive from stage 1 completes; the group before B0 posts act 1 and receives grad 0
+    # while act 0 is still held: 3. Stage 1 (F0 B0 F1 B1) only ever has one input gradient out: 1.
+    # (Reserving every send of the step until its end, 2 · G·M · n·D·e, was the old model.)
+    assert (s0.p2p_buffers, s1.p2p_buffers) == (3, 1)
+    assert s0.p2p_bytes == 3 * n * d * e == 12_288 and s1.p2p_bytes == n * d * e == 4_096
     # a layer saves per token: input norm 4D + 2·D·e, q/k/v (H+2K)·Q·e, SDPA output and o_proj's
     # copy 2·H·Q·e, lse 4·H, post norm 4D + 2·D·e, MLP 4·F·e, output + incoming gradient 2·D·e
     # = 512 + 256 + 256 + 16 + 512 + 1024 + 256 = 2832 bytes
@@ -134,12 +138,15 @@ def test_config_a_device_memory_by_hand() -> None:
     # gradient 128 and q/k/v's 256 = 1680
     layer = _layer_peak(n, d, f=128, saved=2832, norm_in=512, sdpa=1680, grads=A_LAYER * e, e=e)
     assert layer == 90_624 + 2 * 8_192 + 16_384 == 123_392  # at the SwiGLU product's backward
-    # head per token: norm D·(4 + 2e) + loss 12·V = 512 + 3600, beats its gradients 19,264·e
-    head = n * (512 + 12 * 300)
+    # the head (linear_ce.py, one chunk: 32 tokens < 512 MiB / (4·V)): fp32 sums of its 19,264
+    # weight gradients 77,056, its input's gradient n·D·e 4,096, the final norm n·D·(4 + 2e)
+    # 16,384, and the log-softmax backward 3 × 4·n·V = 115,200 (more than the lm_head's: its logits'
+    # gradient n·V·(e + 4) 57,600 + the chunk's weight gradient 19,264·e 38,528)
+    head = 77_056 + 4_096 + 16_384 + 115_200
     queued = 2 * A_LAYER * e  # a GPU stage may hold `slots` earlier blocks' gradients for D2H
     assert s0.transient_bytes == layer + queued == 271_360
-    assert s1.transient_bytes == head + queued == 279_552
-    assert s1.total_bytes == 147_968 + 8_192 + 8_192 + 279_552 == 443_904
+    assert s1.transient_bytes == head + queued == 360_704
+    assert s1.total_bytes == 147_968 + 8_192 + 4_096 + 360_704 == 520_960
 
 
 def _rates_a() -> tuple[float, float]:
@@ -311,10 +318,13 @@ def test_config_b_memory_and_time_by_hand() -> None:
     # at SDPA's backward per token: input norm 512, q/k/v + output + lse + q/k norms 1552, 3·D·e
     # 768, the output's gradient 256 and q/k/v's 512 = 3600
     layer = _layer_peak(n, d, f=128, saved=5648, norm_in=512, sdpa=3600, grads=B_LAYER * e, e=e)
-    # the peak is the layer's end: its weight gradients 37,024·4 and n·(512 + 3·D·e) = 10,240;
-    # more than the head's n·(D·12 + 12·V) = 34,944 or its tied gradients 77,056; fp32 needs no
-    # conversion, and the CPU copy worker holds no queued gradients
-    assert s0.transient_bytes == layer == 148_096 + 10_240 == 158_336
+    # the layer's end: its weight gradients 37,024·4 and n·(512 + 3·D·e) = 10,240
+    assert layer == 148_096 + 10_240 == 158_336
+    # the tied head binds 64 + 19,200: fp32 sums of its gradients 77,056, its input's gradient
+    # n·D·e 2,048, the final norm n·D·12 6,144, and the lm_head's backward (fp32: logits' gradient
+    # n·V·4 9,600 + the chunk's weight gradient 77,056, more than the log-softmax's 3·4·n·V
+    # 28,800) is the stage's peak; fp32 needs no conversion, the CPU copy worker holds no queue
+    assert s0.transient_bytes == 77_056 + 2_048 + 6_144 + 9_600 + 77_056 == 171_904 > layer
     # on a CPU profile the stage lives in host memory next to the store and the rank overhead
     assert s0.staging_bytes == 2 * B_LAYER * e  # host: one D2H staging buffer per slot, the largest block
     assert plan.host_need_bytes == plan.store_bytes + int(0.5e9) + s0.total_bytes + s0.staging_bytes
@@ -349,13 +359,16 @@ def test_config_b_memory_and_time_by_hand() -> None:
 
 def test_device_does_not_fit_names_the_largest_micro_batch() -> None:
     cfg = _config_a()
-    cfg.hardware.device_memory_gb = 2.0 + 0.0004  # 400 kB usable beyond the 2 GB reserve
+    cfg.hardware.device_memory_gb = 2.0 + 0.0005  # 500 kB usable beyond the 2 GB reserve
     plan = make_plan(cfg)
-    assert plan.stages[1].total_bytes == 443_904  # B=2 (see above) does not fit
-    # stage 1 at B=1 (n=16): window + saved + P2P + head recompute + gradients queued
+    assert plan.stages[1].total_bytes == 520_960  # B=2 (see above) does not fit
+    # stage 1 at B=1 (n=16): window + saved + P2P + head + gradients queued
     saved = 1 * 2 * (16 * 64 * 2)  # one micro-batch in flight, inputs of L1 and the head
-    p2p = 2 * (16 * 64 * 2)  # G·M input gradients sent back
-    assert 147_968 + saved + p2p + 16 * 4_112 + 147_968 == 369_920 < 400_000
+    p2p = 1 * (16 * 64 * 2)  # one input gradient out at a time
+    # the head: sums 77,056 + input gradient 2,048 + norm 16·64·8 + lm_head backward 16·300·6 +
+    # 38,528 (more than 3·4·16·300 = 57,600)
+    head = 77_056 + 2_048 + 8_192 + 28_800 + 38_528
+    assert 147_968 + saved + p2p + head + 147_968 == 456_704 < 500_000
     assert not plan.fits and plan.max_micro_batch == 1
     assert "train.micro_batch_size=1" in plan.problems[0] and "device memory" in plan.problems[0]
 

@@ -13,9 +13,14 @@ import torch
 
 import nodetrain.engine.window as stream
 from nodetrain.engine.residency import (
+    ALLOCATOR_MARGIN_BYTES,
+    CUBLAS_MARGIN_BYTES,
     MARGIN_BYTES,
+    NCCL_MARGIN_BYTES,
     auto_device_budget,
     choose_resident,
+    device_budget_bytes,
+    ranks_on_device,
     saved_transfer_bytes,
     stage_activation_bytes,
 )
@@ -72,10 +77,34 @@ def test_budget_uses_the_planners_activation_model(monkeypatch, caplog) -> None:
         acts = stage_activation_bytes(cfg, model, st.blocks, st.stage, 2, 1, cuda)
         assert acts == st.activation_bytes > 0, st
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     with caplog.at_level("INFO", logger="nodetrain.engine.residency"):
         assert auto_device_budget(cuda, 3 << 30, 1 << 30) == (10 - 3 - 1) * 2**30 - MARGIN_BYTES
-    assert "margin" in caplog.text and "2.15 GB margin" in caplog.text
+    # the margin is named by part: NCCL's buffers 1 GiB, cuBLAS's workspaces 128 MiB, the allocator
+    assert MARGIN_BYTES == NCCL_MARGIN_BYTES + CUBLAS_MARGIN_BYTES + ALLOCATOR_MARGIN_BYTES == 2 << 30
+    assert "2.15 GB margin (NCCL buffers 1.07 + cuBLAS workspaces 0.13 + allocator 0.94)" in caplog.text
+    assert "10.74 GB free / 1 rank(s) on cuda:0" in caplog.text
     assert auto_device_budget(torch.device("cpu"), 0, 0) == 0
+
+
+def test_ranks_sharing_a_gpu_split_its_free_memory(monkeypatch, caplog) -> None:
+    """train.py gives local rank r the GPU r mod count, so with dist.backend=gloo several ranks may
+    share one (gpu_check's two stages on one GPU): each takes its share of the free memory, not all."""
+    assert ranks_on_device(0, 2, 1) == 2  # gpu_check: 2 ranks, 1 GPU
+    assert ranks_on_device(0, 3, 2) == 2 and ranks_on_device(1, 3, 2) == 1  # ranks 0, 2 | 1
+    assert ranks_on_device(3, 8, 8) == 1  # one GPU per rank
+    assert ranks_on_device(0, 1, 0) == 1
+    gib = 2**30
+    assert device_budget_bytes(40 * gib, gib, 2 * gib, ranks=2) == 20 * gib - 3 * gib - MARGIN_BYTES
+    assert device_budget_bytes(40 * gib, gib, 2 * gib) == 40 * gib - 3 * gib - MARGIN_BYTES
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with caplog.at_level("INFO", logger="nodetrain.engine.residency"):
+        budget = auto_device_budget(torch.device("cuda", 0), 2 * gib, gib)
+    assert budget == 20 * gib - 3 * gib - MARGIN_BYTES
+    assert "/ 2 rank(s) on cuda:0" in caplog.text
 
 
 @pytest.fixture
@@ -199,8 +228,9 @@ def test_resident_gradients_leave_the_device_once_per_step(store, resident, coun
 @pytest.mark.parametrize("resident", [(), (3,), (0, 1, 2, 3)], ids=str)
 def test_planner_counts_the_windows_resident_bytes(store, resident) -> None:
     """``costs.stage_memory`` (the planner and the automatic budget) holds what the Window allocates:
-    the slots sized by the largest streamed block, and each resident block's weights plus its fp32
-    gradient accumulator, 8 B/element in fp32."""
+    the slots sized by the largest streamed block but a streamed embedding (gathered by rows, as the
+    engine streams it), and each resident block's weights plus its fp32 gradient accumulator, 8
+    B/element in fp32."""
     from nodetrain.plan.costs import ModelShape, stage_memory
 
     shape = ModelShape(
@@ -220,7 +250,8 @@ def test_planner_counts_the_windows_resident_bytes(store, resident) -> None:
     mem = stage_memory(
         shape, range(4), 0, 1, b=1, t=2, m=2, g=1, schedule="1f1b", slots=2, itemsize=4, resident=resident
     )
-    window = Window(store, BINDINGS, BLOCKS, BLOCKS, 2, "cpu", resident=resident)
+    rows = [] if 0 in resident else [0]  # the engine's rule: a streamed embedding travels as rows
+    window = Window(store, BINDINGS, BLOCKS, BLOCKS, 2, "cpu", resident=resident, rows=rows)
     try:
         assert mem.resident_bytes == window.resident_nbytes == 8 * sum(NUMEL[b] for b in resident)
         assert mem.window_bytes == window.nbytes - window.resident_nbytes

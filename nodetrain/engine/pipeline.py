@@ -21,6 +21,7 @@ micro-batch's activations (one round of grad_accum·M would hold grad_accum time
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,8 @@ __all__ = [
     "build_schedule",
     "step_rounds",
     "p2p_groups",
+    "in_flight_peak",
+    "p2p_live_peak",
     "P2P",
     "SCHEDULES",
 ]
@@ -178,14 +181,71 @@ def p2p_groups(actions: list[Action], stage: int, num_stages: int) -> list[tuple
     return groups
 
 
+def in_flight_peak(actions: list[Action]) -> int:
+    """Most micro-batches whose block inputs a stage keeps at once over ``actions`` (forwards done
+    minus backwards done, at its highest): 1F1B ``min(S − s, M)``, GPipe ``M``."""
+    held = peak = 0
+    for a in actions:
+        held += 1 if a.kind == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+def p2p_live_peak(actions: list[Action], rounds: int, stage: int, num_stages: int) -> int:
+    """Most P2P buffers ([B, T, D] each) alive at once on ``stage`` in a step of ``rounds`` ×
+    ``actions`` (one round's :func:`build_schedule`), as :class:`P2P` and the engine's round loop
+    hold them; what :attr:`P2P.peak_buffers` measures.
+
+    Rules, group by group of :func:`p2p_groups`:
+
+    - a sent output lives while the round loop holds it (until the next action returns) and while
+      P2P holds its send: a group with a receive is waited at once; a group of sends only is held
+      until a later group receives from the same peer (see :class:`P2P`) or the step ends;
+    - a received gradient lives until the next backward's receive replaces it in the loop, or the
+      round ends;
+    - a received activation is the first block's saved input, counted with the saved inputs
+      (:func:`in_flight_peak`), not here.
+
+    The count peaks inside an exchange, once its buffers exist and before its wait releases
+    anything: held sends + the one it posts + the loop's last gradient + the one it receives.
+    """
+    groups = p2p_groups(actions, stage, num_stages)
+    held: list[int] = []  # peer of each send P2P holds (posted in a group of sends only)
+    peak = 0
+    for _ in range(rounds):
+        grad = False  # the round loop holds a received gradient
+        for k, group in enumerate(groups):
+            sends = [t.peer for t in group if t.op == "send"]
+            recvs = [t for t in group if t.op == "recv"]
+            received_grad = any(t.what == "grad" for t in recvs)
+            if group:
+                peak = max(peak, len(held) + len(sends) + grad + received_grad)
+            if recvs:
+                held = [p for p in held if p not in {t.peer for t in recvs}]
+            else:
+                held += sends
+            if k < len(actions) and actions[k].kind == "B":
+                grad = received_grad
+    return peak
+
+
 class P2P:
     """Activations forward (stage s → s+1) and their gradients backward (s+1 → s), in paired groups.
 
     Each group of :func:`p2p_groups` is posted together through :meth:`Comm.batch_p2p`. A group
-    with a receive is waited for (its data is needed next, in the ``bubble`` phase); a group of
-    sends only is kept until it completes: completed sends are dropped at each new group, so the
-    activations already received downstream are freed during the step, and :meth:`wait_sends`
-    waits for the rest. Tags (``2·mb`` activations, ``2·mb + 1`` gradients) match messages on gloo.
+    with a receive is waited for (its data is needed next, in the ``bubble`` phase). A group of
+    sends only is held until it is known complete: once a later group receiving from the same peer
+    was waited (that peer posted the receive of every earlier send no later than it sent what
+    arrived, true of ``p2p_groups``' order for every schedule, tests/test_memory.py; so waiting the
+    held send returns once its data is through), or as soon as ``is_completed()`` says so (NCCL; a
+    gloo send reports completion only once waited), or at :meth:`wait_sends`. So each sent
+    activation is let go during the step, not at its end. Tags (``2·mb`` activations,
+    ``2·mb + 1`` gradients) match messages on gloo.
+
+    The buffers it sends and the gradients it receives are counted while anything holds them (a
+    weak reference each; received activations are the next block's saved inputs, not counted):
+    :attr:`peak_buffers` and :attr:`peak_bytes` are their high-water mark since construction
+    or :meth:`reset_peak`, which :func:`p2p_live_peak` predicts.
 
     Args:
         stage, num_stages: this rank's stage and the pipeline depth.
@@ -201,7 +261,12 @@ class P2P:
         self.ranks = list(range(num_stages)) if ranks is None else list(ranks)
         self.shape, self.dtype, self.comm = tuple(shape), dtype, comm
         self.device = comm.device_of()
-        self._sends: list = []
+        self._sends: list[tuple[int, list]] = []  # (peer rank, works) of groups of sends only
+        self._live: list[tuple[weakref.ref, int]] = []  # counted buffers and their bytes
+        self.peak_buffers = 0
+        """Most counted buffers alive at once (on ``self.device``)."""
+        self.peak_bytes = 0
+        """Most bytes of counted buffers alive at once."""
         self.timeline = NULL_TIMELINE
         """Receives enter its ``bubble`` phase (set by the engine, see breakdown.py)."""
         self.wait_s = 0.0
@@ -222,37 +287,69 @@ class P2P:
         """
         if not group:
             return None
-        ops, buf = [], None
+        ops, buf, counted = [], None, []
         for t in group:
             tag = 2 * (mb_base + t.mb) + (t.what == "grad")
             if t.op == "send":
-                ops.append(P2POp("send", out.to(self.device).contiguous(), self.ranks[t.peer], tag))
+                data = out.to(self.device).contiguous()
+                ops.append(P2POp("send", data, self.ranks[t.peer], tag))
+                counted.append(data)
             else:
                 buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
                 ops.append(P2POp("recv", buf, self.ranks[t.peer], tag))
+                counted += [buf] if t.what == "grad" else []
+        self._count(counted)
         works = self.comm.batch_p2p(ops)
         if buf is None:
-            self._keep(works)
+            self._keep(ops[0].peer, works)
             return None
         t0 = time.perf_counter()
         with self.timeline.phase("bubble"):
             for w in works:
                 w.wait()
         self.wait_s += time.perf_counter() - t0
+        self._release({o.peer for o in ops if o.op == "recv"})
         return buf
 
-    def _keep(self, works: list) -> None:
-        pending = []
-        for w in self._sends:
-            if w.is_completed():
-                w.wait()  # returns at once; raises the error of a failed send
-            else:
-                pending.append(w)
-        self._sends = [*pending, *works]
+    def _count(self, tensors: list[torch.Tensor]) -> None:
+        """Start counting ``tensors``; record the high-water mark of the buffers still alive."""
+        self._live = [(r, n) for r, n in self._live if r() is not None]
+        known = {id(r()) for r, _ in self._live}
+        self._live += [(weakref.ref(x), x.nbytes) for x in tensors if id(x) not in known]
+        self.peak_buffers = max(self.peak_buffers, len(self._live))
+        self.peak_bytes = max(self.peak_bytes, sum(n for _, n in self._live))
+
+    def reset_peak(self) -> None:
+        self.peak_buffers = self.peak_bytes = 0
+
+    def _keep(self, peer: int, works: list) -> None:
+        """Hold a group of sends only (to ``peer``), after letting go of those already complete."""
+        self._sends = [(p, ws) for p, ws in self._sends if not self._done(ws)] + [(peer, works)]
+
+    def _release(self, peers: set[int]) -> None:
+        """A group receiving from ``peers`` completed: every held send to them is matched (see the
+        class doc); wait for each (it raises a failed send's error) and let it go."""
+        kept = []
+        for peer, works in self._sends:
+            if peer in peers:
+                for w in works:
+                    w.wait()
+            elif not self._done(works):
+                kept.append((peer, works))
+        self._sends = kept
+
+    @staticmethod
+    def _done(works: list) -> bool:
+        if not all(w.is_completed() for w in works):
+            return False
+        for w in works:
+            w.wait()  # returns at once; raises the error of a failed send
+        return True
 
     def wait_sends(self) -> None:
-        for work in self._sends:
-            work.wait()
+        for _, works in self._sends:
+            for w in works:
+                w.wait()
         self._sends.clear()
 
     def reset_timer(self) -> None:

@@ -15,10 +15,17 @@ last stage's head, which goes first (the stage's largest block, loaded at every 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
-from nodetrain.plan.costs import GRAD_ACC_ITEMSIZE, resident_bytes_per_param, shape_of, stage_memory
+from nodetrain.plan.costs import (
+    GRAD_ACC_ITEMSIZE,
+    StageMemory,
+    resident_bytes_per_param,
+    shape_of,
+    stage_memory,
+)
 
 __all__ = [
     "resident_blocks",
@@ -27,13 +34,35 @@ __all__ = [
     "auto_device_budget",
     "device_budget_bytes",
     "stage_activation_bytes",
+    "stage_memory_of",
+    "ranks_on_device",
     "MARGIN_BYTES",
+    "NCCL_MARGIN_BYTES",
+    "CUBLAS_MARGIN_BYTES",
+    "ALLOCATOR_MARGIN_BYTES",
 ]
 
 log = logging.getLogger(__name__)
 
-MARGIN_BYTES = 2 << 30
-"""Device bytes the automatic budget leaves free for the allocator, CUDA context growth and NCCL."""
+NCCL_MARGIN_BYTES = 1 << 30
+"""NCCL's device buffers, not yet allocated when the budget reads the free memory (a communicator
+connects a peer at its first P2P or collective). Per connection and channel NCCL keeps one buffer
+per protocol: Simple ``NCCL_BUFFSIZE`` (default 4 MiB, NCCL's environment-variable docs), LL128
+120 × 640 threads × 8 steps × 8 B = 4.7 MiB and LL 8 × 512 × 8 × 16 B = 0.5 MiB (NVIDIA/nccl
+``src/init.cc``, ``src/include/device.h``); the channels grow with the link's bandwidth
+(NVIDIA/nccl#986). Measured: 544-688 MB per communicator on 4 × A100 with NVLink (NVIDIA/nccl#964).
+The engine's default group carries the P2P and the all-reduce: 1 GiB, an assumption for one
+communicator (NVLink SHARP, ``NCCL_NVLS_ENABLE``, takes more: NVIDIA/nccl#864)."""
+CUBLAS_MARGIN_BYTES = 128 << 20
+"""cuBLAS and cuBLASLt workspaces: 32 MiB each per (handle, stream) on Hopper and newer, 4 MiB
+before (cuBLAS docs, ``cublasSetWorkspace``; PyTorch's defaults since pytorch/pytorch#120925),
+for the compute stream and one more."""
+ALLOCATOR_MARGIN_BYTES = (2 << 30) - NCCL_MARGIN_BYTES - CUBLAS_MARGIN_BYTES
+"""PyTorch's caching allocator: sizes rounded up (512 B; above 10 MiB to 2 MiB multiples; 1-10 MiB
+requests carved from 20 MiB segments: ``c10/cuda/CUDACachingAllocator.cpp``) and fragmentation
+between activations of varied sizes; an assumption (0.875 GiB) that keeps the margin at 2 GiB."""
+MARGIN_BYTES = NCCL_MARGIN_BYTES + CUBLAS_MARGIN_BYTES + ALLOCATOR_MARGIN_BYTES
+"""Device bytes the automatic budget leaves free beyond what ``costs.stage_memory`` counts."""
 
 
 def saved_transfer_bytes(numel: int, itemsize: int, loads: int, backwards: int) -> int:
@@ -73,12 +102,13 @@ def choose_resident(
     return sorted(chosen)
 
 
-def stage_activation_bytes(cfg, model, blocks, stage: int, num_stages: int, grad_accum: int, device) -> int:
-    """Peak activation bytes of this stage: the planner's model (``costs.stage_memory``: saved
-    block inputs of the micro-batches in flight, P2P buffers, one block's recompute + backward and
-    the gradients queued for D2H), so the budget and ``python -m nodetrain.plan`` agree."""
+def stage_memory_of(cfg, model, blocks, stage: int, num_stages: int, grad_accum: int, device) -> StageMemory:
+    """This stage's device bytes as the planner counts them (``costs.stage_memory``: window slots,
+    saved block inputs of the micro-batches in flight, live P2P buffers, one block's recompute +
+    backward and the gradients queued for D2H), so the budget and ``python -m nodetrain.plan``
+    agree; no block resident (the budget is what residency may take)."""
     t = cfg.train
-    mem = stage_memory(
+    return stage_memory(
         shape_of(model),
         range(blocks[0], blocks[-1] + 1),
         stage,
@@ -92,32 +122,58 @@ def stage_activation_bytes(cfg, model, blocks, stage: int, num_stages: int, grad
         itemsize=torch.empty(0, dtype=getattr(torch, t.dtype)).element_size(),
         on_cpu=torch.device(device).type != "cuda",
     )
-    return mem.activation_bytes
 
 
-def device_budget_bytes(free: int, window_bytes: int, activations: int) -> int:
-    """The automatic resident budget: ``free`` device bytes minus the window's slots, the activations
+def stage_activation_bytes(cfg, model, blocks, stage: int, num_stages: int, grad_accum: int, device) -> int:
+    """Peak activation bytes of this stage (:func:`stage_memory_of`'s ``activation_bytes``)."""
+    return stage_memory_of(cfg, model, blocks, stage, num_stages, grad_accum, device).activation_bytes
+
+
+def device_budget_bytes(free: int, window_bytes: int, activations: int, ranks: int = 1) -> int:
+    """The automatic resident budget: this rank's share of ``free`` device bytes (``free // ranks``
+    when ``ranks`` processes share the device) minus the window's slots, the activations
     (``costs.stage_memory``) and :data:`MARGIN_BYTES`, at least 0. The planner predicts the same
     figure from the profile's device memory (planner.py), the engine from the memory free at start-up."""
-    return max(0, free - window_bytes - activations - MARGIN_BYTES)
+    return max(0, free // max(ranks, 1) - window_bytes - activations - MARGIN_BYTES)
+
+
+def ranks_on_device(index: int, local_world_size: int, device_count: int) -> int:
+    """How many of the node's ranks compute on CUDA device ``index``: train.py gives local rank r
+    the device ``r mod device_count`` (with ``dist.backend=gloo`` several ranks may share one;
+    NCCL refuses that), so the ranks r < ``local_world_size`` with r ≡ ``index``. (A launcher showing
+    each rank only its own GPU: NCCL is refused by train.py, gloo ranks would count as sharing.)"""
+    if device_count < 1:
+        return 1
+    return max(1, len(range(index, max(local_world_size, 1), device_count)))
 
 
 def auto_device_budget(device: torch.device, activations: int, window_bytes: int) -> int:
-    """``stream.device_budget=-1``: on CUDA the free device memory (read now: call it after the
-    process group, the peak measurement and their cached blocks are settled) minus the window's
-    slots, the activations and :data:`MARGIN_BYTES` (logged); on CPU 0 (the "device" is host
-    memory, streaming is what the CPU path exists to exercise)."""
+    """``stream.device_budget=-1``: on CUDA this rank's share of the free device memory (read now:
+    call it after the process group, the peak measurement and their cached blocks are settled;
+    split evenly among the node's ranks on the same device, :func:`ranks_on_device`) minus the
+    window's slots, the activations and :data:`MARGIN_BYTES`, each logged; on CPU 0 (the "device"
+    is host memory, streaming is what the CPU path exists to exercise).
+
+    A rank sharing the device that reads the free memory after another allocated takes a smaller
+    share, never a larger one, so the ranks together stay within what was free."""
     if device.type != "cuda":
         return 0
     free, _ = torch.cuda.mem_get_info(device)
-    budget = device_budget_bytes(free, window_bytes, activations)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    ranks = ranks_on_device(device.index or 0, local, torch.cuda.device_count())
+    budget = device_budget_bytes(free, window_bytes, activations, ranks)
     log.info(
-        "automatic device budget: %.2f GB free - %.2f GB window - %.2f GB activations - %.2f GB margin "
-        "(allocator, NCCL, cuBLAS) = %.2f GB",
+        "automatic device budget: %.2f GB free / %d rank(s) on %s - %.2f GB window - %.2f GB activations "
+        "- %.2f GB margin (NCCL buffers %.2f + cuBLAS workspaces %.2f + allocator %.2f) = %.2f GB",
         free / 1e9,
+        ranks,
+        device,
         window_bytes / 1e9,
         activations / 1e9,
         MARGIN_BYTES / 1e9,
+        NCCL_MARGIN_BYTES / 1e9,
+        CUBLAS_MARGIN_BYTES / 1e9,
+        ALLOCATOR_MARGIN_BYTES / 1e9,
         budget / 1e9,
     )
     return budget
@@ -147,9 +203,8 @@ def resident_blocks(
     saved = {i: saved_transfer_bytes(n, itemsize, *uses[i]) for i, n in numel.items()}
     budget = cfg.stream.device_budget
     if budget == "auto" or budget < 0:
-        acts = stage_activation_bytes(cfg, model, blocks, stage, num_stages, grad_accum, device)
-        window = cfg.stream.slots * max(numel.values()) * itemsize
-        budget = auto_device_budget(torch.device(device), acts, window)
+        mem = stage_memory_of(cfg, model, blocks, stage, num_stages, grad_accum, device)
+        budget = auto_device_budget(torch.device(device), mem.activation_bytes, mem.window_bytes)
     head = len(model.units) - 1
     chosen = choose_resident(cost, saved, budget, first=(head,) if head in numel else ())
     log.info(

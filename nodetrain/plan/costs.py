@@ -143,19 +143,27 @@ class StageMemory:
     stage: int
     blocks: range
     window_bytes: int
-    """``slots × largest block load × e`` (``Window.nbytes``)."""
+    """``slots × largest slotted block load × e``: the streamed blocks but a streamed embedding,
+    which travels as gathered rows (``Window.nbytes`` less its resident buffers)."""
     staging_bytes: int
     """Host bytes (on every profile, page-locked on CUDA) of the gradient offloads' staging buffers,
     ``slots × largest block × e`` (``Window.staging_nbytes``, staging.py); not device memory."""
     saved_bytes: int
-    """Saved block inputs of the micro-batches in flight (1F1B: min(S − s, M); GPipe: M)."""
+    """Saved block inputs of the micro-batches in flight, ``in_flight`` × the stage's per-micro-batch
+    inputs."""
     p2p_bytes: int
-    """Sent activations and input gradients, held by their ``isend`` until the step ends (G·M each)."""
+    """P2P buffers alive at once, ``p2p_buffers × n·D·e``: sends in flight or still held by the
+    round loop, and received gradients (``P2P.peak_bytes`` measures it)."""
     transient_bytes: int
     """Recompute + backward of one block (the largest such), plus gradients queued for D2H."""
     resident_bytes: int = 0
     """Resident blocks' weights and fp32 gradient accumulators, ``load × (e + 4)`` each
     (``Window.resident_nbytes``)."""
+    in_flight: int = 0
+    """Most micro-batches whose inputs the stage keeps at once (``pipeline.in_flight_peak`` of the
+    step's schedule: 1F1B min(S − s, G·M) in its one round, GPipe M)."""
+    p2p_buffers: int = 0
+    """Most [B, T, D] P2P buffers alive at once (``pipeline.p2p_live_peak``; ``P2P.peak_buffers``)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -227,19 +235,29 @@ def _layer_backward_peak(shape: ModelShape, n: int, e: int, grads: int) -> int:
     )
 
 
-def _head_recompute_bytes(shape: ModelShape, n: int, e: int) -> int:
-    """The final norm, 4·D + 2·D·e per token, and the loss: its fp32 log-softmax (saved), the
-    gradient flowing into it and the one it produces, 3 × 4 bytes per token and vocabulary entry
-    (the bf16 logits and their fp32 copy, 2 + 4 + 4 bytes in the forward, are fewer)."""
-    return n * (shape.hidden * (4 + 2 * e) + 12 * shape.vocab)
+def _head_peak_bytes(shape: ModelShape, n: int, e: int, load: int) -> int:
+    """Peak of the head's loss and gradients, taken chunk by chunk over tokens in its forward
+    (``engine/linear_ce.py``) for ``n`` tokens and a head binding ``load`` elements (P).
+
+    Throughout: the fp32 sums of its weight gradients (4·P) and its input's gradient (n·D·e). Per
+    chunk of c = min(n, ``linear_ce.chunk_tokens(V)``) tokens: the final norm's c·D·(4 + 2e) and
+    the larger of the log-softmax's backward (its fp32 output, the gradient flowing into it and the
+    one it makes, 3 × 4·c·V) and the lm_head's (the logits' gradient in the compute dtype c·V·e,
+    with its fp32 source when e < 4, and the chunk's weight gradient P·e, added to the sums next).
+    """
+    from nodetrain.engine.linear_ce import chunk_tokens  # the engine's own chunk size
+
+    v, d = shape.vocab, shape.hidden
+    c = min(n, chunk_tokens(v))
+    logits = max(12 * c * v, c * v * (e + (4 if e < 4 else 0)) + load * e)
+    return 4 * load + n * d * e + c * d * (4 + 2 * e) + logits
 
 
 def _block_peak_bytes(shape: ModelShape, block: int, n: int, e: int, on_cpu: bool) -> int:
     """Peak of recomputing ``block`` and taking its gradients.
 
-    A decoder layer: :func:`_layer_backward_peak`. The embedding and the head: activation
-    gradients and saved tensors are freed as the backward walks the block while its weight
-    gradients (``load × e``) accumulate, so the peak is the larger of the two, not their sum.
+    A decoder layer: :func:`_layer_backward_peak`; the head: :func:`_head_peak_bytes`; a dense
+    (resident) embedding: its weight gradient (``load × e``).
     When the device is the CPU, ``Window.offload`` first copies the block's gradients into its
     staging buffer (staging.py, allocated with the window) and releases them; only then does the
     D2H worker convert each staged tensor to fp32 to add it to the store (4 bytes per element of
@@ -251,8 +269,21 @@ def _block_peak_bytes(shape: ModelShape, block: int, n: int, e: int, on_cpu: boo
     convert = 4 * shape.largest_tensors[block] if on_cpu and e < 4 else 0
     if 0 < block < last:
         return max(_layer_backward_peak(shape, n, e, grads), convert)
-    acts = _head_recompute_bytes(shape, n, e) if block == last else 0  # the embedding only scatters
-    return max(acts, grads, convert)
+    if block == last:
+        return max(_head_peak_bytes(shape, n, e, shape.load_numels[block]), convert)
+    return max(grads, convert)  # a dense embedding only scatters: no activations to recompute
+
+
+def _rows_backward_bytes(shape: ModelShape, n: int, e: int, on_cpu: bool) -> int:
+    """Peak of the backward of a streamed embedding, which travels as the rows a micro-batch uses
+    (``Window.rows``; stage.py ``_embedding_backward``): the output gradient in fp32 (4·n·D, a new
+    tensor when e < 4), the fp32 sums of the U ≤ min(n, V) used rows (4·U·D) and their
+    compute-dtype copy for the offload (U·D·e, when e < 4); on the CPU the D2H worker's fp32 copy
+    of the staged rows (4·U·D, when e < 4) comes later, as for a dense block."""
+    u, d = min(n, shape.vocab), shape.hidden
+    upcast = 4 * n * d if e < 4 else 0
+    rows = 4 * u * d + (u * d * e if e < 4 else 0)
+    return max(upcast + rows, 4 * u * d if on_cpu and e < 4 else 0)
 
 
 def stage_memory(
@@ -273,14 +304,21 @@ def stage_memory(
 ) -> StageMemory:
     """Peak device bytes of ``stage`` (owning ``blocks``) for micro-batches of ``b × t`` tokens.
 
+    The parts are the engine's live tensors: the window's slots, resident blocks with their fp32
+    accumulators, the saved block inputs of the micro-batches in flight and the P2P buffers alive
+    at once (both counted on the step's schedule, ``pipeline.build_schedule`` in the rounds of
+    ``pipeline.step_rounds``: :func:`~nodetrain.engine.pipeline.in_flight_peak`,
+    :func:`~nodetrain.engine.pipeline.p2p_live_peak`), and the transient peak of one block's
+    recompute + backward with the gradients queued for D2H. The peaks of the parts are added,
+    though they need not coincide (a bound, not a trace).
+
     Gradients queued for D2H: on a GPU up to ``slots`` earlier blocks' (``Window.offload``'s bound;
     the planner takes the bound, since a D2H-bound stage reaches it); on the CPU none (measured by
     ``bench/plan_accuracy.py``: the copy worker drains each block's gradients before the next
     block's recompute peaks). A CPU copy worker starved of cores (a machine running more threads
     than it has) can still hold up to ``slots`` blocks' gradients at that peak, which the planner
-    does not count (the likely cause of one run of the bench's 4-stage configuration, under a load
-    of ~8 on 2 cores, measuring 54.8 MB in a middle stage against 45.4 MB predicted; other runs:
-    within 8%).
+    does not count. ``bench/plan_accuracy.py`` on 2 cores (2026-12-01, one run): every stage of its
+    three configurations predicted 0.7-10.3% above the measured peak growth, every window exact.
 
     Args:
         shape: the model; blocks: this stage's block indices (from ``partition``).
@@ -288,24 +326,49 @@ def stage_memory(
         schedule: ``1f1b`` or ``gpipe``; slots: window slots; itemsize: compute-dtype bytes (e).
         on_cpu: the device is the CPU (the stage's memory is host memory).
         resident: blocks kept resident (residency.py): out of the slots' ``largest``, counted at
-            ``load × (e + 4)`` bytes each; their gradients accumulate on the device, none queue.
+            ``load × (e + 4)`` bytes each; their gradients accumulate on the device, none queue. A
+            streamed embedding (stage 0's block 0, not resident) is gathered by rows: never in a slot,
+            its backward :func:`_rows_backward_bytes`, its offload the used rows (≤ min(n, V) × D).
+
+    Raises:
+        ValueError: unknown schedule.
     """
+    from nodetrain.engine.pipeline import (  # pure; imported here: costs stays light
+        build_schedule,
+        in_flight_peak,
+        p2p_live_peak,
+        step_rounds,
+    )
+
     n, e, d = b * t, itemsize, shape.hidden
     largest = max(shape.load_numels[i] for i in blocks)
-    streamed = max((shape.load_numels[i] for i in blocks if i not in resident), default=0)
-    in_flight = m if schedule == "gpipe" else min(num_stages - stage, m)
+    rows = 0 in blocks and 0 not in resident  # a streamed embedding is gathered by rows, not slotted
+    slotted = [i for i in blocks if i not in resident and not (rows and i == 0)]
+    streamed = max((shape.load_numels[i] for i in slotted), default=0)
+    offloaded = max(streamed, min(n, shape.vocab) * d if rows else 0)  # the most one offload queues
+    peaks = [
+        _rows_backward_bytes(shape, n, e, on_cpu)
+        if rows and i == 0
+        else _block_peak_bytes(shape, i, n, e, on_cpu)
+        for i in blocks
+    ]
+    rounds, per_round = step_rounds(schedule, g, m)
+    actions = build_schedule(schedule, num_stages, stage, per_round)
+    in_flight = in_flight_peak(actions)
+    buffers = p2p_live_peak(actions, rounds, stage, num_stages)
     per_mb = sum(n * 8 if i == 0 else n * d * e for i in blocks)  # the embedding saves its int64 ids
-    sends = (stage < num_stages - 1) + (stage > 0)
-    queued = 0 if on_cpu else slots * streamed * e
+    queued = 0 if on_cpu else slots * offloaded * e
     return StageMemory(
         stage=stage,
         blocks=blocks,
         window_bytes=slots * streamed * e,
         staging_bytes=slots * largest * e,
         saved_bytes=in_flight * per_mb,
-        p2p_bytes=sends * g * m * n * d * e,
-        transient_bytes=max(_block_peak_bytes(shape, i, n, e, on_cpu) for i in blocks) + queued,
+        p2p_bytes=buffers * n * d * e,
+        transient_bytes=max(peaks) + queued,
         resident_bytes=sum(shape.load_numels[i] for i in resident) * resident_bytes_per_param(e),
+        in_flight=in_flight,
+        p2p_buffers=buffers,
     )
 
 

@@ -9,6 +9,12 @@ import os
 from rich.console import Console
 from rich.table import Table
 
+from nodetrain.engine.residency import (
+    ALLOCATOR_MARGIN_BYTES,
+    CUBLAS_MARGIN_BYTES,
+    MARGIN_BYTES,
+    NCCL_MARGIN_BYTES,
+)
 from nodetrain.plan.planner import GB, Plan
 
 __all__ = ["render"]
@@ -79,7 +85,17 @@ def _stage_table(plan: Plan) -> Table:
         title=f"Peak {where} memory per stage at micro_batch_size={plan.cfg.train.micro_batch_size} (GB)",
         title_justify="left",
     )
-    for col in ("stage", "units", "window", "saved inputs", "P2P held", "recompute+grads", "total", "usable"):
+    cols = (
+        "stage",
+        "units",
+        "window",
+        "saved inputs (mbs)",
+        "P2P live (bufs)",
+        "recompute+grads",
+        "total",
+        "usable",
+    )
+    for col in cols:
         table.add_column(col, justify="right")
     usable = _gb(plan.device_limit_bytes) if plan.device_limit_bytes else "shared"
     units = plan.shape.num_layers + 2
@@ -87,8 +103,8 @@ def _stage_table(plan: Plan) -> Table:
         names = [("embed" if i == 0 else "head" if i == units - 1 else f"L{i - 1}") for i in st.blocks]
         span = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
         table.add_row(
-            str(st.stage), span, _gb(st.window_bytes), _gb(st.saved_bytes), _gb(st.p2p_bytes),
-            _gb(st.transient_bytes), _gb(st.total_bytes), usable,
+            str(st.stage), span, _gb(st.window_bytes), f"{_gb(st.saved_bytes)} ({st.in_flight})",
+            f"{_gb(st.p2p_bytes)} ({st.p2p_buffers})", _gb(st.transient_bytes), _gb(st.total_bytes), usable,
         )  # fmt: skip
     return table
 
@@ -138,6 +154,18 @@ def _traffic_table(plan: Plan) -> Table:
     return table
 
 
+def _budget_line(plan: Plan) -> list[str]:
+    """How the automatic residency budget is sized (GPU profiles, ``stream.device_budget`` -1/auto)."""
+    budget = plan.cfg.stream.device_budget
+    if not plan.device_limit_bytes or not (budget == "auto" or budget < 0):
+        return []
+    return [
+        "automatic residency budget per stage: usable − window − activations (the table above) − "
+        f"{MARGIN_BYTES / GB:.2f} GB margin (NCCL buffers {NCCL_MARGIN_BYTES / GB:.2f} + cuBLAS workspaces "
+        f"{CUBLAS_MARGIN_BYTES / GB:.2f} + allocator {ALLOCATOR_MARGIN_BYTES / GB:.2f}; residency.py)"
+    ]
+
+
 def _summary(plan: Plan) -> list[str]:
     t, hw = plan.time, plan.cfg.hardware
     tokens_budget = plan.cfg.plan.train_tokens
@@ -153,6 +181,7 @@ def _summary(plan: Plan) -> list[str]:
         f"MFU {t.mfu(plan.peak_flops):.1%} (model FLOPs 6·N·tokens + attention, PaLM arXiv:2204.02311, "
         f"over {plan.peak_flops / 1e12:,.1f} TFLOP/s peak at {hw.matmul_efficiency:.0%} matmul efficiency)",
         f"largest micro-batch that fits: train.micro_batch_size={plan.max_micro_batch}",
+        *_budget_line(plan),
         f"training budget: {plan.train_tokens / 1e9:,.1f}B tokens ({budget}) = "
         f"{plan.days_one_node:,.1f} days on one node",
     ]
