@@ -257,6 +257,33 @@ def test_a_missing_d2h_wait_would_be_caught(shm_dir, monkeypatch, device: str) -
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_gathered_rows_are_current_and_do_not_sync_the_host(shm_dir, device: str) -> None:
+    """A streamed embedding's rows reach the device without blocking the host once per micro-batch:
+    on CUDA, ``set_sync_debug_mode("error")`` raises on a synchronizing (pageable, blocking) copy."""
+    vocab, dim = 64, 32
+    store = HostStore.create(StoreLayout((vocab * dim,), torch.bfloat16), shm_dir, f"rows-{device}")
+    store.unlink()
+    window = Window(store, [(Binding("weight", 0, 0, (vocab, dim)),)], [0], [0], 1, torch.device(device),
+                    rows=[0])  # fmt: skip
+    try:
+        table = torch.arange(vocab * dim, dtype=torch.float32).view(vocab, dim).to(torch.bfloat16)
+        store.compute(0).copy_(table.flatten())
+        window.begin([])
+        index = torch.tensor([3, 5, 60])
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            rows = window.gather_rows(0, index)
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
+        assert rows.device.type == device and torch.equal(rows.cpu(), table[index])
+        window.flush()
+    finally:
+        window.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_timeline_attributes_a_host_wait(device: str) -> None:
     cuda = device == "cuda"
     n = 2048 if cuda else 256  # CPU: a few ms of matmuls, not seconds

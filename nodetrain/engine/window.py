@@ -161,6 +161,19 @@ def _wait_for_compute(ready: torch.cuda.Event) -> None:
     ready.synchronize()
 
 
+def _rows_to_device(table: torch.Tensor, index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``table[index]`` ([V, D] host, [U] int64 host -> [U, D] on ``device``) without a host sync.
+
+    On CUDA the rows are gathered into page-locked memory from torch's caching host allocator and
+    copied with ``non_blocking=True`` on the current stream (the allocator keeps the block until that
+    copy has run); a pageable ``.to(device)`` would block the host once per micro-batch. On CPU the
+    same calls return the gathered rows."""
+    cuda = device.type == "cuda"
+    host = torch.empty((index.numel(), table.shape[1]), dtype=table.dtype, pin_memory=cuda)
+    torch.index_select(table, 0, index, out=host)
+    return host.to(device, non_blocking=True)
+
+
 def _wait(fut: Future) -> None:
     done = fut.result()  # re-raises a worker's exception here
     if done is not None:
@@ -521,7 +534,7 @@ class Window:
         t0 = time.perf_counter()
         with self.timeline.phase("stall"):
             table = self.store.compute(b.unit)[b.offset : b.offset + b.numel].view(b.shape)  # [V, D]
-            rows = table.index_select(0, index).to(self.device)  # [U, D]
+            rows = _rows_to_device(table, index, self.device)  # [U, D]
         self.stall_s += time.perf_counter() - t0
         self.h2d_bytes += rows.numel() * rows.element_size()
         return rows
