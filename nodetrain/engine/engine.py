@@ -473,6 +473,7 @@ class Engine:
         self.updates.begin_step(lr, Counter(arrivals), arrivals)
         self.window.begin(self._load_sequence(actions, rounds), Counter(backwards))
         self.p2p.reset_timer()
+        self.p2p.reset_peak()
         batch = StepBatch.of(self.runner, inputs, labels, positions, self.device)  # one H2D per tensor
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for r in range(rounds):
@@ -505,6 +506,7 @@ class Engine:
         busy["optim_host_bytes"] = self.updates.take_host_bytes()
         busy["num_updates_in_backward"] = self.updates.take_in_backward_count()
         busy["num_rollbacks"] = self.updates.take_rollbacks()
+        busy["p2p_peak_bytes"] = self.p2p.peak_bytes  # live P2P buffers' high-water mark (costs.stage_memory)
         busy["cpu_s"] = time.process_time() - cpu0
         record = self.breakdown.stage_record(now - t0, inputs.numel(), phases, busy)
         loss = loss_all / max(tokens, 1)

@@ -267,6 +267,7 @@ class StepBreakdown:
                 ``cpu_s``: CPU seconds of this process (all threads) during the step;
                 ``num_updates_in_backward``: unit updates that started before the backward ended;
                 ``num_rollbacks``: speculative unit updates rolled back (``optim.speculative``).
+                ``p2p_peak_bytes``: the step's high-water mark of live P2P buffers (bytes).
         """
         flops = self.flops_per_token * tokens
         rec = {"step_s": step_s, **phases, "other_s": step_s - sum(phases.values()), **busy}
