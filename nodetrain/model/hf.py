@@ -271,7 +271,7 @@ class HFModel:
         mask_pos = pos if position_ids is not None and packed else None  # None: no packing detection
         cos_sin = self._rotary[device](h, pos)
         # The first four arguments positionally: the KV cache's keyword is ``past_key_values`` up to
-        # 5.23 and ``cache`` from 5.24, so a keyword would fail on one end of the supported range.
+        # 5.23 and ``cache`` from 5.24 (the old one deprecated), so ``cache=`` fails on 5.17.
         args = (self.config, h, None, None)  # config, inputs_embeds, attention_mask, KV cache
         masks = {"full_attention": create_causal_mask(*args, position_ids=mask_pos)}
         if getattr(self.config, "sliding_window", None) is not None:
