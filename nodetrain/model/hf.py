@@ -270,12 +270,12 @@ class HFModel:
             pos = position_ids  # [B, T], moved by the caller (once per step, not per block)
         mask_pos = pos if position_ids is not None and packed else None  # None: no packing detection
         cos_sin = self._rotary[device](h, pos)
-        kwargs = dict(
-            config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=mask_pos
-        )
-        masks = {"full_attention": create_causal_mask(**kwargs)}
+        # The first four arguments positionally: the KV cache's keyword is ``past_key_values`` up to
+        # 5.23 and ``cache`` from 5.24 (the old one deprecated), so ``cache=`` fails on 5.17.
+        args = (self.config, h, None, None)  # config, inputs_embeds, attention_mask, KV cache
+        masks = {"full_attention": create_causal_mask(*args, position_ids=mask_pos)}
         if getattr(self.config, "sliding_window", None) is not None:
-            masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+            masks["sliding_attention"] = create_sliding_window_causal_mask(*args, position_ids=mask_pos)
         return {"position_embeddings": cos_sin, "position_ids": pos, "masks": masks}
 
     def _mask_for(self, layer: int, masks: dict) -> torch.Tensor | None:

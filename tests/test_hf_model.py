@@ -1,0 +1,118 @@
+"""The model adapter (``nodetrain.model.hf``) against transformers itself, in one process, in fp32.
+
+Every supported architecture, run block by block with transformers' own weights bound (the
+rotary embedding, the causal and sliding-window masks and packed position ids built by
+``HFModel.context``), gives the logits of the transformers model built from the same config. These
+are the cheapest tests of the transformers calls the model makes, so CI's oldest-transformers leg
+runs them (``.ci/run``); the last test keeps those calls in the form every supported version takes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from nodetrain.config.constants import SUPPORTED_ARCHS
+from nodetrain.model import HFModel, hf
+
+SEQ_LEN = 10
+WINDOW = 4  # < SEQ_LEN, so the sliding-window mask differs from the causal one
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    use_cache=False,
+)
+WINDOWED = {  # architecture → the config fields that give it a sliding window
+    "MistralForCausalLM": dict(sliding_window=WINDOW),
+    "Qwen2ForCausalLM": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+}
+
+
+def _config(arch: str, **fields) -> transformers.PretrainedConfig:
+    config = transformers.AutoConfig.for_model(SUPPORTED_ARCHS[arch], **TINY, **fields)
+    config.architectures = [arch]
+    return config
+
+
+def _reference(config: transformers.PretrainedConfig) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    return getattr(transformers, config.architectures[0])(config).float().eval()
+
+
+def _blocks_logits(config, ref, ids: torch.Tensor, pos: torch.Tensor | None) -> torch.Tensor:
+    """[B, T, V] logits of ``ids`` [B, T] through nodetrain's blocks with ``ref``'s weights bound."""
+    model, weights = HFModel(config), ref.state_dict()
+    h = ids
+    for i in range(len(model.units)):
+        bound = {}
+        for b in model.bindings[i]:
+            owner = model.units[b.unit]
+            bound[b.local_name] = weights[next(p.hf_name for p in owner.params if p.offset == b.offset)]
+        ctx = model.context(h, pos) if 0 < i < len(model.units) - 1 else None
+        h = model.forward_block(i, bound, h, ctx)
+    return h
+
+
+def _packed_positions(batch: int) -> torch.Tensor:
+    """[batch, SEQ_LEN] int64: two documents per row (6 + 4 tokens), positions restart at 0."""
+    return torch.cat([torch.arange(6), torch.arange(SEQ_LEN - 6)]).repeat(batch, 1)
+
+
+@pytest.mark.parametrize("arch", sorted(SUPPORTED_ARCHS))
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_blocks_give_transformers_logits(arch: str, packed: bool) -> None:
+    config = _config(arch, **WINDOWED.get(arch, {}))
+    ref = _reference(config)
+    ids = torch.randint(0, config.vocab_size, (2, SEQ_LEN), generator=torch.Generator().manual_seed(1))
+    pos = _packed_positions(2) if packed else None
+    with torch.no_grad():
+        want = ref(input_ids=ids, position_ids=pos).logits
+        got = _blocks_logits(config, ref, ids, pos)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        if packed:  # no token attends across the boundary: each document gives its logits alone
+            for doc in (slice(0, 6), slice(6, SEQ_LEN)):
+                alone = ref(input_ids=ids[:, doc]).logits
+                torch.testing.assert_close(got[:, doc], alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", sorted(WINDOWED))
+def test_sliding_window_is_applied(arch: str) -> None:
+    """The window shapes the logits: without it transformers gives other logits, and so do we."""
+    config = _config(arch, **WINDOWED[arch])
+    full = _config(arch)  # the same model without the window
+    ref, ref_full = _reference(config), _reference(full)
+    ref_full.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, config.vocab_size, (1, SEQ_LEN), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        windowed = _blocks_logits(config, ref, ids, None)
+        causal = _blocks_logits(full, ref_full, ids, None)
+        torch.testing.assert_close(causal, ref_full(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    assert (windowed[:, WINDOW:] - causal[:, WINDOW:]).abs().max() > 1e-3
+    torch.testing.assert_close(windowed[:, :WINDOW], causal[:, :WINDOW], rtol=1e-5, atol=1e-5)
+
+
+def test_mask_helpers_get_the_kv_cache_positionally(monkeypatch) -> None:
+    """transformers renamed the mask helpers' ``past_key_values`` keyword to ``cache`` in 5.24; the
+    oldest supported version (5.17) knows only the first, 5.24 prefers the second. Positionally
+    both take it, so a keyword for it fails this test on any version (not only on the oldest)."""
+    calls = []
+
+    def spy(real):
+        def call(*args, **kwargs):
+            calls.append(sorted(kwargs))
+            assert not {"cache", "past_key_values"} & set(kwargs), kwargs
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(hf, "create_causal_mask", spy(hf.create_causal_mask))
+    monkeypatch.setattr(hf, "create_sliding_window_causal_mask", spy(hf.create_sliding_window_causal_mask))
+    config = _config("MistralForCausalLM", sliding_window=WINDOW)
+    HFModel(config).context(torch.zeros(1, SEQ_LEN, config.hidden_size), _packed_positions(1))
+    assert calls == [["position_ids"], ["position_ids"]]
