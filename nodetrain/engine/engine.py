@@ -25,6 +25,8 @@ When each unit is updated (overlap.py decides; logged once at start-up):
     speculative (clipping, ``optim.speculative``)  as in-backward with coefficient 1; a step that
         clipped rolls them back and redoes them (overlapped with the next forward), a NaN/inf step
         rolls them back (skipped whole); ``num_rollbacks`` counts the units rolled back.
+        ``optim.speculative=auto``: speculative or deferred, chosen at start-up by measurement
+        (update_choice.py).
     deferred (clipping, or ``optim.update_in_backward=false``)  every unit after the all-reduce,
         overlapped with the next step's forward; the cross-replica sum runs here, before it.
     ``optim.overlap=false``  every unit at the end of the step, on the training thread.

@@ -2,8 +2,9 @@
 
 Owns: host store bytes per field, each stage's peak device bytes (window + activations), the bytes
 a step moves (H2D, D2H, and through host DRAM: the DMA, the gradient accumulation, the optimizer),
-and a step's time split into compute, H2D, D2H, host accumulation, CPU optimizer, host DRAM and
-pipeline bubble, plus the model FLOPs used for MFU. Does not own: hardware profiles or verdicts
+and a step's time split into compute, H2D, D2H, host accumulation, CPU optimizer (and what of it
+the next step waits for: plan/exposure.py), host DRAM and pipeline bubble, plus the model FLOPs used
+for MFU. Does not own: hardware profiles or verdicts
 (plan.py), measuring (``bench/``), or anything that needs torch.distributed. Byte counts of the
 store and the stage partition come from the engine's own code (``StoreLayout``, ``partition`` in
 the caller), so the model cannot drift from what a run allocates.
