@@ -15,6 +15,7 @@ Writes, under ``out_dir``:
                                  (a tied head also writes ``lm_head.weight``, read through its
                                  binding to the embedding);
     rank<r>.json                 {"units": [...], "resident": [...], "store_nbytes": ...,
+                                 "speculative": bool, "update_choice": "<optim.speculative=auto's line>",
                                  "memory": {...} | null, "adamw_steps": {HF name: count} | null};
     state_rank<r>.safetensors    with ``export_state``: AdamW's ``<HF name>.exp_avg`` and
                                  ``<HF name>.exp_avg_sq`` of the units rank r owns;
@@ -177,6 +178,8 @@ def main(spec_path: str) -> None:
         "store_nbytes": engine.store.nbytes,
         "memory": memory,
         "adamw_steps": None,
+        "speculative": engine.updates.speculative,
+        "update_choice": engine.update_choice.line,
     }
     if spec.get("export_state"):
         engine.wait_optimizer()

@@ -189,6 +189,8 @@ INVALID = [
     (["optim.state=tiny"], 2, ["optim.state=tiny", "not one of full, lean"]),
     (["optim.state=lean", "train.dtype=float32"], 2, ["optim.state", "set train.dtype=bfloat16"]),
     (["optim.state=lean", "optim.speculative=true"], 2, ["optim.speculative", "set optim.speculative=false"]),
+    (["optim.speculative=maybe"], 2, ["optim.speculative=maybe", "not one of true, false, auto"]),
+    (["optim.speculative=1"], 2, ["optim.speculative=1", "not one of true, false, auto"]),
     (["model.arch=GPT2LMHeadModel"], 2, ["model.arch"]),
     (["~model.hf.hidden_size"], 2, ["model.hf.hidden_size"]),
     (["~model.hf.intermediate_size"], 2, ["model.hf.intermediate_size"]),
@@ -446,12 +448,15 @@ def test_torchrun_makes_one_run_dir_with_a_log_per_rank(tmp_path: Path) -> None:
 
 
 def test_auto_is_accepted_only_where_meant() -> None:
-    """``auto`` passes validation in the three keys the planner resolves; an integer key refuses it
-    at composition, naming the key (OmegaConf's type check)."""
+    """``auto`` passes validation in the three keys the planner resolves and in ``optim.speculative``
+    (the engine resolves it); an integer key refuses it at composition, naming the key (OmegaConf's
+    type check)."""
     cfg = _compose(["train.micro_batch_size=auto", "pipeline.microbatches=auto", "stream.device_budget=auto"])
     validate(cfg, world_size=2)
     cfg = _compose(["train.micro_batch_size=auto", "train.batch_size=12"])
     validate(cfg, world_size=2)  # the batch divisibility is checked for the chosen size
+    validate(_compose(["optim.speculative=auto"]), world_size=2)  # the engine resolves it
+    validate(_compose(["optim.speculative=auto", "optim.state=lean"]), world_size=2)  # to false
     for key in ("train.steps", "train.grad_accum", "optim.threads", "stream.accum_threads"):
         with pytest.raises(Exception, match=re.escape(key)):
             _compose([f"{key}=auto"])

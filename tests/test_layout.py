@@ -20,7 +20,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("nodetrain.data", "nodetrain.optim"),  # batches; the CPU optimizer on the store
     ("nodetrain.checkpoint",),  # save, resume, HF in and out
     ("nodetrain.run",),  # metrics, breakdown, plots, output dirs, jobs, faults
-    ("nodetrain.plan.costs",),  # the cost model the engine's residency and the planner share
+    ("nodetrain.plan.costs", "nodetrain.plan.exposure"),  # the cost model the engine and the planner share
     ("nodetrain.engine",),  # one rank's step
     ("nodetrain.plan",),  # the planner and its report
     ("nodetrain.train", "nodetrain.plots"),  # top: the entry points

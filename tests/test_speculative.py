@@ -12,6 +12,7 @@ and a NaN step, skipped whole (test_update_in_backward's reference).
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -240,3 +241,35 @@ def test_speculative_never_clipping_and_a_nan_step_skipped_whole(
             assert rollbacks[s][1] >= 1 and rollbacks[s][0] >= 1, rollbacks
         else:
             assert rollbacks[s] == [0, 0] and min(in_backward[s]) >= 1, (rollbacks, in_backward)
+
+
+AUTO_CASE = Case(
+    "llama-2stage-tied-1f1b-slots1-accum1x4-clip-auto", "LlamaForCausalLM", 2, "1f1b", slots=1,
+    grad_accum=1, microbatches=4, tied=True, delay_s=0.003,
+)  # fmt: skip
+"""``optim.speculative=auto`` on two ranks: the choice is collective (one all-reduce of the ranks'
+measured AdamW rates, their RAM verdicts and resident blocks)."""
+
+
+def test_speculative_auto_chooses_at_start_up_and_matches_the_reference(
+    tmp_path: Path, shm_dir: Path, torchrun
+) -> None:
+    """Each rank times its AdamW, and both log the same choice with the figures behind it; the run
+    matches plain transformers + clip_grad_norm_ + AdamW whichever mode was chosen (both exact)."""
+    launch = _Launch(torchrun, {"optim.speculative": "auto"})
+    check_parity(AUTO_CASE, tmp_path, shm_dir, launch)
+    out = Path(launch.spec["out_dir"])
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(AUTO_CASE.stages)]
+    chosen = {r["speculative"] for r in reports}
+    assert len(chosen) == 1, f"the ranks chose differently: {reports}"
+    mode = "speculative" if chosen.pop() else "deferred"
+    for r in reports:
+        line = r["update_choice"]
+        assert line.startswith("optim.speculative=auto: AdamW "), line
+        for words in ("GB/s on 1 thread(s) (measured", "TFLOP/s", "deferred", "ms", "backups", "fit"):
+            assert words in line, (words, line)
+        assert line.endswith(f"→ {mode} updates"), line
+    # the same figures on every rank (all but this rank's own free RAM): one all-reduce shared them
+    assert len({r["update_choice"].split(" in the available RAM")[0] for r in reports}) == 1, reports
+    rollbacks = sum(s["breakdown"][f"stage{k}/num_rollbacks"] for s in launch.steps() for k in range(2))
+    assert (rollbacks > 0) == (mode == "speculative")  # every step clips: speculation rolls back

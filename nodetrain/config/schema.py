@@ -245,7 +245,7 @@ class OptimConfig:
     False = every update waits for the step's all-reduce and a NaN/inf step is skipped whole on
     every stage (overlapped with the next step's forward instead). Ignored with ``overlap=false``,
     and with clipping unless ``speculative`` (false there: no speculation)."""
-    speculative: bool = False
+    speculative: Any = False
     """With ``overlap``, clipping (``max_grad_norm`` > 0) and ``update_in_backward``: update each unit
     during the backward as if the step were neither clipped nor skipped (SuperOffload's
     speculation-then-validation, arXiv:2509.21271); once the all-reduce gives the global norm, a
@@ -253,9 +253,13 @@ class OptimConfig:
     private host RAM per rank, bit-exact) and redone with the clip coefficient, and a NaN/inf step
     has them rolled back and is skipped whole. Once this stage's own norm already exceeds
     ``max_grad_norm`` the step will surely clip, and its remaining units wait for the all-reduce.
-    False = with clipping every update waits for the all-reduce. Ignored without clipping. Off by
-    default: on the default job it is exact (bit for bit) but exposes no less optimizer time
-    (~1 ms a step either way) and costs RAM and optimizer work (README, "The optimizer")."""
+    False = with clipping every update waits for the all-reduce. ``auto`` = the engine chooses at
+    start-up: it times this rank's AdamW on its optimizer threads, predicts the step in both modes
+    with the planner's model (``plan/exposure.py``, speculation priced at 30% clipped steps), and
+    speculates only if that is 2% faster and the backups fit the node's available RAM; one log line
+    gives the figures and the choice (engine/update_choice.py). Ignored without clipping. Off by
+    default: the model predicts deferred updates expose less on the default job and on the 3B
+    streamed benchmark (README, "The optimizer"); exact either way."""
     threads: int = 0
     """CPU threads (an OpenMP team) for the AdamW update; 0 = auto: half the rank's core share,
     rounded up (the rest goes to ``stream.accum_threads``; see nodetrain/engine/host_threads.py)."""

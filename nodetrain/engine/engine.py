@@ -25,6 +25,8 @@ When each unit is updated (overlap.py decides; logged once at start-up):
     speculative (clipping, ``optim.speculative``)  as in-backward with coefficient 1; a step that
         clipped rolls them back and redoes them (overlapped with the next forward), a NaN/inf step
         rolls them back (skipped whole); ``num_rollbacks`` counts the units rolled back.
+        ``optim.speculative=auto``: speculative or deferred, chosen at start-up by measurement
+        (update_choice.py).
     deferred (clipping, or ``optim.update_in_backward=false``)  every unit after the all-reduce,
         overlapped with the next step's forward; the cross-replica sum runs here, before it.
     ``optim.overlap=false``  every unit at the end of the step, on the training thread.
@@ -48,7 +50,7 @@ import math
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -71,6 +73,7 @@ from nodetrain.engine.replicas import ReplicaGradSum, Topology, node_group, repl
 from nodetrain.engine.residency import resident_blocks
 from nodetrain.engine.stage import IGNORE_INDEX, StageRunner, stage_loads, stage_offloads
 from nodetrain.engine.step_batch import StepBatch
+from nodetrain.engine.update_choice import choose_update_mode
 from nodetrain.engine.window import Window, arrival_order
 from nodetrain.model import HFModel
 from nodetrain.optim.adamw import StoreAdamW, clip_coef, lr_at
@@ -194,11 +197,11 @@ class Engine:
         self.grad_sum_optim = ReplicaGradSum(topo, cfg.dist.timeout_s, self.comm, kind="stage_optim")
         self._step = [0]  # the step being run, read by the NaN injection (on the optimizer thread too)
         self._poison = nan_injection(cfg.test, self.store, self.units[-1].index, self._step)  # None: off
-        self.updates = self._make_updates(device)
         self._peak = self._peak_flops()  # before the residency budget reads free device memory
         resident = resident_blocks(
             cfg, model, self.blocks, topo.stage, topo.num_stages, device, self.grad_accum, self._uses()
         )
+        self.updates = self._make_updates(device, resident)
         self.window = Window(
             self.store,
             model.bindings,
@@ -234,26 +237,44 @@ class Engine:
             cfg.optim.state,
         )
 
-    def _make_updates(self, device: torch.device) -> UnitUpdates:
-        """The overlapped optimizer, in the mode :func:`update_mode` gives (logged with its reason)."""
+    def _make_updates(self, device: torch.device, resident) -> UnitUpdates:
+        """The overlapped optimizer, in the mode :func:`update_mode` gives (logged with its reason);
+        ``optim.speculative=auto`` is resolved first, by measurement (update_choice.py; collective)."""
         cfg = self.cfg
-        in_backward, why = update_mode(cfg.optim)
+        choice = choose_update_mode(
+            cfg,
+            self.model,
+            stage_blocks=self.stage_blocks,
+            topo=self.topo,
+            comm=self.comm,
+            peak_flops=self._peak[0],
+            split=self.host_threads,
+            resident=resident,
+            grad_accum=self.grad_accum,
+            device=device,
+        )
+        self.update_choice = choice
+        """What ``optim.speculative`` became, and the start-up line saying why (``auto``)."""
+        if choice.line:
+            log.info("%s", choice.line)
+        optim = replace(cfg.optim, speculative=choice.speculative)
+        in_backward, why = update_mode(optim)
         log.info("optimizer updates: %s", why)
         updates = UnitUpdates(
             self.optimizer,
             self.model.bindings,
             self.blocks,
             shared_units=(0,) if self._tied_across and self.stage == 0 else (),
-            overlap=cfg.optim.overlap,
-            clip=cfg.optim.max_grad_norm > 0,
+            overlap=optim.overlap,
+            clip=optim.max_grad_norm > 0,
             threads=self.host_threads.optim_threads,
-            delay_s=cfg.optim.test_delay_s,
-            defer=not cfg.optim.update_in_backward,
+            delay_s=optim.test_delay_s,
+            defer=not optim.update_in_backward,
             grad_sum=self.grad_sum_optim,  # in-backward: each unit's replica sum, on the optimizer thread
             on_final=self._poison,
             device=device,
-            speculative=cfg.optim.speculative,
-            max_grad_norm=cfg.optim.max_grad_norm,
+            speculative=optim.speculative,
+            max_grad_norm=optim.max_grad_norm,
         )
         assert updates.in_backward == in_backward
         return updates

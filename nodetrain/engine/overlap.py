@@ -65,7 +65,7 @@ from nodetrain.config.schema import OptimConfig
 from nodetrain.engine.host_threads import limit_thread
 from nodetrain.optim.adamw import StoreAdamW
 
-__all__ = ["UnitUpdates", "update_mode", "final_order", "update_host_bytes"]
+__all__ = ["UnitUpdates", "update_kind", "update_mode", "final_order", "update_host_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -80,19 +80,41 @@ def _init_thread(threads: int, device: torch.device | None) -> None:
         torch.cuda.set_stream(torch.cuda.Stream(device))
 
 
+def update_kind(cfg: OptimConfig) -> str:
+    """Which update mode ``cfg`` runs: ``serial`` (``optim.overlap=false``), ``speculative``,
+    ``deferred``, ``in_backward`` (``plan/exposure.py`` prices each), or ``auto``: ``optim.speculative=auto``
+    where speculation applies (clipping, overlap, ``update_in_backward``), which the engine resolves
+    to speculative or deferred at start-up (``engine/update_choice.py``)."""
+    if not cfg.overlap:
+        return "serial"
+    if cfg.max_grad_norm > 0 and cfg.update_in_backward and cfg.speculative in (True, "auto"):
+        return "speculative" if cfg.speculative is True else "auto"
+    if cfg.max_grad_norm > 0 or not cfg.update_in_backward:
+        return "deferred"
+    return "in_backward"
+
+
 def update_mode(cfg: OptimConfig) -> tuple[bool, str]:
     """Whether units are updated during the backward, and why (one line for the start-up log).
 
     Args:
         cfg: the optimizer config (``overlap``, ``max_grad_norm``, ``update_in_backward``,
-            ``speculative``).
+            ``speculative``: true or false; ``auto`` is resolved first, ``engine/update_choice.py``).
 
     Returns:
         (in_backward, reason).
+
+    Raises:
+        ValueError: ``optim.speculative=auto`` not yet resolved where it applies.
     """
-    if not cfg.overlap:
+    kind = update_kind(cfg)
+    if kind == "auto":
+        raise ValueError(
+            "optim.speculative=auto: resolve it to true or false first (engine/update_choice.py)"
+        )
+    if kind == "serial":
         return False, "optim.overlap=false: every unit is updated at the step's end on the training thread"
-    if cfg.max_grad_norm > 0 and cfg.speculative and cfg.update_in_backward:
+    if kind == "speculative":
         return True, (
             f"optim.max_grad_norm={cfg.max_grad_norm} with optim.speculative=true: each unit is updated "
             "during the backward as if the step were not clipped; a step that clips has those updates "
@@ -104,7 +126,7 @@ def update_mode(cfg: OptimConfig) -> tuple[bool, str]:
             f"optim.max_grad_norm={cfg.max_grad_norm}: the clip needs the global norm, so updates run after "
             "the step's all-reduce, overlapped with the next step's forward; a NaN/inf step is skipped whole"
         )
-    if not cfg.update_in_backward:
+    if kind == "deferred":
         return False, (
             "optim.update_in_backward=false: updates run after the step's all-reduce, overlapped with the "
             "next step's forward; a NaN/inf step is skipped whole"

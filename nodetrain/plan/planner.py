@@ -29,6 +29,7 @@ from nodetrain.config.schema import (
     validate,
 )
 from nodetrain.engine.host_threads import split_cores
+from nodetrain.engine.overlap import update_kind
 from nodetrain.engine.pipeline import build_schedule, partition, step_rounds
 from nodetrain.engine.residency import choose_resident, device_budget_bytes, saved_transfer_bytes
 from nodetrain.model import HFModel, build_hf_config
@@ -47,6 +48,7 @@ from nodetrain.plan.costs import (
     step_time,
     store_layout,
 )
+from nodetrain.plan.exposure import choose_speculative
 from nodetrain.store import remove_stale_stores
 
 __all__ = ["GB", "Plan", "make_plan", "model_of", "host_problems", "preflight", "resolve_auto"]
@@ -322,9 +324,9 @@ def _check_hardware(cfg: Config, num_stages: int) -> None:
 
 
 def _speculates(cfg: Config) -> bool:
-    """Whether the engine keeps speculative backups (overlap.update_mode's speculative case)."""
-    o = cfg.optim
-    return o.speculative and o.overlap and o.max_grad_norm > 0 and o.update_in_backward
+    """Whether the engine surely keeps speculative backups (``optim.speculative=true`` where it
+    applies); ``auto`` speculates only where the engine finds the backups fit (update_choice.py)."""
+    return update_kind(cfg.optim) == "speculative"
 
 
 def _node(cfg: Config, shape: ModelShape, num_stages: int) -> _Node:
@@ -372,25 +374,38 @@ def host_rates(cfg: Config, num_stages: int) -> HostRates:
 def _time(cfg: Config, node: _Node, b: int, resident: list[frozenset[int]]) -> StepTime:
     """The step time of ``node`` at micro-batch size ``b``. A CPU profile's ranks each compute on one
     thread (torchrun's ``OMP_NUM_THREADS=1``): a core's share of the peak, and all of them
-    together at most the node's peak (``node_flops_per_s``)."""
+    together at most the node's peak (``node_flops_per_s``). The optimizer is priced in the mode the
+    engine runs (``plan.overlap_optimizer=false``: serial); ``optim.speculative=auto`` as the engine
+    chooses it (``exposure.choose_speculative``), from this profile's rates instead of its measurement."""
     hw, num_stages = cfg.hardware, len(node.stage_blocks)
     achieved = hw.peak_flops * hw.matmul_efficiency
     share = 1 if hw.gpus_per_node else hw.cores  # one thread per rank: a core's share of the peak
-    return step_time(
-        node.shape,
-        node.stage_blocks,
-        b=b,
-        t=node.seq_len,
-        m=node.microbatches,
-        g=node.grad_accum,
-        itemsize=node.itemsize,
-        flops_per_s=achieved / share,
-        rates=host_rates(cfg, num_stages),
-        overlap_optimizer=cfg.plan.overlap_optimizer,
-        schedule=node.schedule,
-        resident=resident,
-        node_flops_per_s=0.0 if hw.gpus_per_node else achieved,
+    kind = update_kind(cfg.optim) if cfg.plan.overlap_optimizer else "serial"
+
+    def priced(mode: str) -> StepTime:
+        return step_time(
+            node.shape,
+            node.stage_blocks,
+            b=b,
+            t=node.seq_len,
+            m=node.microbatches,
+            g=node.grad_accum,
+            itemsize=node.itemsize,
+            flops_per_s=achieved / share,
+            rates=host_rates(cfg, num_stages),
+            update_mode=mode,
+            schedule=node.schedule,
+            resident=resident,
+            node_flops_per_s=0.0 if hw.gpus_per_node else achieved,
+        )
+
+    if kind != "auto":
+        return priced(kind)
+    deferred, speculative = priced("deferred"), priced("speculative")
+    fits = (
+        node.store_bytes + node.overhead_bytes + speculative_backup_bytes(node.shape, True) <= node.host_bytes
     )
+    return speculative if choose_speculative(deferred.step_s, speculative.step_s, fits) else deferred
 
 
 def _with_batch(cfg: Config, b: int, m: int) -> Config:

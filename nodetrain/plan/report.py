@@ -15,6 +15,7 @@ from nodetrain.engine.residency import (
     MARGIN_BYTES,
     NCCL_MARGIN_BYTES,
 )
+from nodetrain.plan.exposure import CLIP_FRACTION
 from nodetrain.plan.planner import GB, Plan
 
 __all__ = ["render"]
@@ -109,12 +110,19 @@ def _stage_table(plan: Plan) -> Table:
     return table
 
 
+_MODE_NAMES = {
+    "serial": "serial, after the step",
+    "deferred": "deferred to the next forward",
+    "in_backward": "in the backward",
+    "speculative": "speculative",
+}
+
+
 def _time_table(plan: Plan) -> Table:
-    t, over = plan.time, plan.cfg.plan.overlap_optimizer
-    how = "the optimizer hidden behind them" if over else "then the optimizer"
+    t = plan.time
     title = (
         "Predicted step time of the slowest stage (parts overlap: max(compute, H2D, D2H, accumulation) + "
-        f"bubble, {how}; at least the host DRAM time)"
+        "bubble + the optimizer the next step waits for; at least the host DRAM time)"
     )
     table = Table(title=title, title_justify="left")
     for col in ("part", "seconds", "of step"):
@@ -125,16 +133,26 @@ def _time_table(plan: Plan) -> Table:
         ("D2H: gradient offload (overlapped)", t.d2h_s),
         (f"host accumulation, {plan.rates.accum_threads} thread(s)/rank (overlapped)", t.accum_s),
         ("pipeline bubble", t.bubble_s),
-        (
-            f"CPU optimizer, {plan.rates.optim_threads} thread(s)/rank ({'overlapped' if over else 'after'})",
-            t.optimizer_s,
-        ),
+        (f"CPU optimizer, {plan.rates.optim_threads} thread(s)/rank (busy)", t.optimizer_s),
+        (f"  of it exposed: the next step waits ({_MODE_NAMES[t.update_mode]})", t.optimizer_exposed_s),
         (f"host DRAM: {t.host_bytes / GB:,.1f} GB/step of all ranks (overlapped)", t.host_dram_s),
     ]
     for label, seconds in rows:
         table.add_row(label, f"{seconds:,.3f}", f"{seconds / t.step_s:.0%}")
     table.add_row("[bold]step[/]", f"[bold]{t.step_s:,.3f}[/]", "")
     return table
+
+
+def _exposure_line(plan: Plan) -> str:
+    """The exposed optimizer seconds of every update mode, and which one the plan prices."""
+    x, cfg = plan.time.exposure, plan.cfg
+    auto = " (optim.speculative=auto: the engine chooses at start-up, by measurement)"
+    return (
+        f"optimizer exposed per step (s): deferred {x.deferred_s:,.3f}, speculative {x.speculative_s:,.3f} "
+        f"({x.speculative_clipped_s:,.3f} on a step that clips, {CLIP_FRACTION:.0%} assumed), in the "
+        f"backward without clipping {x.in_backward_s:,.3f}, serial {x.serial_s:,.3f}; planned: "
+        f"{_MODE_NAMES[plan.time.update_mode]}{auto if cfg.optim.speculative == 'auto' else ''}"
+    )
 
 
 def _traffic_table(plan: Plan) -> Table:
@@ -180,6 +198,7 @@ def _summary(plan: Plan) -> list[str]:
         f"throughput: {t.tokens / t.step_s:,.0f} tokens/s = {t.tokens_per_day / 1e9:,.3f}B tokens/day; "
         f"MFU {t.mfu(plan.peak_flops):.1%} (model FLOPs 6·N·tokens + attention, PaLM arXiv:2204.02311, "
         f"over {plan.peak_flops / 1e12:,.1f} TFLOP/s peak at {hw.matmul_efficiency:.0%} matmul efficiency)",
+        _exposure_line(plan),
         f"largest micro-batch that fits: train.micro_batch_size={plan.max_micro_batch}",
         *_budget_line(plan),
         f"training budget: {plan.train_tokens / 1e9:,.1f}B tokens ({budget}) = "

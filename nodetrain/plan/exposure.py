@@ -1,0 +1,237 @@
+"""Exposed optimizer time: the seconds of a step's CPU AdamW that the next step waits for, per update mode.
+
+One stage, units u0 u1 u2, the step's pipeline ends at P (all-reduce), the next step starts at T0:
+
+    compute       | ... B u2 | B u1 | B u0 |P T0| F u0 | F u1 | F u2 | ...      (no optimizer in the way)
+    in-backward            | AdamW u2 | AdamW u1 | AdamW u0 |                  (released when final)
+    deferred                                   | AdamW u0 | AdamW u1 | AdamW u2 |  (released at P)
+    the next step, block by block: load_k ends at max(load_{k-1}, done_k) + l_k (one H2D worker, in
+    order, each load waiting for its unit's update), F u_k starts at max(F u_{k-1} ends, load_k
+    ends), the first at the stage's pipeline fill at the earliest; the same chain without the
+    updates is the baseline, and the step is late by how much later the chain ends.
+
+Owns: a max-plus model of the engine's pipeline schedule (:func:`pipeline_times`: each stage runs
+its actions in order, a forward waits for the previous stage's forward of the same micro-batch, a
+backward for the next stage's backward), and of the optimizer thread's FIFO queue in each mode
+(``engine/overlap.py``), giving how late the next step's first use of each unit is
+(:func:`exposed_s`), and the rule that picks speculative or deferred updates
+(:func:`choose_speculative`). Pure arithmetic on seconds; ``costs.py`` turns a model, a batch shape
+and rates into the seconds. Does not own: the rates, bytes or FLOPs (costs.py), or running anything.
+
+Modes (``overlap.update_kind``): ``serial`` (``optim.overlap=false``: every update on the training
+thread after P), ``deferred`` (clipping: all released at P, in forward order), ``in_backward`` (no
+clipping: released when final, in that order; the all-reduce waits until the last one has started,
+``UnitUpdates.wait_measured``), ``speculative`` (as in-backward plus each unit's backup), and
+``speculative_clipped`` (a speculative step that clips: the speculative updates, then at the
+all-reduce a rollback and redo of every unit in forward order, deferred-like; an upper bound, since
+units held once the stage's own norm exceeds the threshold skip the first update). A unit another
+stage reads (the tied embedding on stage 0) is released at the all-reduce in every mode and waited
+for before the step ends (the engine's barrier), which delays every stage's next step.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+__all__ = [
+    "MODES",
+    "CLIP_FRACTION",
+    "SPECULATE_GAIN",
+    "UnitTiming",
+    "OptimizerExposure",
+    "pipeline_times",
+    "exposed_s",
+    "choose_speculative",
+]
+
+MODES = ("serial", "deferred", "in_backward", "speculative", "speculative_clipped")
+
+CLIP_FRACTION = 0.3
+"""Fraction of steps assumed to clip when speculative updates are priced (each such step pays the
+rollback and redo): the default job clipped 18 of 60 steps (README, "The optimizer"), most of them in
+the warm-up. An assumption: the engine cannot know it at start-up."""
+
+SPECULATE_GAIN = 0.02
+"""``optim.speculative=auto`` speculates only when that shortens the predicted step by more than this
+fraction: speculation costs 12 B/param of private host RAM and optimizer-thread work for a gain the
+model must show clearly, not within its own error."""
+
+
+@dataclass(frozen=True)
+class UnitTiming:
+    """One owned unit as the optimizer thread and the next step see it (seconds)."""
+
+    update_s: float
+    """One AdamW update (with the transfer-copy refresh) on the optimizer thread."""
+    final_s: float
+    """When its gradient is final in the step (its last offload), from the step's start."""
+    forward_s: float
+    """Its block's forward of one micro-batch (the next step's first use)."""
+    load_s: float = 0.0
+    """Its block's H2D load, which starts only once the update is done (``Window`` gate)."""
+    backup_s: float = 0.0
+    """A speculative update's backup (read and write 12 B/param)."""
+    redo_s: float = 0.0
+    """A clipped speculative step's rollback and second update."""
+    shared: bool = False
+    """Another stage reads it: updated after the all-reduce and waited for before the step ends."""
+
+
+@dataclass(frozen=True)
+class OptimizerExposure:
+    """Exposed optimizer seconds of one step in each mode (the latest stage decides)."""
+
+    serial_s: float
+    deferred_s: float
+    in_backward_s: float
+    speculative_s: float
+    """A speculative step that does not clip."""
+    speculative_clipped_s: float
+    """A speculative step that clips (rollback and redo)."""
+
+    def of(self, mode: str, clip_fraction: float = CLIP_FRACTION) -> float:
+        """Seconds of ``mode``; ``speculative`` is the expectation over ``clip_fraction`` clipped steps."""
+        if mode == "speculative":
+            return (1 - clip_fraction) * self.speculative_s + clip_fraction * self.speculative_clipped_s
+        if mode not in MODES:
+            raise ValueError(f"unknown update mode {mode!r}: use one of {MODES}")
+        return getattr(self, f"{mode}_s")
+
+
+def pipeline_times(actions, forward_s, backward_s) -> list[list[tuple[float, float]]]:
+    """Start and end of every action of every stage, schedule as the engine runs it (no P2P time).
+
+    Args:
+        actions: per stage, its actions (``pipeline.build_schedule`` × rounds: objects with ``kind``
+            "F"/"B" and ``mb``; the k-th occurrence of an (kind, mb) pairs with the k-th on the
+            neighbour, so repeated rounds are fine).
+        forward_s, backward_s: per stage, seconds of one micro-batch's forward / backward.
+
+    Returns:
+        per stage, (start, end) of each action, from the step's start (stage 0's first forward at 0).
+
+    Raises:
+        ValueError: the schedules wait on each other forever.
+    """
+    num_stages = len(actions)
+    done: dict[tuple[int, str, int, int], float] = {}
+    out: list[list[tuple[float, float]]] = [[] for _ in actions]
+    seen = [Counter() for _ in actions]
+    free = [0.0] * num_stages
+    progress = True
+    while progress:
+        progress = False
+        for s, acts in enumerate(actions):
+            while len(out[s]) < len(acts):
+                a = acts[len(out[s])]
+                k = seen[s][a.kind, a.mb]
+                peer = s - 1 if a.kind == "F" else s + 1
+                dep = (peer, a.kind, a.mb, k) if 0 <= peer < num_stages else None
+                if dep is not None and dep not in done:
+                    break
+                start = max(free[s], done[dep] if dep is not None else 0.0)
+                free[s] = start + (forward_s[s] if a.kind == "F" else backward_s[s])
+                out[s].append((start, free[s]))
+                done[s, a.kind, a.mb, k] = free[s]
+                seen[s][a.kind, a.mb] += 1
+                progress = True
+    if any(len(o) < len(a) for o, a in zip(out, actions, strict=True)):
+        raise ValueError("the stages' schedules wait on each other forever")
+    return out
+
+
+def _queue(jobs) -> tuple[dict[int, float], dict[int, float]]:
+    """The optimizer thread's FIFO: ``jobs`` = (unit, release, seconds) in submission order; returns
+    each unit's start of its first job and end of its last."""
+    t, start, end = float("-inf"), {}, {}
+    for unit, release, seconds in jobs:
+        t = max(t, release)
+        start.setdefault(unit, t)
+        t += seconds
+        end[unit] = t
+    return start, end
+
+
+def _early_jobs(units: list[UnitTiming], mode: str) -> list[tuple[int, float, float]]:
+    """In-backward and speculative: the jobs submitted as units become final, in that order (ties,
+    one instant, in the backward's reverse block order, as the D2H worker offloads them)."""
+    if mode == "deferred":
+        return []
+    backup = mode.startswith("speculative")
+    early = sorted((k for k, u in enumerate(units) if not u.shared), key=lambda k: (units[k].final_s, -k))
+    return [(k, units[k].final_s, units[k].update_s + (units[k].backup_s if backup else 0.0)) for k in early]
+
+
+def _reduce_s(units: list[UnitTiming], step_end_s: float, mode: str) -> float:
+    """When this stage reaches the all-reduce: the pipeline's end, or later, in-backward, once the
+    last unit's update has begun (its norm² is taken first: ``UnitUpdates.wait_measured``)."""
+    jobs = _early_jobs(units, mode)
+    starts, _ = _queue(jobs)
+    return max([step_end_s, *(starts[k] for k, _, _ in jobs[-1:])])
+
+
+def _done_times(units: list[UnitTiming], mode: str, reduce_s: float) -> dict[int, float]:
+    """Each unit's update end; what waits for the all-reduce is released at ``reduce_s``, in forward
+    order: every unit (deferred), the shared ones and a clipped speculative step's redos."""
+    jobs = _early_jobs(units, mode)
+    for k, u in enumerate(units):
+        if u.shared or mode == "deferred":
+            jobs.append((k, reduce_s, u.update_s))
+        elif mode == "speculative_clipped":
+            jobs.append((k, reduce_s, u.redo_s))
+    return _queue(jobs)[1]
+
+
+def exposed_s(stages: list[list[UnitTiming]], step_end_s: float, mode: str, fills=None) -> float:
+    """Exposed optimizer seconds of a step in ``mode``: how much later the next step's pipeline runs.
+
+    The all-reduce waits for every stage (in-backward: for its last norm²), the step's end for the
+    shared units' updates (the engine's barrier), so every stage starts the next step at the same
+    T0; a stage whose first forward of a unit is late delays every later action of the pipeline
+    (the first micro-batch's path has no slack), so the latest unit of any stage decides.
+
+    Args:
+        stages: per stage, its units in forward order (:class:`UnitTiming`).
+        step_end_s: when the pipeline's last action ends, from the step's start.
+        mode: one of :data:`MODES`.
+        fills: per stage, when its first action of the next step would start, from that step's
+            start (the pipeline fill: time the updates of a later stage have before their first
+            use); default 0.
+
+    Returns:
+        seconds ≥ 0.
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown update mode {mode!r}: use one of {MODES}")
+    if mode == "serial":  # each stage's training thread updates after the all-reduce
+        return max((sum(u.update_s for u in us) for us in stages), default=0.0)
+    fills = fills or [0.0] * len(stages)
+    reduce_s = max(_reduce_s(us, step_end_s, mode) for us in stages)
+    dones = [_done_times(us, mode, reduce_s) for us in stages]
+    shared = [d[k] for us, d in zip(stages, dones, strict=True) for k, u in enumerate(us) if u.shared]
+    start = max([reduce_s, *shared])
+    late = [_first_forward_late(us, d, start, fill) for us, d, fill in zip(stages, dones, fills, strict=True)]
+    return start - step_end_s + max([0.0, *late])
+
+
+def _first_forward_late(units: list[UnitTiming], done: dict[int, float], start: float, fill: float) -> float:
+    """How much later the stage's first forward of the next step ends than without the updates."""
+    load = base_load = start  # the H2D worker's loads, in forward order
+    compute = base = start + fill  # the stage's compute; the first block waits for the fill
+    for k, u in enumerate(units):
+        load = max(load, done[k]) + u.load_s
+        base_load += u.load_s
+        compute = max(compute, load) + u.forward_s
+        base = max(base, base_load) + u.forward_s
+    return compute - base
+
+
+def choose_speculative(deferred_step_s: float, speculative_step_s: float, backup_fits: bool) -> bool:
+    """``optim.speculative=auto``: speculate when the backups fit host RAM and the predicted step
+    (``costs.step_time``, speculative priced at :data:`CLIP_FRACTION` clipped steps) is shorter than
+    the deferred one by more than :data:`SPECULATE_GAIN`."""
+    return backup_fits and speculative_step_s < (1 - SPECULATE_GAIN) * deferred_step_s
