@@ -67,6 +67,11 @@ _SAFE_SPLIT = re.compile(r"(?<=\S\n)(?=\S)")
 def _check_config(cfg: DataConfig) -> None:
     if not 0.0 < cfg.val_fraction <= 0.5:
         raise ValueError(f"data.val_fraction={cfg.val_fraction!r} is outside (0, 0.5]; fix: e.g. 0.05")
+    if cfg.chat_template:
+        raise ValueError(
+            f"data.chat_template={cfg.chat_template!r} renders records' messages, but data.format={cfg.format!r}; "
+            "fix: data.format=records, or leave data.chat_template empty"
+        )
     if cfg.tokenizer in _TRAINED and cfg.vocab_size < 257:
         raise ValueError(f"data.vocab_size={cfg.vocab_size} < 257 (256 bytes + end-of-text); fix: raise it")
 
