@@ -318,17 +318,27 @@ def test_a_record_of_unknown_keys_and_messages_without_a_chat_template_are_refus
 
 
 @pytest.mark.parametrize("packing", [True, False])
-def test_too_few_rows_suggest_packing_only_when_it_is_off(tmp_path: Path, packing: bool) -> None:
+def test_too_few_rows_say_what_a_step_needs_and_suggest_unpacking_only_when_packed(
+    tmp_path: Path, packing: bool
+) -> None:
     rows = np.zeros((2, 8), np.int64)  # 2 rows of each split; one step below needs 4
     for split in ("train", "val"):
         for name in ("input_ids", "labels", "position_ids"):
             np.save(tmp_path / f"{split}.{name}.npy", rows)
-    (tmp_path / "meta.json").write_text(json.dumps({"format": "records", "vocab_size": 10}))
+    meta = {"format": "records", "vocab_size": 10, "num_train_records": 5, "num_val_records": 2}
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
     cfg = Config(data=DataConfig(format="records", packing=packing))
     cfg.train.seq_len, cfg.train.micro_batch_size, cfg.pipeline.microbatches = 8, 2, 2
-    with pytest.raises(ValueError, match=r"holds 2 packed rows, fewer than the 4 sequences") as info:
+    with pytest.raises(
+        ValueError, match=r"holds 2 row\(s\) of train\.seq_len=8 tokens \(5 record\(s\), "
+    ) as info:
         open_splits(tmp_path, cfg)
-    assert ("data.packing=true" in str(info.value)) is not packing
+    assert (
+        "fewer than the 4 sequences of one optimizer step (train.grad_accum=1 × pipeline.microbatches=2 × "
+        in str(info.value)
+    )
+    assert "at least 4 rows of records" in str(info.value)
+    assert ("data.packing=false" in str(info.value)) is packing  # packing makes fewer rows, not more
 
 
 LLAMA2_CHAT = (

@@ -428,6 +428,8 @@ class RecordsDataset(PackedRows):
 
     path: Path
     vocab_size: int
+    num_records: int | None
+    """Records of the split (None: a directory prepared before this was recorded)."""
 
     @classmethod
     def open(cls, directory: str | Path, split: str) -> RecordsDataset:
@@ -435,5 +437,6 @@ class RecordsDataset(PackedRows):
         directory = Path(directory)
         ds = cls(*(np.load(directory / f"{split}.{name}.npy") for name in _SPLIT_FILES))
         ds.path = directory / f"{split}.input_ids.npy"
-        ds.vocab_size = json.loads((directory / "meta.json").read_text())["vocab_size"]
+        meta = json.loads((directory / "meta.json").read_text())
+        ds.vocab_size, ds.num_records = meta["vocab_size"], meta.get(f"num_{split}_records")
         return ds
