@@ -426,3 +426,23 @@ def test_an_empty_records_file_is_refused(tmp_path: Path, model_dir: Path) -> No
     cfg = _records_cfg(tmp_path, model_dir, [])
     with pytest.raises(ValueError, match=r"data\.source=.*r\.jsonl' holds no records"):
         prepare_records(cfg, seq_len=64)
+
+
+def test_a_tokenizer_without_offsets_splits_prompt_and_completion_by_the_common_prefix() -> None:
+    """A Python (slow) tokenizer has no offsets: the completion starts where the ids of the prompt
+    alone and of the whole text part (TRL's rule), the same split as by offsets here."""
+    tok = bpe_tokenizer(eos_token="</s>")
+
+    class NoOffsets(type(tok)):
+        def __call__(self, *args, return_offsets_mapping: bool = False, **kwargs):
+            if return_offsets_mapping:
+                raise NotImplementedError(
+                    "return_offset_mapping is not available when using Python tokenizers"
+                )
+            return super().__call__(*args, **kwargs)
+
+    slow = NoOffsets(tokenizer_object=tok.backend_tokenizer, eos_token="</s>")
+    record = {"prompt": "Shall I compare thee", "completion": " to a summer's day?"}
+    assert tokenize_record(record, slow) == tokenize_record(record, tok)
+    with pytest.raises(NotImplementedError):
+        slow("a", return_offsets_mapping=True)

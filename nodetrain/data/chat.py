@@ -24,6 +24,7 @@ A template with ``{% generation %}`` markers marks its turns itself (transformer
 from __future__ import annotations
 
 import re
+
 from transformers import PreTrainedTokenizerBase
 
 __all__ = ["GENERATION_TAG", "chat_tokens", "turn_terminator"]

@@ -20,8 +20,8 @@ import json
 import logging
 from pathlib import Path
 
-from nodetrain.data import datasets as data
 from nodetrain.config.schema import Config, DataConfig, ModelConfig, grad_accum_of
+from nodetrain.data import datasets as data
 from nodetrain.data.tokenizer import has_tokenizer
 
 __all__ = ["check_init_vocab", "check_vocab", "open_splits", "run_data_config"]
@@ -173,8 +173,8 @@ def _open_records(data_dir: Path, cfg: Config, num_replicas: int):
             if ds is val:
                 fix += ", a larger data.val_fraction, or train.eval_every=0"
             raise ValueError(
-                f"{ds.path} holds {ds.num_rows} row(s) of train.seq_len={t.seq_len} tokens ({records}, {packed}), "
-                f"fewer than the {need} sequences of {what}; fix: {fix}, or a smaller batch"
+                f"{ds.path} holds {ds.num_rows} row(s) of train.seq_len={t.seq_len} tokens ({records}, "
+                f"{packed}), fewer than the {need} sequences of {what}; fix: {fix}, or a smaller batch"
             )
     return train, val
 

@@ -35,8 +35,8 @@ import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nodetrain.config.schema import DataConfig
-from nodetrain.data.corpus import jsonl_records, source_name
 from nodetrain.data.chat import MARKERS_FIX, chat_tokens
+from nodetrain.data.corpus import jsonl_records, source_name
 from nodetrain.data.packing import IGNORE_INDEX, PackedRows, pack, pairs
 from nodetrain.data.progress import TaskProgress
 
@@ -140,7 +140,8 @@ def _json_records(path: Path) -> list[tuple[str, dict]]:
     for where, record in items:
         if not isinstance(record, dict):
             raise ValueError(
-                f"data.source: {where} is not a JSON object; fix: make every line of the file one record ({{...}})"
+                f"data.source: {where} is not a JSON object; fix: make every line of the file one record "
+                "({...})"
             )
     return items
 
@@ -183,15 +184,34 @@ def document_ends(tok: PreTrainedTokenizerBase, add_bos: bool | None) -> tuple[l
 def _text(tok, text: str, completion_at: int | None, ends: tuple[list[int], list[int]]):
     """A text tokenized once, with one BOS/EOS (``ends``) however the text already begins or ends;
     the loss on every token (``completion_at`` None) or on the tokens overlapping
-    ``text[completion_at:]`` and the EOS."""
-    (bos, eos), enc = ends, tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
-    mask = [completion_at is None or end > completion_at for _, end in offsets]
+    ``text[completion_at:]`` (TRL's rule: a token across the boundary is the completion's) and the EOS."""
+    bos, eos = ends
+    if completion_at is None:
+        ids = list(tok(text, add_special_tokens=False)["input_ids"])
+        mask = [True] * len(ids)
+    else:
+        ids, mask = _split_at(tok, text, completion_at)
     if bos and ids[: len(bos)] != bos:
         ids, mask = bos + ids, [completion_at is None] * len(bos) + mask
     if eos and ids[-len(eos) :] != eos:
         ids, mask = ids + eos, mask + [True] * len(eos)
     return ids, mask
+
+
+def _split_at(tok, text: str, at: int) -> tuple[list[int], list[bool]]:
+    """``text``'s ids and which of them reach past character ``at``: by the fast tokenizer's offsets,
+    else (a Python tokenizer has none) after the longest common prefix with ``text[:at]``'s ids."""
+    try:
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError:
+        ids, prompt = (
+            list(tok(text, add_special_tokens=False)["input_ids"]),
+            tok(text[:at], add_special_tokens=False),
+        )
+        pairs_ = zip(ids, prompt["input_ids"], strict=False)
+        same = next((k for k, (a, b) in enumerate(pairs_) if a != b), min(len(ids), len(prompt["input_ids"])))
+        return ids, [k >= same for k in range(len(ids))]
+    return list(enc["input_ids"]), [end > at for _, end in enc["offset_mapping"]]
 
 
 def _messages(value: Any, key: str) -> list[dict]:
@@ -302,8 +322,8 @@ def _tokenizer(cfg: DataConfig) -> PreTrainedTokenizerBase:
             tok.chat_template = Path(cfg.chat_template).expanduser().read_text(encoding="utf-8")
         except OSError as exc:
             raise ValueError(
-                f"data.chat_template={cfg.chat_template!r} cannot be read ({exc.strerror}); fix: the path of a "
-                "Jinja chat template file, e.g. trl/chat_templates/qwen3_training.jinja"
+                f"data.chat_template={cfg.chat_template!r} cannot be read ({exc.strerror}); fix: the path of "
+                "a Jinja chat template file, e.g. trl/chat_templates/qwen3_training.jinja"
             ) from exc
     return tok
 
@@ -346,8 +366,8 @@ def prepare_records(cfg: DataConfig, seq_len: int, seed: int = 0) -> Path:
     num_val = max(1, int(len(docs) * cfg.val_fraction))
     if len(docs) <= num_val:
         raise ValueError(
-            f"data.source={cfg.source!r} holds {len(docs)} record(s): too few for train and val (data.val_fraction "
-            f"holds out {num_val}); fix: more records"
+            f"data.source={cfg.source!r} holds {len(docs)} record(s): too few for train and val "
+            f"(data.val_fraction holds out {num_val}); fix: more records"
         )
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     out = records_dir(cfg, seq_len)
