@@ -446,3 +446,43 @@ def test_a_tokenizer_without_offsets_splits_prompt_and_completion_by_the_common_
     assert tokenize_record(record, slow) == tokenize_record(record, tok)
     with pytest.raises(NotImplementedError):
         slow("a", return_offsets_mapping=True)
+
+
+def test_tool_records_are_read_as_written_not_as_a_table_fills_them(tmp_path: Path) -> None:
+    """An Arrow table (parquet here; JSON under datasets < 5) gives every tool call's ``arguments``
+    every key any record's has (null filled), and the template renders those nulls: ``.jsonl`` and
+    ``.json`` are read with ``json``, a parquet file's nulls dropped; each way the rows hold the
+    records' own tokens."""
+    import datasets
+    from chat_fixtures import qwen3_tokenizer, save
+
+    def chat(name: str, arguments: dict) -> dict:
+        call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+        return {
+            "messages": [
+                {"role": "user", "content": "Shall I compare thee"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "fair"},
+                {"role": "assistant", "content": "Thou art more lovely."},
+            ]
+        }
+
+    records = [chat("weather", {"city": "Verona"}), chat("add", {"a": 2, "b": 3})] * 2
+    tok = qwen3_tokenizer()
+    want = [tokenize_record(r, tok) for r in records]
+    assert '"arguments": {"city": "Verona"}' in tok.decode(want[0][0])
+    tok_dir = save(tok, tmp_path / "tok")
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "r.json").write_text(json.dumps(records))
+    datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "r.parquet"))
+    assert datasets.Dataset.from_parquet(str(tmp_path / "r.parquet"))[0]["messages"][1]["tool_calls"][0][
+        "function"
+    ]["arguments"] == {"city": "Verona", "a": None, "b": None}, "the table fills the other record's keys"
+    for name in ("r.jsonl", "r.json", "r.parquet"):
+        cfg = DataConfig(source=str(tmp_path / name), dir=str(tmp_path / "rows"), tokenizer=str(tok_dir))
+        cfg.format, cfg.packing, cfg.val_fraction = "records", False, 0.25
+        rows = RecordsDataset.open(prepare_records(cfg, seq_len=256), "train")
+        for r, (ids, mask) in enumerate(want[:3]):
+            inputs, labels = pairs(np.asarray(ids), np.asarray(mask))
+            assert rows.input_ids[r, : len(inputs)].tolist() == inputs.tolist(), name
+            assert rows.labels[r, : len(labels)].tolist() == labels.tolist(), name

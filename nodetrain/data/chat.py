@@ -145,7 +145,7 @@ def chat_tokens(
     full = _render(tok, messages, tools)
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
-    if GENERATION_TAG.search(tok.chat_template or ""):
+    if GENERATION_TAG.search(tok.get_chat_template(None, tools)):  # the template tools select, if named
         marked = tok.apply_chat_template(
             messages, tools=tools, return_dict=True, return_assistant_tokens_mask=True
         )

@@ -101,10 +101,11 @@ def read_records(source: str | Path) -> list[tuple[str, dict]]:
     """Every record of ``source`` with where it is (``file:line (record N)``, or ``source record N``), in
     order (N counts from 0 over all files).
 
-    ``.jsonl``/``.json`` files are read with ``json`` as written: a ``datasets`` table would give every
-    message (and every tool call's ``arguments``) every key that any record has, filled with null,
-    and a template renders those nulls. Other sources go through :func:`load_records`; their nulls
-    inside messages and tools are such fill and are dropped.
+    ``.jsonl``/``.json`` files are read with ``json`` as written. An Arrow table (parquet, arrow,
+    ``save_to_disk``; JSON read by ``datasets`` before 5, which has no ``Json`` feature) gives every
+    message and every tool call's ``arguments`` every key any record has, filled with null, and a
+    template renders those nulls: such sources go through :func:`load_records` and their nulls
+    are dropped.
 
     Raises:
         ValueError: as :func:`load_records`; a record that is not a JSON object; no record at all.
