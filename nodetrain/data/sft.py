@@ -205,12 +205,10 @@ def _split_at(tok, text: str, at: int) -> tuple[list[int], list[bool]]:
     try:
         enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     except NotImplementedError:
-        ids, prompt = (
-            list(tok(text, add_special_tokens=False)["input_ids"]),
-            tok(text[:at], add_special_tokens=False),
-        )
-        pairs_ = zip(ids, prompt["input_ids"], strict=False)
-        same = next((k for k, (a, b) in enumerate(pairs_) if a != b), min(len(ids), len(prompt["input_ids"])))
+        ids = list(tok(text, add_special_tokens=False)["input_ids"])
+        prompt = list(tok(text[:at], add_special_tokens=False)["input_ids"])
+        diverge = (k for k, (a, b) in enumerate(zip(ids, prompt, strict=False)) if a != b)
+        same = next(diverge, min(len(ids), len(prompt)))
         return ids, [k >= same for k in range(len(ids))]
     return list(enc["input_ids"]), [end > at for _, end in enc["offset_mapping"]]
 
