@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from chat_fixtures import qwen3_tokenizer
 from conftest import SONNET, TINY_RUN, job_env, prepared_dir, torchrun_cmd
 
 from nodetrain.checkpoint.export import run_tokenizer, write_export_files
@@ -61,6 +62,69 @@ def assert_generates_until_eos(step_dir: Path, eot_id: int) -> None:
         assert out.shape[1] == prompt.input_ids.shape[1] + 8, "no eos: runs to max_new_tokens"
         out = model.generate(**prompt, max_new_tokens=8, do_sample=False, logits_processor=_emit(eot_id))
     assert out[0, prompt.input_ids.shape[1] :].tolist() == [eot_id], "generation stops on the run's eos"
+
+
+def assert_stops_on(step_dir: Path, stop_ids: list[int]) -> None:
+    """Load ``step_dir`` with transformers alone and generate greedily while forcing one token:
+    a token of ``stop_ids`` ends generation after itself, any other runs to ``max_new_tokens``."""
+    tok = transformers.AutoTokenizer.from_pretrained(step_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(step_dir, dtype=torch.float32)
+    prompt = tok("Shall I compare thee", return_tensors="pt")
+    n = prompt.input_ids.shape[1]
+    other = next(i for i in range(len(tok)) if i not in stop_ids)
+    with torch.no_grad():
+        assert (
+            model.generate(**prompt, max_new_tokens=6, do_sample=False, logits_processor=_emit(other)).shape[
+                1
+            ]
+            == n + 6
+        )
+        for stop in stop_ids:
+            out = model.generate(**prompt, max_new_tokens=6, do_sample=False, logits_processor=_emit(stop))
+            assert out[0, n:].tolist() == [stop], f"generation stops on {tok.convert_ids_to_tokens(stop)}"
+
+
+def _imported(tmp_path: Path, eos: int, bos: int | None = None) -> tuple[Path, transformers.PretrainedConfig]:
+    """A tiny Qwen3 saved as ``model.init_from`` would find it: its generation_config.json holds its
+    own tokenizer's ids (``eos``) and a sampling default; returns the dir and its loaded config."""
+    src = tmp_path / "base"
+    config = transformers.Qwen3Config(**TINY, vocab_size=300, head_dim=16, eos_token_id=eos, bos_token_id=bos)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(src)
+    transformers.GenerationConfig(
+        eos_token_id=eos, bos_token_id=bos, do_sample=True, temperature=0.6
+    ).save_pretrained(src)
+    return src, transformers.AutoConfig.from_pretrained(src)
+
+
+@pytest.mark.parametrize("eos", ["<|endoftext|>", "<|im_end|>"])
+def test_export_after_init_from_stops_on_the_chat_tokenizer_s_terminator(tmp_path: Path, eos: str) -> None:
+    """model.init_from a base model + data.tokenizer= a chat tokenizer (issue 24, part 3): both
+    configs carry the tokenizer's ids, the turn terminator among the eos ids, and the base model's
+    sampling defaults stay; generate stops on each stop id."""
+    tok = qwen3_tokenizer(eos)
+    im_end, endoftext = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    src, config = _imported(tmp_path, eos=150)  # the imported model's own id
+    step = tmp_path / "step"
+    transformers.Qwen3ForCausalLM(config).save_pretrained(step)
+    write_export_files(step, config, tok, torch.float32, source_dir=src)
+    want = [endoftext, im_end] if eos == "<|endoftext|>" else im_end
+    generation = json.loads((step / "generation_config.json").read_text())
+    assert (
+        json.loads((step / "config.json").read_text())["eos_token_id"] == generation["eos_token_id"] == want
+    )
+    assert generation["pad_token_id"] == endoftext
+    assert generation["temperature"] == 0.6
+    assert_stops_on(step, want if isinstance(want, list) else [want])
+
+
+def test_export_after_init_from_with_a_new_bpe_carries_the_bpe_s_eos(tmp_path: Path, prepared: Path) -> None:
+    """model.init_from + data.tokenizer=bpe: the imported eos id 2 is a byte of the new BPE ('#'),
+    the export's eos/bos/pad are the BPE's end-of-text (id 0) in both configs."""
+    src, config = _imported(tmp_path, eos=2, bos=1)
+    step = tmp_path / "step"
+    transformers.Qwen3ForCausalLM(config).save_pretrained(step)
+    write_export_files(step, config, run_tokenizer(prepared, "bpe"), torch.float32, source_dir=src)
+    assert_generates_until_eos(step, 0)
 
 
 def test_export_carries_trained_bpe_and_its_eos(tmp_path: Path, prepared: Path) -> None:

@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from chat_fixtures import bpe_tokenizer
 from conftest import SONNET, job_env, torchrun_cmd
 
 from nodetrain.checkpoint.export import run_tokenizer
@@ -184,9 +185,11 @@ def test_generation_markers_give_the_same_mask(model_dir: Path) -> None:
     assert tokenize_record({"messages": CHATS[0]}, tok) == want
 
 
-def test_a_template_that_re_renders_the_last_turn_masks_assistant_content(model_dir: Path) -> None:
+def test_a_template_that_re_renders_the_last_turn_masks_what_generation_produces(model_dir: Path) -> None:
     """Qwen3-style: the last assistant turn gets an empty think block, so a conversation is not
-    the prefix of its continuation; every assistant content and its end-of-turn is still marked."""
+    the prefix of its continuation; each turn's targets are what follows its generation prompt,
+    through the terminator and the newline the template writes after it (the think block of the
+    last turn included: generation produces it)."""
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     tok.chat_template = CHATML.replace(
         "{{ m['content'] }}",
@@ -195,7 +198,8 @@ def test_a_template_that_re_renders_the_last_turn_masks_assistant_content(model_
     ids, mask = tokenize_record({"messages": CHATS[0]}, tok)
     assert "<think>" in tok.decode(ids)
     targets = tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
-    assert targets == "".join(m["content"] + "<|im_end|>" for m in CHATS[0] if m["role"] == "assistant")
+    first, last = (m["content"] for m in CHATS[0] if m["role"] == "assistant")
+    assert targets == f"{first}<|im_end|>\n<think>\n\n</think>\n\n{last}<|im_end|>\n"
 
 
 def test_chat_sft_step1_loss_equals_transformers(tmp_path: Path, model_dir: Path) -> None:
@@ -297,7 +301,9 @@ def test_a_record_of_unknown_keys_and_messages_without_a_chat_template_are_refus
 ) -> None:
     records = [{"text": "Shall I compare thee"}] * 3 + [{"foo": "bar"}]
     cfg = _records_cfg(tmp_path, model_dir, records)
-    with pytest.raises(ValueError, match=r"data\.source=.*r\.jsonl', record 3: record with keys \['foo'\]"):
+    with pytest.raises(
+        ValueError, match=r"data\.source: .*r\.jsonl:4 \(record 3\): record with keys \['foo'\]"
+    ):
         prepare_records(cfg, seq_len=16)
     plain = tmp_path / "plain"
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
@@ -305,20 +311,178 @@ def test_a_record_of_unknown_keys_and_messages_without_a_chat_template_are_refus
     tok.save_pretrained(plain)
     cfg = _records_cfg(tmp_path, plain, [{"messages": c} for c in CHATS] * 2)
     with pytest.raises(
-        ValueError, match=r"need a tokenizer with a chat template .*fix: data\.tokenizer=.*chat_template"
+        ValueError,
+        match=r"need a tokenizer with a chat template .*chat_template\.jinja or tokenizer_config\.json",
     ):
         prepare_records(cfg, seq_len=64)
 
 
 @pytest.mark.parametrize("packing", [True, False])
-def test_too_few_rows_suggest_packing_only_when_it_is_off(tmp_path: Path, packing: bool) -> None:
+def test_too_few_rows_say_what_a_step_needs_and_suggest_unpacking_only_when_packed(
+    tmp_path: Path, packing: bool
+) -> None:
     rows = np.zeros((2, 8), np.int64)  # 2 rows of each split; one step below needs 4
     for split in ("train", "val"):
         for name in ("input_ids", "labels", "position_ids"):
             np.save(tmp_path / f"{split}.{name}.npy", rows)
-    (tmp_path / "meta.json").write_text(json.dumps({"format": "records", "vocab_size": 10}))
+    meta = {"format": "records", "vocab_size": 10, "num_train_records": 5, "num_val_records": 2}
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
     cfg = Config(data=DataConfig(format="records", packing=packing))
     cfg.train.seq_len, cfg.train.micro_batch_size, cfg.pipeline.microbatches = 8, 2, 2
-    with pytest.raises(ValueError, match=r"holds 2 packed rows, fewer than the 4 sequences") as info:
+    with pytest.raises(
+        ValueError, match=r"holds 2 row\(s\) of train\.seq_len=8 tokens \(5 record\(s\), "
+    ) as info:
         open_splits(tmp_path, cfg)
-    assert ("data.packing=true" in str(info.value)) is not packing
+    assert (
+        "fewer than the 4 sequences of one optimizer step (train.grad_accum=1 × pipeline.microbatches=2 × "
+        in str(info.value)
+    )
+    assert "at least 4 rows of records" in str(info.value)
+    assert ("data.packing=false" in str(info.value)) is packing  # packing makes fewer rows, not more
+
+
+LLAMA2_CHAT = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% else %} {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+"""Llama-2's chat layout: the template writes the BOS and each answer's EOS itself."""
+
+
+@pytest.mark.parametrize("post", ["none", "bos", "bos_eos"])
+def test_each_document_gets_one_bos_and_one_eos_whatever_the_post_processor(post: str) -> None:
+    """Issue 24, part 2: a text and a prompt/completion are the tokenizer's own single-sequence
+    encoding of the document, closed by one EOS (the post-processor's, else added); messages are
+    ``apply_chat_template(tokenize=True)``. A Llama-2-style post-processor (``<s> $A </s>``) used to
+    give ``</s></s>`` at a text's end and a ``</s>`` between prompt and completion."""
+    tok = bpe_tokenizer(post, bos_token="<s>", eos_token="</s>")
+    tok.chat_template = LLAMA2_CHAT
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    prompt, completion = "Shall I compare thee", " to a summer's day?"
+    own = tok(prompt + completion)["input_ids"]  # the tokenizer's own encoding of the document
+    want = own if own[-1] == eos else [*own, eos]
+    assert want.count(bos) == (post != "none") and want.count(eos) == 1
+
+    ids, mask = tokenize_record({"text": prompt + completion}, tok)
+    assert ids == want and all(mask)
+    ids, mask = tokenize_record({"prompt": prompt, "completion": completion}, tok)
+    assert ids == want
+    assert tok.decode([i for i, m in zip(ids, mask, strict=True) if m]) == completion + "</s>"
+    assert (
+        tok.decode([i for i, m in zip(ids, mask, strict=True) if not m])
+        == ("<s>" if post != "none" else "") + prompt
+    )
+
+    chat = [
+        {"role": "user", "content": prompt},
+        {"role": "assistant", "content": "Thou art more lovely."},
+        {"role": "user", "content": "And?"},
+        {"role": "assistant", "content": completion},
+    ]
+    ids, mask = tokenize_record({"messages": chat}, tok)
+    assert ids == list(tok.apply_chat_template(chat, return_dict=True)["input_ids"])
+    assert ids.count(bos) == 1 and ids.count(eos) == 2
+    targets = tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
+    assert targets == f" Thou art more lovely.</s> {completion}</s>"
+
+
+@pytest.mark.parametrize(("post", "add_bos"), [("none", True), ("bos", False), ("bos_eos", False)])
+def test_data_add_bos_forces_the_bos_and_keeps_one_eos(post: str, add_bos: bool) -> None:
+    tok = bpe_tokenizer(post, bos_token="<s>", eos_token="</s>")
+    text = "Shall I compare thee"
+    plain = tok(text, add_special_tokens=False)["input_ids"]
+    ids, _ = tokenize_record({"text": text}, tok, add_bos=add_bos)
+    assert ids == [tok.bos_token_id] * add_bos + plain + [tok.eos_token_id]
+    with pytest.raises(ValueError, match=r"data\.add_bos=true: the tokenizer has no BOS"):
+        tokenize_record({"text": text}, bpe_tokenizer(eos_token="</s>"), add_bos=True)
+
+
+@pytest.mark.parametrize(
+    ("record", "error"),
+    [
+        (
+            {"messages": [{"content": "Shall I"}]},
+            r"messages\[0\] has no string 'role' \(it is \['content'\]\)",
+        ),
+        ({"messages": "user: Shall I"}, r"'messages' must be a non-empty list of messages .*got str"),
+        (
+            {"messages": [{"role": "user", "content": "Shall I"}]},
+            r"'messages' hold no assistant turn to train on \(roles: user\)",
+        ),
+        (
+            {"prompt": [{"role": "user", "content": "Shall I"}], "completion": " thee"},
+            r"'prompt' \(list\) and 'completion' \(str\) must both be strings or",
+        ),
+        ({"text": "Shall I", "tools": "{not json"}, r"'tools' is a string but not JSON"),
+    ],
+    ids=["no_role", "messages_string", "no_assistant_turn", "mixed_prompt_completion", "bad_tools"],
+)
+def test_a_bad_record_is_refused_naming_it(tmp_path: Path, model_dir: Path, record: dict, error: str) -> None:
+    cfg = _records_cfg(tmp_path, model_dir, [{"text": "Shall I compare thee"}] * 3 + [record])
+    with pytest.raises(ValueError, match=r"data\.source: .*r\.jsonl:4 \(record 3\): " + error):
+        prepare_records(cfg, seq_len=64)
+
+
+def test_an_empty_records_file_is_refused(tmp_path: Path, model_dir: Path) -> None:
+    cfg = _records_cfg(tmp_path, model_dir, [])
+    with pytest.raises(ValueError, match=r"data\.source=.*r\.jsonl' holds no records"):
+        prepare_records(cfg, seq_len=64)
+
+
+def test_a_tokenizer_without_offsets_splits_prompt_and_completion_by_the_common_prefix() -> None:
+    """A Python (slow) tokenizer has no offsets: the completion starts where the ids of the prompt
+    alone and of the whole text part (TRL's rule), the same split as by offsets here."""
+    tok = bpe_tokenizer(eos_token="</s>")
+
+    class NoOffsets(type(tok)):
+        def __call__(self, *args, return_offsets_mapping: bool = False, **kwargs):
+            if return_offsets_mapping:
+                raise NotImplementedError(
+                    "return_offset_mapping is not available when using Python tokenizers"
+                )
+            return super().__call__(*args, **kwargs)
+
+    slow = NoOffsets(tokenizer_object=tok.backend_tokenizer, eos_token="</s>")
+    record = {"prompt": "Shall I compare thee", "completion": " to a summer's day?"}
+    assert tokenize_record(record, slow) == tokenize_record(record, tok)
+    with pytest.raises(NotImplementedError):
+        slow("a", return_offsets_mapping=True)
+
+
+def test_tool_records_are_read_as_written_not_as_a_table_fills_them(tmp_path: Path) -> None:
+    """An Arrow table (parquet here; JSON under datasets < 5) gives every tool call's ``arguments``
+    every key any record's has (null filled), and the template renders those nulls: ``.jsonl`` and
+    ``.json`` are read with ``json``, a parquet file's nulls dropped; each way the rows hold the
+    records' own tokens."""
+    import datasets
+    from chat_fixtures import qwen3_tokenizer, save
+
+    def chat(name: str, arguments: dict) -> dict:
+        call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+        return {
+            "messages": [
+                {"role": "user", "content": "Shall I compare thee"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "fair"},
+                {"role": "assistant", "content": "Thou art more lovely."},
+            ]
+        }
+
+    records = [chat("weather", {"city": "Verona"}), chat("add", {"a": 2, "b": 3})] * 2
+    tok = qwen3_tokenizer()
+    want = [tokenize_record(r, tok) for r in records]
+    assert '"arguments": {"city": "Verona"}' in tok.decode(want[0][0])
+    tok_dir = save(tok, tmp_path / "tok")
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "r.json").write_text(json.dumps(records))
+    datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "r.parquet"))
+    assert datasets.Dataset.from_parquet(str(tmp_path / "r.parquet"))[0]["messages"][1]["tool_calls"][0][
+        "function"
+    ]["arguments"] == {"city": "Verona", "a": None, "b": None}, "the table fills the other record's keys"
+    for name in ("r.jsonl", "r.json", "r.parquet"):
+        cfg = DataConfig(source=str(tmp_path / name), dir=str(tmp_path / "rows"), tokenizer=str(tok_dir))
+        cfg.format, cfg.packing, cfg.val_fraction = "records", False, 0.25
+        rows = RecordsDataset.open(prepare_records(cfg, seq_len=256), "train")
+        for r, (ids, mask) in enumerate(want[:3]):
+            inputs, labels = pairs(np.asarray(ids), np.asarray(mask))
+            assert rows.input_ids[r, : len(inputs)].tolist() == inputs.tolist(), name
+            assert rows.labels[r, : len(labels)].tolist() == labels.tolist(), name

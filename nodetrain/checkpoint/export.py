@@ -17,6 +17,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerFast
 
+from nodetrain.data.chat import turn_terminator
+
 __all__ = ["run_tokenizer", "special_token_ids", "write_export_files"]
 
 _SPECIAL = ("bos", "eos", "pad")
@@ -27,7 +29,8 @@ def run_tokenizer(data_dir: str | Path, tokenizer_dir: str | Path = "") -> PreTr
 
     Args:
         data_dir: the prepared dataset (its ``tokenizer.json`` defines the ids; ``meta.json``'s
-            ``eot_id`` is the token that separates documents).
+            ``eot_id`` is the token that separates documents). A records dataset holds the whole
+            tokenizer it was tokenized with (``data.chat_template`` included): that one is used.
         tokenizer_dir: ``data.tokenizer``; when it holds a ``tokenizer_config.json`` (a Hugging
             Face directory) its special tokens and chat template are kept.
 
@@ -39,25 +42,32 @@ def run_tokenizer(data_dir: str | Path, tokenizer_dir: str | Path = "") -> PreTr
         FileNotFoundError: ``data_dir`` lacks ``tokenizer.json`` or ``meta.json``.
     """
     data_dir = Path(data_dir)
-    if tokenizer_dir and (Path(tokenizer_dir).expanduser() / "tokenizer_config.json").is_file():
-        tok = AutoTokenizer.from_pretrained(Path(tokenizer_dir).expanduser())
-        if tok.eos_token is None:
-            tok.eos_token = _eot_token(tok, data_dir)
-        return tok
+    hf_dirs = [data_dir, *([Path(tokenizer_dir).expanduser()] if tokenizer_dir else [])]
+    for hf_dir in hf_dirs:
+        if (hf_dir / "tokenizer_config.json").is_file():
+            tok = AutoTokenizer.from_pretrained(hf_dir)
+            if tok.eos_token is None and (eot := _eot_token(tok, data_dir)) is not None:
+                tok.eos_token = eot
+            return tok
     tok = PreTrainedTokenizerFast(tokenizer_file=str(data_dir / "tokenizer.json"))
     eot = _eot_token(tok, data_dir)
     tok.add_special_tokens({"bos_token": eot, "eos_token": eot, "pad_token": eot})
     return tok
 
 
-def _eot_token(tok: PreTrainedTokenizerFast, data_dir: Path) -> str:
+def _eot_token(tok: PreTrainedTokenizerFast, data_dir: Path) -> str | None:
     eot_id = json.loads((data_dir / "meta.json").read_text())["eot_id"]
-    return tok.convert_ids_to_tokens(eot_id)
+    return None if eot_id is None else tok.convert_ids_to_tokens(eot_id)
 
 
-def special_token_ids(tok: PreTrainedTokenizerFast, hf_config: PretrainedConfig) -> dict[str, int | None]:
-    """``{bos,eos,pad}_token_id`` for the exported config: the tokenizer's ids; where the tokenizer
-    has none, an imported config's own value (a model built from scratch has none to keep)."""
+def special_token_ids(
+    tok: PreTrainedTokenizerFast, hf_config: PretrainedConfig
+) -> dict[str, int | list[int] | None]:
+    """``{bos,eos,pad}_token_id`` for the exported config and generation config: the tokenizer's
+    ids; where the tokenizer has none, an imported config's own value (a model built from scratch
+    has none to keep). When the chat template ends an assistant turn on another token than the
+    eos (a base model's ``<|endoftext|>`` with ChatML's ``<|im_end|>``), eos is the list [eos,
+    terminator]: ``generate`` stops on either."""
     imported = bool(getattr(hf_config, "name_or_path", ""))
     ids = {}
     for name in _SPECIAL:
@@ -65,6 +75,9 @@ def special_token_ids(tok: PreTrainedTokenizerFast, hf_config: PretrainedConfig)
         if token_id is None and imported:
             token_id = getattr(hf_config, f"{name}_token_id", None)
         ids[f"{name}_token_id"] = token_id
+    terminator, eos = turn_terminator(tok), ids["eos_token_id"]
+    if terminator is not None and terminator != eos and not (isinstance(eos, list) and terminator in eos):
+        ids["eos_token_id"] = [*([] if eos is None else eos if isinstance(eos, list) else [eos]), terminator]
     return ids
 
 
@@ -83,7 +96,9 @@ def write_export_files(
         tok: the run's tokenizer (None: config only, with the config's own special ids).
         dtype: the export dtype (``torch.dtype``), recorded as ``config.json``'s ``dtype``.
         source_dir: the imported model directory (``model.init_from``); its
-            ``generation_config.json`` (sampling defaults, several eos ids) is kept when present.
+            ``generation_config.json``'s sampling defaults are kept when present, its special ids
+            replaced by the run's tokenizer's (``special_token_ids``): they are another
+            tokenizer's after ``data.tokenizer=`` a chat tokenizer or ``bpe``.
 
     Returns:
         The files written (for the checkpoint's manifest).
@@ -91,14 +106,17 @@ def write_export_files(
     written = [directory / "config.json", directory / "generation_config.json"]
     hf = hf_config.__class__.from_dict(hf_config.to_dict())
     hf.use_cache, hf.dtype = True, dtype
+    ids = special_token_ids(tok, hf_config) if tok is not None else {}
+    for key, value in ids.items():
+        setattr(hf, key, value)
     if tok is not None:
-        for key, value in special_token_ids(tok, hf_config).items():
-            setattr(hf, key, value)
         written += [Path(f) for f in tok.save_pretrained(directory) if Path(f).is_file()]
     hf.to_json_file(directory / "config.json")
     source = Path(source_dir).expanduser() / "generation_config.json" if source_dir else None
     if source is not None and source.is_file():
         generation = GenerationConfig.from_pretrained(source.parent)
+        for key, value in ids.items():
+            setattr(generation, key, value)
     else:
         generation = GenerationConfig.from_model_config(hf)
     generation.save_pretrained(directory)

@@ -130,6 +130,11 @@ class DataConfig:
     """BOS before each document (``stream``) or each text/prompt (``records``): null = what the
     tokenizer's post-processor does (Llama-3: one ``<|begin_of_text|>`` per document; a trained BPE:
     none), true/false force it (true refuses a tokenizer without a BOS token)."""
+    chat_template: str = ""
+    """``records`` only: a Jinja chat template file that replaces ``data.tokenizer``'s own for
+    rendering ``messages`` (and is saved with the run's tokenizer into every checkpoint), e.g. one
+    with ``{% generation %}`` markers (TRL's ``trl/chat_templates/*_training.jinja``) for a template
+    whose assistant turns cannot be segmented otherwise. Empty = the tokenizer's own."""
 
 
 @dataclass

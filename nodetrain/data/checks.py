@@ -20,8 +20,8 @@ import json
 import logging
 from pathlib import Path
 
-from nodetrain.data import datasets as data
 from nodetrain.config.schema import Config, DataConfig, ModelConfig, grad_accum_of
+from nodetrain.data import datasets as data
 from nodetrain.data.tokenizer import has_tokenizer
 
 __all__ = ["check_init_vocab", "check_vocab", "open_splits", "run_data_config"]
@@ -154,16 +154,27 @@ def _open_records(data_dir: Path, cfg: Config, num_replicas: int):
 
     t, m = cfg.train, cfg.pipeline.microbatches
     train, val = RecordsDataset.open(data_dir, "train"), RecordsDataset.open(data_dir, "val")
-    step_rows = grad_accum_of(cfg, num_replicas) * m * t.micro_batch_size * num_replicas
+    accum = grad_accum_of(cfg, num_replicas)
+    step_rows = accum * m * t.micro_batch_size * num_replicas
+    shape = (
+        f"train.grad_accum={accum} × pipeline.microbatches={m} × train.micro_batch_size={t.micro_batch_size}"
+        f" × {num_replicas} node(s)"
+    )
     for ds, need, what in (
-        (train, step_rows, "one optimizer step"),
-        (val, m * t.micro_batch_size, "one eval"),
+        (train, step_rows, f"one optimizer step ({shape})"),
+        (val, m * t.micro_batch_size, "one eval (pipeline.microbatches × train.micro_batch_size)"),
     ):
         if ds.num_rows < need and (ds is train or t.eval_every):
-            fix = "more records or a smaller batch" + ("" if cfg.data.packing else ", or data.packing=true")
+            records = f"{ds.num_records} record(s)" if ds.num_records is not None else "its records"
+            packed = "packed several to a row" if cfg.data.packing else "one per row"
+            fix = f"at least {need} rows of records (more records" + (
+                ", or data.packing=false: one record per row)" if cfg.data.packing else ")"
+            )
+            if ds is val:
+                fix += ", a larger data.val_fraction, or train.eval_every=0"
             raise ValueError(
-                f"{ds.path} holds {ds.num_rows} packed rows, fewer than the {need} sequences of {what}; "
-                f"fix: {fix}"
+                f"{ds.path} holds {ds.num_rows} row(s) of train.seq_len={t.seq_len} tokens ({records}, "
+                f"{packed}), fewer than the {need} sequences of {what}; fix: {fix}, or a smaller batch"
             )
     return train, val
 

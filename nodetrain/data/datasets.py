@@ -39,11 +39,11 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from nodetrain.data import corpus, tokenizer
 from nodetrain.config.schema import DataConfig
+from nodetrain.data import corpus, tokenizer
 from nodetrain.data.progress import TaskProgress
-from nodetrain.store import pid_alive
 from nodetrain.data.tokenizer import EOT_TOKEN
+from nodetrain.store import pid_alive
 
 __all__ = ["EOT_TOKEN", "TokenDataset", "batch", "main", "prepare"]
 
@@ -67,6 +67,11 @@ _SAFE_SPLIT = re.compile(r"(?<=\S\n)(?=\S)")
 def _check_config(cfg: DataConfig) -> None:
     if not 0.0 < cfg.val_fraction <= 0.5:
         raise ValueError(f"data.val_fraction={cfg.val_fraction!r} is outside (0, 0.5]; fix: e.g. 0.05")
+    if cfg.chat_template:
+        raise ValueError(
+            f"data.chat_template={cfg.chat_template!r} renders records' messages, but "
+            f"data.format={cfg.format!r}; fix: data.format=records, or leave data.chat_template empty"
+        )
     if cfg.tokenizer in _TRAINED and cfg.vocab_size < 257:
         raise ValueError(f"data.vocab_size={cfg.vocab_size} < 257 (256 bytes + end-of-text); fix: raise it")
 

@@ -21,9 +21,11 @@ Where each byte of a parameter goes (``StoreLayout(state="lean")``):
 
 One update of a chunk (cache-sized, block-aligned): decode the chunk's moments to fp32 scratch, widen its
 bf16 weights to fp32, run ``torch._fused_adamw_`` on those (the kernel ``full`` uses, so clip scale,
-found_inf and the arithmetic are the same), then re-encode the moments (round to nearest) and round the
-weights stochastically back to bf16. The random bits come from a generator seeded by (seed, unit, step):
-an update is a pure function of the state, so a resumed run repeats it bit for bit.
+found_inf and the arithmetic are the same), then re-encode the moments — the first stochastically (so a
+moment whose gradient stopped decays as AdamW's does, in expectation), the second to nearest — and round
+the weights stochastically back to bf16. The random draws come from a generator seeded by (seed, unit,
+step): an update is a pure function of the state, so a resumed run repeats it bit for bit. The stored
+format is unchanged (a lean checkpoint of before reads the same).
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ from nodetrain.optim.quant import dequantize_blockwise, quantize_blockwise, stoc
 from nodetrain.store import LEAN_FORMATS, HostStore
 
 __all__ = ["LeanAdamW", "FullScratch", "init_lean"]
+
+
+_STOCHASTIC = ("exp_avg",)
+"""Moments re-encoded by stochastic rounding after each update: the first, which must decay
+geometrically when its gradient stops (to nearest it stays on its code, see quant.py). The second
+keeps round to nearest: its map has no 0 (a floor on the denominator), and noise in ``sqrt(v)``
+would bias ``1/sqrt(v)`` upward (Jensen)."""
 
 
 def _sr_seed(seed: int, unit: int, step: int) -> int:
@@ -153,8 +162,9 @@ class LeanAdamW:
                     beta1=self.cfg.beta1, beta2=self.cfg.beta2, weight_decay=wd, eps=self.cfg.eps,
                     maximize=False, grad_scale=scale, found_inf=None,
                 )  # fmt: skip
-        for x, (codes, absmax, _n, block, bits, signed) in zip((m, v), moments.values(), strict=True):
-            quantize_blockwise(x, codes, absmax, block, bits, signed)
+        for x, name in zip((m, v), moments, strict=True):
+            codes, absmax, _n, block, bits, signed = moments[name]
+            quantize_blockwise(x, codes, absmax, block, bits, signed, gen if name in _STOCHASTIC else None)
         stochastic_round_bf16(w, weights, gen)
 
     def _moment(self, unit: int, name: str, lo: int, hi: int) -> tuple:

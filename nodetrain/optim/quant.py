@@ -7,7 +7,10 @@ Optimizers with 4-bit States", arXiv:2309.01507), and stochastic rounding of fp3
 al. 2020, "Revisiting BFloat16 Training", arXiv:2010.06192). Does not own: AdamW (optim/lean.py).
 
 A block of ``block`` elements x is stored as one fp32 ``absmax = max |x|`` and per element the index of
-the map entry nearest to ``x / absmax`` (round to nearest); decoding is ``map[code] · absmax``.
+a map entry next to ``x / absmax``: the nearest one, or (given a generator) one of the two entries
+around it, the upper with probability equal to the distance from the lower over their gap, so that
+the decoded value is x in expectation (stochastic rounding, as for the bf16 weights). Decoding is
+``map[code] · absmax``.
 """
 
 from __future__ import annotations
@@ -49,35 +52,64 @@ def _midpoints(bits: int, signed: bool) -> torch.Tensor:
 
 
 @functools.cache
-def _nearest_table(bits: int, signed: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """For each of the 65536 values of an fp32's top 16 bits, how many midpoints lie below the smallest
-    fp32 with those bits; the midpoints with +inf appended; and how many midpoints one such bucket
-    spans at most (the corrections :func:`_nearest` needs)."""
-    mids = _midpoints(bits, signed)
+def _count_table(bits: int, signed: bool, entries: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """For each of the 65536 values of an fp32's top 16 bits, how many boundaries (the map's
+    midpoints, or its entries) lie below the smallest fp32 with those bits; the boundaries with +inf
+    appended; and how many boundaries one such bucket spans at most (the corrections
+    :func:`_count_below` needs)."""
+    bounds = dynamic_map(bits, signed) if entries else _midpoints(bits, signed)
     top = torch.arange(1 << 16, dtype=torch.int32) << 16
     low = torch.where(top < 0, top | 0xFFFF, top).view(torch.float32)  # negative: more bits = smaller
     high = torch.where(top < 0, top, top | 0xFFFF).view(torch.float32)
-    first = torch.searchsorted(mids, low)
+    first = torch.searchsorted(bounds, low)
     finite = ~(low.isnan() | high.isnan())
-    steps = int((torch.searchsorted(mids, high) - first)[finite].max())
-    return first.to(torch.int32), torch.cat([mids, torch.tensor([float("inf")])]), steps
+    steps = int((torch.searchsorted(bounds, high) - first)[finite].max())
+    return first.to(torch.int32), torch.cat([bounds, torch.tensor([float("inf")])]), steps
 
 
-def _nearest(x: torch.Tensor, bits: int, signed: bool) -> torch.Tensor:
-    """``torch.searchsorted(midpoints, x)`` (the nearest map entry's index, int32), 12x faster on CPU:
-    a table lookup by the top 16 bits of x, then at most ``steps`` comparisons (one for these maps)."""
-    first, mids, steps = _nearest_table(bits, signed)
+def _count_below(x: torch.Tensor, bits: int, signed: bool, entries: bool) -> torch.Tensor:
+    """``torch.searchsorted(boundaries, x)`` (int32; the boundaries as in :func:`_count_table`), 12x
+    faster on CPU: a table lookup by the top 16 bits of x, then at most ``steps`` comparisons."""
+    first, bounds, steps = _count_table(bits, signed, entries)
     key = torch.bitwise_right_shift(x.view(torch.int32), 16).bitwise_and_(0xFFFF)
     idx = torch.index_select(first, 0, key)
     for _ in range(steps):
-        idx += torch.gt(x, torch.index_select(mids, 0, idx))
+        idx += torch.gt(x, torch.index_select(bounds, 0, idx))
     return idx
 
 
+def _nearest(x: torch.Tensor, bits: int, signed: bool) -> torch.Tensor:
+    """The nearest map entry's index of each x (int32): how many midpoints lie below it."""
+    return _count_below(x, bits, signed, entries=False)
+
+
+@functools.cache
+def _gaps(bits: int, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per entry k < last: the entry and 1 / (entry k+1 - entry k) (the maps used here are distinct)."""
+    qmap = dynamic_map(bits, signed)
+    return qmap[:-1].clone(), 1.0 / (qmap[1:] - qmap[:-1])
+
+
+def _stochastic(x: torch.Tensor, bits: int, signed: bool, generator: torch.Generator) -> torch.Tensor:
+    """Per x (normalized, [n] fp32) the index of the map entry below it or of the one above, the upper
+    with probability (x - below) / gap: ``E[map[index]] = x`` inside the map's range (int32)."""
+    below, inv_gap = _gaps(bits, signed)
+    lo = _count_below(x, bits, signed, entries=True).sub_(1).clamp_(0, below.numel() - 1)  # below <= x
+    p_up = (x - torch.index_select(below, 0, lo)).mul_(torch.index_select(inv_gap, 0, lo))
+    return lo.add_(torch.lt(torch.rand(x.shape, generator=generator), p_up))
+
+
 def quantize_blockwise(
-    x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, block: int, bits: int, signed: bool
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+    block: int,
+    bits: int,
+    signed: bool,
+    generator: torch.Generator | None = None,
 ) -> None:
-    """Quantize ``x`` into ``codes`` and ``absmax`` in place, block by block (round to nearest map entry).
+    """Quantize ``x`` into ``codes`` and ``absmax`` in place, block by block: to the nearest map entry,
+    or stochastically between the two around it when ``generator`` is given.
 
     Args:
         x: ``[n]`` fp32, n a multiple of ``block`` except for the tensor's last block.
@@ -91,6 +123,10 @@ def quantize_blockwise(
             map's 0 (Li et al. 2023's zero-point exclusion for the second moment): a nonzero element
             too small for the block rounds up to the smallest nonzero entry, never to 0, so its
             AdamW denominator stays ≥ sqrt(3.25e-7 · absmax) instead of eps.
+        generator: CPU generator of the random draws for stochastic rounding (one fp32 uniform per
+            element); None: round to nearest. A decaying first moment needs it: to nearest, β1·m lands
+            back on m's own code whenever m is small beside its block's absmax, so m never decays
+            (unsloth-zoo#962). Only for maps whose entries are distinct (not the padded signed 8-bit).
     """
     n = x.numel()
     full = n // block * block
@@ -103,7 +139,7 @@ def quantize_blockwise(
     norm[:full].view(-1, block).copy_(x[:full].view(-1, block) / scale[: n // block, None])
     if full < n:
         norm[full:] = x[full:] / scale[-1]
-    idx = _nearest(norm, bits, signed)
+    idx = _nearest(norm, bits, signed) if generator is None else _stochastic(norm, bits, signed, generator)
     if not signed:  # no zero code for x > 0: a second moment rounded to 0 would make 1/sqrt(v) explode
         idx.clamp_(min=1)
     idx = idx.to(torch.uint8)
