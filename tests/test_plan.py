@@ -3,7 +3,7 @@ profile, the ``python -m nodetrain.plan`` CLI, and the training start-up refusal
 the node cannot hold (before anything is allocated).
 
 The hand computations below are written from the model's shapes and the documented formulas
-(``nodetrain/plan/costs.py`` docstrings), not by calling the planner's helpers.
+(``nodetrain/plan/costs.py`` and ``step_time.py`` docstrings), not by calling the planner's helpers.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Owns: turning a config and a hardware profile (``conf/hardware/``) into a ``Plan
 device memory, the largest micro-batch that fits, step time and its bottleneck, tokens/day, nodes
 for a token budget, a verdict with its reasons), the ``python -m nodetrain.plan`` entry point, and
 the training start-up check that refuses a host store the node cannot hold (``preflight``). The
-arithmetic itself is in ``costs.py``; printing is in ``report.py``.
+arithmetic itself is in ``costs.py`` (bytes) and ``step_time.py`` (seconds); printing is in ``report.py``.
 
     python -m nodetrain.plan model=llama2_70b hardware=h100_sxm train.seq_len=4096 \\
         train.micro_batch_size=4 pipeline.microbatches=16
@@ -34,10 +34,8 @@ from nodetrain.engine.pipeline import build_schedule, partition, step_rounds
 from nodetrain.engine.residency import choose_resident, device_budget_bytes, saved_transfer_bytes
 from nodetrain.model import HFModel, build_hf_config
 from nodetrain.plan.costs import (
-    HostRates,
     ModelShape,
     StageMemory,
-    StepTime,
     field_bytes,
     load_sequence,
     pin_overhead_bytes,
@@ -45,10 +43,10 @@ from nodetrain.plan.costs import (
     shape_of,
     speculative_backup_bytes,
     stage_memory,
-    step_time,
     store_layout,
 )
 from nodetrain.plan.exposure import choose_speculative
+from nodetrain.plan.step_time import HostRates, StepTime, step_time
 from nodetrain.store import remove_stale_stores
 
 __all__ = ["GB", "Plan", "make_plan", "model_of", "host_problems", "preflight", "resolve_auto"]
@@ -435,7 +433,7 @@ def resolve_auto(
     """Replace ``auto`` in ``train.micro_batch_size``, ``pipeline.microbatches`` and
     ``stream.device_budget`` by the planner's choice, with one log line per choice.
 
-    Sizes and counts are chosen by the step-time model (:func:`make_plan`'s, ``costs.step_time``)
+    Sizes and counts are chosen by the step-time model (:func:`make_plan`'s, ``step_time.step_time``)
     among those whose peak fits the device (``costs.stage_memory``, the one activation model, also
     behind the automatic device budget): the smallest micro-batch size × count within 2% of the
     best predicted tokens/s (a smaller batch for the same speed). ``stream.device_budget=auto``
