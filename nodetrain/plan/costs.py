@@ -31,6 +31,7 @@ __all__ = [
     "stage_memory",
     "GRAD_ACC_ITEMSIZE",
     "resident_bytes_per_param",
+    "block_elementwise_bytes",
     "optimizer_bytes_per_param",
     "speculative_backup_bytes",
     "StageTraffic",
@@ -364,6 +365,38 @@ def stage_memory(
         in_flight=in_flight,
         p2p_buffers=buffers,
     )
+
+
+# ----------------------------------------------------------------------------- elementwise work
+
+
+def block_elementwise_bytes(shape: ModelShape, block: int, n: int, itemsize: int) -> tuple[int, int]:
+    """(forward, backward) bytes that ``block``'s elementwise kernels move for a micro-batch of ``n``
+    tokens: the work between its matmuls and attention (RMSNorms, RoPE, SiLU and the SwiGLU product,
+    residual adds, the head's softmax and casts), bound by memory bandwidth on any device.
+
+    A decoder layer: each tensor its forward makes (:func:`_layer_saved_per_token`, A bytes per
+    token) is written once and read once, 2·A·n per forward; its backward (``stage.py``) recomputes
+    the forward (2·A·n), then writes and reads each tensor's gradient and reads the tensor and one
+    more operand (4·A·n): (2·A·n, 6·A·n). The head (``linear_ce.py``, gradients taken in its forward,
+    none in the backward), per logit: ``log_softmax`` reads its fp32 input three times and writes
+    once (16 bytes), ``nll_loss``'s backward writes a zero-filled fp32 gradient (4), the softmax's
+    backward reads the gradient twice and its output once and writes (16); with e < 4 the upcast
+    reads e and writes 4, its backward reads 4 and writes e: n·V·(36 + 8 + 2e); and per micro-batch,
+    over the head's P parameters, the fp32 sums of its weight gradients zeroed (4), the chunk's
+    gradient added (read 4 + 4, write 4; with e < 4 torch first widens it into a temporary: read e,
+    write 4) and the sums narrowed to the compute dtype (read 4, write e; a no-op in fp32):
+    P·(24 + 2e), P·16 in fp32 (one chunk: ``linear_ce.chunk_tokens`` ≥ n). The embedding's row
+    gather and scatter-add (n·D each way) are not counted.
+    """
+    e, last = itemsize, len(shape.unit_numels) - 1
+    if block == last:
+        logits = n * shape.vocab * (36 + (8 + 2 * e if e < 4 else 0))
+        return logits + shape.load_numels[block] * (24 + 2 * e if e < 4 else 16), 0
+    if block == 0:
+        return 0, 0
+    per_pass = 2 * n * _layer_saved_per_token(shape, e)
+    return per_pass, 3 * per_pass
 
 
 # ----------------------------------------------------------------------------- traffic

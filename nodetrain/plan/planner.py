@@ -370,14 +370,23 @@ def host_rates(cfg: Config, num_stages: int) -> HostRates:
 
 
 def _time(cfg: Config, node: _Node, b: int, resident: list[frozenset[int]]) -> StepTime:
-    """The step time of ``node`` at micro-batch size ``b``. A CPU profile's ranks each compute on one
-    thread (torchrun's ``OMP_NUM_THREADS=1``): a core's share of the peak, and all of them
-    together at most the node's peak (``node_flops_per_s``). The optimizer is priced in the mode the
+    """The step time of ``node`` at micro-batch size ``b``. Matmuls run at the compute dtype's peak
+    (``hardware.fp32_flops`` in fp32) × ``matmul_efficiency``, attention at ``attention_flops`` (or
+    ``fp32_attention_flops``; 0: as matmuls), elementwise kernels at the device's memory bandwidth. A
+    CPU profile's ranks each compute on one thread (torchrun's ``OMP_NUM_THREADS=1``): a core's share
+    of those rates, its elementwise kernels at one core's (``device_memory_bandwidth_gbps``, else
+    ``core_memory_bandwidth_gbps``), ``layer_overhead_s`` per layer and micro-batch, and every thread of
+    every rank on the node's ``cores`` (``shared_cores``). The optimizer is priced in the mode the
     engine runs (``plan.overlap_optimizer=false``: serial); ``optim.speculative=auto`` as the engine
     chooses it (``exposure.choose_speculative``), from this profile's rates instead of its measurement."""
     hw, num_stages = cfg.hardware, len(node.stage_blocks)
-    achieved = hw.peak_flops * hw.matmul_efficiency
+    fp32 = node.itemsize == 4
+    peak = (hw.fp32_flops or hw.peak_flops) if fp32 else hw.peak_flops
+    attention = hw.fp32_attention_flops if fp32 else hw.attention_flops
     share = 1 if hw.gpus_per_node else hw.cores  # one thread per rank: a core's share of the peak
+    bandwidth = hw.device_memory_bandwidth_gbps or (
+        0.0 if hw.gpus_per_node else hw.core_memory_bandwidth_gbps
+    )
     kind = update_kind(cfg.optim) if cfg.plan.overlap_optimizer else "serial"
 
     def priced(mode: str) -> StepTime:
@@ -389,12 +398,15 @@ def _time(cfg: Config, node: _Node, b: int, resident: list[frozenset[int]]) -> S
             m=node.microbatches,
             g=node.grad_accum,
             itemsize=node.itemsize,
-            flops_per_s=achieved / share,
+            flops_per_s=peak * hw.matmul_efficiency / share,
             rates=host_rates(cfg, num_stages),
             update_mode=mode,
             schedule=node.schedule,
             resident=resident,
-            node_flops_per_s=0.0 if hw.gpus_per_node else achieved,
+            attention_flops_per_s=attention / share,
+            elementwise_bytes_per_s=bandwidth * GB,
+            layer_overhead_s=hw.layer_overhead_s,
+            shared_cores=0 if hw.gpus_per_node else hw.cores,
         )
 
     if kind != "auto":
@@ -591,6 +603,11 @@ def _hints(cfg: Config, t: StepTime, max_b: int, num_stages: int) -> list[str]:
         hints.append(
             "host DRAM carries every rank's D2H, accumulation and optimizer bytes: keep more units resident "
             "(stream.device_budget) or more tokens per step amortise the optimizer"
+        )
+    if t.bottleneck == "shared cores":
+        hints.append(
+            "the stages share the node's cores: all their compute, copies, accumulation and optimizer "
+            "work over hardware.cores bounds the step; fewer stages do not make it shorter"
         )
     if t.bottleneck == "host accumulation":
         hints.append(

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from nodetrain.plan.costs import (
     ModelShape,
     StageTraffic,
+    block_elementwise_bytes,
     optimizer_bytes_per_param,
     stage_traffic,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "model_flops",
     "speculative_bytes_per_param",
     "HostRates",
+    "ComputeRates",
     "StepTime",
     "step_time",
     "optimizer_exposure",
@@ -83,14 +85,44 @@ class HostRates:
 
 
 @dataclass(frozen=True)
+class ComputeRates:
+    """What one stage's device reaches on each kind of work in a block, per second."""
+
+    matmul_flops_per_s: float
+    """Achieved matmul FLOP/s in the compute dtype (the profile's peak × ``matmul_efficiency``)."""
+    attention_flops_per_s: float = 0.0
+    """Attention's nominal FLOP/s (4·n·T·H·Q per forward; causal SDPA skips about half): 0 = at
+    ``matmul_flops_per_s``."""
+    elementwise_bytes_per_s: float = 0.0
+    """Bytes/s of the elementwise kernels (:func:`~nodetrain.plan.costs.block_elementwise_bytes`);
+    0 = not priced."""
+    layer_overhead_s: float = 0.0
+    """Fixed seconds of one decoder layer's three passes for a micro-batch (forward, recompute,
+    backward) that do not shrink with its size: Python, autograd, kernel dispatch."""
+
+    def seconds(self, matmul_flops: float, attention_flops: float, elementwise_bytes: float, layers: float):
+        """(matmul, attention, elementwise, overhead) seconds of that much work; ``layers``: the
+        decoder-layer passes' share of :attr:`layer_overhead_s`."""
+        attention = self.attention_flops_per_s or self.matmul_flops_per_s
+        rate = self.elementwise_bytes_per_s
+        return (
+            matmul_flops / self.matmul_flops_per_s,
+            attention_flops / attention,
+            elementwise_bytes / rate if rate > 0 else 0.0,
+            layers * self.layer_overhead_s,
+        )
+
+
+@dataclass(frozen=True)
 class StepTime:
     """Predicted seconds of one optimizer step, split by what the slowest stage waits for."""
 
     tokens: int
     model_flops: float
     compute_s: float
-    """Busy compute of the slowest stage: forward + recompute + backward, 8·N_s·n (+ attention); the
-    last stage's head 6·N·n (its gradients come with the forward, no recompute)."""
+    """Busy compute of the slowest stage: forward + recompute + backward, 8·N_s·n matmul FLOPs,
+    the attention and the elementwise kernels; the last stage's head 6·N·n and its softmax (its
+    gradients come with the forward, no recompute)."""
     h2d_s: float
     """Weight prefetch of the busiest stage (:func:`stage_traffic`'s loads)."""
     d2h_s: float
@@ -98,7 +130,8 @@ class StepTime:
     accum_s: float
     """Host accumulation of the busiest stage's D2H worker on its ``accum_threads`` cores."""
     bubble_s: float
-    """Pipeline fill and drain: (S − 1) micro-batch slots, once per step (one round of G·M)."""
+    """Pipeline fill and drain: the pipeline's seconds beyond the slowest stage's micro-batches
+    (equal stages: (S − 1) slots per round)."""
     optimizer_s: float
     """CPU AdamW of the slowest stage on its ``optim_threads`` cores (or DRAM share), exposed or not."""
     host_dram_s: float
@@ -116,6 +149,20 @@ class StepTime:
     clipped steps)."""
     exposure: OptimizerExposure | None = None
     """The exposed seconds of every mode, for comparison."""
+    attention_s: float = 0.0
+    """Of ``compute_s``, the attention's seconds."""
+    elementwise_s: float = 0.0
+    """Of ``compute_s``, the elementwise kernels' seconds."""
+    overhead_s: float = 0.0
+    """Of ``compute_s``, the decoder layers' fixed overheads (:attr:`ComputeRates.layer_overhead_s`)."""
+    stage_compute_s: tuple[float, ...] = ()
+    """Per stage, its compute seconds in the step (``compute_s`` is the largest)."""
+    core_s: tuple[float, ...] = ()
+    """Per stage, the CPU seconds of its threads in a step when the stages share the node's cores
+    (``shared_cores``; else empty): compute, plus every byte its copies (read and write), gradient
+    accumulation and optimizer move at one core's bandwidth."""
+    shared_cores_s: float = 0.0
+    """Σ ``core_s`` over the shared cores: the step is at least that long (work-conserving)."""
 
     @property
     def tokens_per_day(self) -> float:
@@ -131,24 +178,34 @@ class StepTime:
         return self.model_flops / self.step_s / peak_flops
 
 
-def _stage_flops(shape: ModelShape, blocks: range, n: int, t: int) -> float:
-    """FLOPs of one micro-batch on a stage: 8·cost·n per block (forward, recompute, backward), the
-    head 6·cost·n (no recompute), plus 4 × the forward attention 4·n·T·H·Q per layer."""
-    return sum(sum(_block_flops(shape, i, n, t)) for i in blocks)
-
-
-def _block_flops(shape: ModelShape, block: int, n: int, t: int) -> tuple[float, float]:
-    """(forward, backward) FLOPs of one block for one micro-batch: a layer 2·cost·n + 4·n·T·H·Q
-    forward and 3 × that backward (recompute, then the backward's two matmuls per forward one); the
-    head 6·cost·n in its forward (it takes its gradients there) and none in the backward; the
-    embedding none (a gather and a scatter-add)."""
+def _block_work(shape: ModelShape, block: int, n: int, t: int, e: int):
+    """(forward, backward) work of one block for one micro-batch, each as (matmul FLOPs, attention
+    FLOPs, elementwise bytes, share of a layer's fixed overhead): a layer 2·cost·n matmul and
+    4·n·T·H·Q attention FLOPs forward and 3 × those backward (recompute, then the backward's two
+    matmuls per forward one), its overhead split the same 1 : 3; the head 6·cost·n in its forward (it
+    takes its gradients there) and none in the backward; the embedding none (a gather and a
+    scatter-add). Elementwise bytes: :func:`~nodetrain.plan.costs.block_elementwise_bytes`."""
     last = len(shape.unit_numels) - 1
+    fwd_bytes, bwd_bytes = block_elementwise_bytes(shape, block, n, e)
     if block == last:
-        return 6.0 * shape.costs[block] * n, 0.0
+        return (6.0 * shape.costs[block] * n, 0.0, fwd_bytes, 0.0), (0.0, 0.0, bwd_bytes, 0.0)
     if block == 0:
-        return 0.0, 0.0
-    forward = 2.0 * shape.costs[block] * n + 4.0 * n * t * shape.heads * shape.head_dim
-    return forward, 3 * forward
+        return (0.0, 0.0, fwd_bytes, 0.0), (0.0, 0.0, bwd_bytes, 0.0)
+    matmul, attention = 2.0 * shape.costs[block] * n, 4.0 * n * t * shape.heads * shape.head_dim
+    return (matmul, attention, fwd_bytes, 0.25), (3 * matmul, 3 * attention, bwd_bytes, 0.75)
+
+
+def _block_seconds(shape, block: int, n: int, t: int, e: int, compute: ComputeRates) -> tuple[float, float]:
+    """(forward, backward) seconds of one block for one micro-batch on ``compute``."""
+    fwd, bwd = _block_work(shape, block, n, t, e)
+    return sum(compute.seconds(*fwd)), sum(compute.seconds(*bwd))
+
+
+def _stage_compute(shape, blocks, n: int, t: int, e: int, compute: ComputeRates) -> tuple[float, ...]:
+    """(matmul, attention, elementwise, overhead) seconds of one micro-batch's forward and backward
+    on a stage."""
+    parts = [compute.seconds(*w) for i in blocks for w in _block_work(shape, i, n, t, e)]
+    return tuple(sum(p[j] for p in parts) for j in range(4))
 
 
 @dataclass(frozen=True)
@@ -159,9 +216,16 @@ class _Stages:
     actions: list[list]
     traffic: list[StageTraffic]
     seconds: list[tuple[float, float, float, float]]
+    compute_parts: list[tuple[float, ...]]
+    """Per stage, its compute's (matmul, attention, elementwise, overhead) seconds in the step."""
+    busy: list[float]
+    """Per stage, its micro-batches' seconds in the step: the slowest of its compute, H2D, D2H and
+    accumulation, and on shared cores of its in-step CPU seconds over its cores."""
 
 
-def _stages(shape, stage_blocks, *, b, t, m, g, itemsize, flops_per_s, rates, schedule, resident) -> _Stages:
+def _stages(
+    shape, stage_blocks, *, b, t, m, g, itemsize, compute, rates, schedule, resident, shared_cores=0
+) -> _Stages:
     from nodetrain.engine.pipeline import (  # pure; imported here: step_time stays light
         build_schedule,
         step_rounds,
@@ -170,40 +234,42 @@ def _stages(shape, stage_blocks, *, b, t, m, g, itemsize, flops_per_s, rates, sc
     n, s = b * t, len(stage_blocks)
     rounds, per_round = step_rounds(schedule, g, m)
     accum_rate, _ = rates.rate(rates.accum_threads)
-    out = _Stages([], [], [])
+    out = _Stages([], [], [], [], [])
+    share = max(1, shared_cores // s)  # a stage's threads share its cores (one each at least)
     for k, blocks in enumerate(stage_blocks):
         actions = build_schedule(schedule, s, k, per_round) * rounds  # the engine's rounds
         x = stage_traffic(shape, blocks, actions, n=n, itemsize=itemsize, resident=resident[k])
-        compute = g * m * _stage_flops(shape, blocks, n, t) / flops_per_s
+        parts = tuple(g * m * p for p in _stage_compute(shape, blocks, n, t, itemsize, compute))
         link = rates.link_bytes_per_s
         out.actions.append(actions)
         out.traffic.append(x)
-        out.seconds.append((compute, x.h2d_bytes / link, x.d2h_bytes / link, x.accum_bytes / accum_rate))
+        out.compute_parts.append(parts)
+        out.seconds.append((sum(parts), x.h2d_bytes / link, x.d2h_bytes / link, x.accum_bytes / accum_rate))
+        in_step = _core_seconds(sum(parts), x, rates.core_bytes_per_s, optimizer=False) if shared_cores else 0
+        out.busy.append(max(*out.seconds[-1], in_step / share))
     return out
 
 
 def _unit_timings(
-    shape, stage_blocks, st: _Stages, *, b, t, g, m, itemsize, flops_per_s, rates, resident, optim_rates
+    shape, stage_blocks, st: _Stages, *, b, t, g, m, itemsize, compute, rates, resident, optim_rates
 ):
     """Per stage, its units' :class:`~nodetrain.plan.exposure.UnitTiming` (forward order), the
     pipeline's end and each stage's fill, from :func:`~nodetrain.plan.exposure.pipeline_times` of
     the engine's schedule.
 
-    A block's forward and backward take its FLOPs' share of the stage's per-micro-batch time, which
-    is the slowest of its compute, H2D, D2H and accumulation (a streaming-bound stage's forward is
-    its loads). A unit is final at its block's last offload (the head at the last forward, every
-    other block at the last backward, which visits the blocks in reverse); its load (a row gather
-    for stage 0's streamed embedding) starts once its update is done.
+    A block's forward and backward take its compute's share of the stage's per-micro-batch time
+    (:attr:`_Stages.busy`: a streaming-bound stage's forward is its loads). A unit is final at its
+    block's last offload (the head at the last forward, every other block at the last backward, which
+    visits the blocks in reverse); its load (a row gather for stage 0's streamed embedding) starts
+    once its update is done.
     """
     n, e, last = b * t, itemsize, len(shape.unit_numels) - 1
     fwd, bwd, per_block = [], [], []
     for k, blocks in enumerate(stage_blocks):
-        flops = {i: _block_flops(shape, i, n, t) for i in blocks}
-        compute = sum(map(sum, flops.values())) / flops_per_s
-        stretch = max(st.seconds[k]) / (g * m) / compute if compute > 0 else 0.0
-        per_block.append(
-            {i: (f * stretch / flops_per_s, w * stretch / flops_per_s) for i, (f, w) in flops.items()}
-        )
+        seconds = {i: _block_seconds(shape, i, n, t, e, compute) for i in blocks}
+        busy = sum(map(sum, seconds.values()))
+        stretch = st.busy[k] / (g * m) / busy if busy > 0 else 0.0
+        per_block.append({i: (f * stretch, w * stretch) for i, (f, w) in seconds.items()})
         fwd.append(sum(f for f, _ in per_block[k].values()))
         bwd.append(sum(w for _, w in per_block[k].values()))
     times = pipeline_times(st.actions, fwd, bwd)
@@ -255,6 +321,9 @@ def optimizer_exposure(
     schedule: str = "1f1b",
     resident: list[frozenset[int]] | None = None,
     optim_bytes_per_s: list[float] | None = None,
+    attention_flops_per_s: float = 0.0,
+    elementwise_bytes_per_s: float = 0.0,
+    layer_overhead_s: float = 0.0,
 ) -> OptimizerExposure:
     """Seconds of a step's CPU AdamW that the next step waits for, in every update mode
     (``plan/exposure.py``), on the engine's schedule.
@@ -264,24 +333,26 @@ def optimizer_exposure(
             default: ``rates.rate(rates.optim_threads)`` for every stage. The rest as :func:`step_time`.
     """
     resident = resident or [frozenset()] * len(stage_blocks)
-    kw = dict(b=b, t=t, m=m, g=g, itemsize=itemsize, flops_per_s=flops_per_s, rates=rates)
+    compute = ComputeRates(flops_per_s, attention_flops_per_s, elementwise_bytes_per_s, layer_overhead_s)
+    kw = dict(b=b, t=t, m=m, g=g, itemsize=itemsize, compute=compute, rates=rates)
     st = _stages(shape, stage_blocks, **kw, schedule=schedule, resident=resident)
     return _exposure(
         shape, stage_blocks, st, kw, resident, _optim_rates(rates, len(stage_blocks), optim_bytes_per_s)
-    )
+    )[0]
 
 
 def _optim_rates(rates: HostRates, num_stages: int, measured) -> list[float]:
     return list(measured) if measured else [rates.rate(rates.optim_threads)[0]] * num_stages
 
 
-def _exposure(shape, stage_blocks, st: _Stages, kw: dict, resident, optim_rates) -> OptimizerExposure:
-    kw = {k: v for k, v in kw.items() if k in ("b", "t", "g", "m", "itemsize", "flops_per_s", "rates")}
+def _exposure(shape, stage_blocks, st: _Stages, kw: dict, resident, optim_rates):
+    """(every mode's :class:`OptimizerExposure`, the pipeline's end: the step without the optimizer)."""
+    kw = {k: v for k, v in kw.items() if k in ("b", "t", "g", "m", "itemsize", "compute", "rates")}
     stages, step_end, fills = _unit_timings(
         shape, stage_blocks, st, **kw, resident=resident, optim_rates=optim_rates
     )
     figures = {mode: exposed_s(stages, step_end, mode, fills) for mode in MODES}
-    return OptimizerExposure(**{f"{mode}_s": v for mode, v in figures.items()})
+    return OptimizerExposure(**{f"{mode}_s": v for mode, v in figures.items()}), step_end
 
 
 def step_time(
@@ -298,40 +369,59 @@ def step_time(
     update_mode: str = "deferred",
     schedule: str = "1f1b",
     resident: list[frozenset[int]] | None = None,
-    node_flops_per_s: float = 0.0,
     optim_bytes_per_s: list[float] | None = None,
     clip_fraction: float = CLIP_FRACTION,
+    attention_flops_per_s: float = 0.0,
+    elementwise_bytes_per_s: float = 0.0,
+    layer_overhead_s: float = 0.0,
+    shared_cores: int = 0,
 ) -> StepTime:
     """Step time when the window overlaps H2D, compute, D2H and the host accumulation on each stage.
 
     1F1B runs the G rounds as one pipeline round of G·M micro-batches, GPipe as G rounds of M
-    (``pipeline.step_rounds``); a round of M' takes (M' + S − 1) slots (GPipe arXiv:1811.06965, same
-    for 1F1B), a slot being the slowest stage's per-micro-batch
-    max(compute, H2D, D2H, accumulation). The CPU optimizer adds what the next step waits for in
+    (``pipeline.step_rounds``). The pipeline is the engine's schedule of those rounds played out
+    (``exposure.pipeline_times``: a forward waits for the previous stage's forward of its
+    micro-batch, a backward for the next stage's backward), each stage's forward and backward of a
+    micro-batch taking its share of the stage's per-micro-batch max(compute, H2D, D2H,
+    accumulation); with equal stages that is the (M' + S − 1) slots per round of GPipe
+    (arXiv:1811.06965) and 1F1B, with unequal ones the slowest stage's micro-batches plus the others'
+    fill and drain. Compute is matmul, attention and elementwise work and fixed overheads
+    (:class:`ComputeRates`). The CPU optimizer adds what the next step waits for in
     ``update_mode`` (:func:`optimizer_exposure`; ``serial``: all of it). The node's DRAM must carry
     every stage's host bytes: in the exposed seconds only the optimizers run, each stage's at most
     at its rate, so the step is at least ``exposed + (host bytes − what they moved) / DRAM bandwidth``.
 
+    When the stages share the node's cores (``shared_cores``: a CPU profile, the device is the CPU),
+    a stage's copies, gradient accumulation and optimizer run on the cores its compute runs on, so
+    each stage's CPU seconds (:attr:`StepTime.core_s`) count: its threads share its
+    ``shared_cores // S`` cores (at least 1), so its micro-batches take at least its in-step CPU
+    seconds (all but the optimizer's) over those, and the step at least its CPU seconds over them; a
+    stage idle in the bubble leaves its cores to the others, so the step is at least every stage's
+    CPU seconds over ``shared_cores`` (work-conserving), not only the critical path.
+
     Args:
-        flops_per_s: achieved FLOP/s of one stage's device; rates: the host side;
+        flops_per_s: achieved matmul FLOP/s of one stage's device; rates: the host side;
         update_mode: ``serial``, ``deferred``, ``in_backward`` or ``speculative`` (priced at
             ``clip_fraction`` clipped steps, its backups' and redos' bytes included);
         resident: per stage, the blocks kept on the device (none when omitted);
-        node_flops_per_s: > 0 when the stages share one set of cores (a CPU profile): a stage idle
-            in the bubble leaves its core to the others, so the pipeline takes at least every
-            stage's compute over the node's FLOP/s (work-conserving), not only the critical path;
-        optim_bytes_per_s: as :func:`optimizer_exposure`.
+        optim_bytes_per_s: as :func:`optimizer_exposure`;
+        attention_flops_per_s, elementwise_bytes_per_s, layer_overhead_s: as :class:`ComputeRates`
+            (0: attention at ``flops_per_s``, elementwise work and overheads not priced);
+        shared_cores: the node's cores when the stages compute on them (a CPU profile; the rates
+            above are then one core's), else 0.
 
     Raises:
         ValueError: an unknown ``update_mode``.
     """
     if update_mode not in MODES[:4]:
         raise ValueError(f"update_mode={update_mode!r}: use one of {MODES[:4]}")
-    n, s = b * t, len(stage_blocks)
+    s = len(stage_blocks)
     resident = resident or [frozenset()] * s
-    kw = dict(b=b, t=t, m=m, g=g, itemsize=itemsize, flops_per_s=flops_per_s, rates=rates)
-    st = _stages(shape, stage_blocks, **kw, schedule=schedule, resident=resident)
-    rounds, per_round = _rounds(schedule, g, m)
+    compute_rates = ComputeRates(
+        flops_per_s, attention_flops_per_s, elementwise_bytes_per_s, layer_overhead_s
+    )
+    kw = dict(b=b, t=t, m=m, g=g, itemsize=itemsize, compute=compute_rates, rates=rates)
+    st = _stages(shape, stage_blocks, **kw, schedule=schedule, resident=resident, shared_cores=shared_cores)
     optim_rates = _optim_rates(rates, s, optim_bytes_per_s)
     _, optim_bound = rates.rate(rates.optim_threads)
     traffic = st.traffic
@@ -345,24 +435,28 @@ def step_time(
             )
             for x, blocks in zip(traffic, stage_blocks, strict=True)
         ]
-    per_stage = st.seconds
-    slot = max(max(p) for p in per_stage) / (g * m)
-    compute, h2d, d2h, accum = (max(p[j] for p in per_stage) for j in range(4))
+    core = rates.core_bytes_per_s
+    core_s = (
+        [_core_seconds(p[0], x, core) for p, x in zip(st.seconds, traffic, strict=True)]
+        if shared_cores
+        else []
+    )
+    compute, h2d, d2h, accum = (max(p[j] for p in st.seconds) for j in range(4))
+    slowest = max(range(s), key=lambda k: st.seconds[k][0])
     opt_s = [x.optimizer_bytes / r for x, r in zip(traffic, optim_rates, strict=True)]
     optimizer = max(opt_s)
     host_bytes = sum(x.host_bytes for x in traffic)
     host_dram = host_bytes / rates.host_bytes_per_s
-    pipeline, bubble = rounds * (per_round + s - 1) * slot, rounds * (s - 1) * slot
-    if node_flops_per_s > 0:
-        total = g * m * sum(_stage_flops(shape, blocks, n, t) for blocks in stage_blocks) / node_flops_per_s
-        if total > pipeline:
-            pipeline, bubble = total, max(0.0, total - g * m * slot)
-    exposure = _exposure(shape, stage_blocks, st, kw, resident, optim_rates)
+    cores_s = 0.0
+    if shared_cores:  # work-conserving: every stage's CPU seconds on the node's cores
+        cores_s = max(sum(core_s) / shared_cores, max(core_s) / max(1, shared_cores // s))
+    exposure, pipeline = _exposure(shape, stage_blocks, st, kw, resident, optim_rates)
+    bubble = pipeline - max(st.busy)
     exposed = exposure.of(update_mode, clip_fraction)
     # in the exposed seconds every stage's optimizer runs (all released by then) and little else
     alone = sum(min(exposed * r, x.optimizer_bytes) for x, r in zip(traffic, optim_rates, strict=True))
     dram = exposed + (host_bytes - alone) / rates.host_bytes_per_s
-    step = max(pipeline + exposed, dram, optimizer)
+    step = max(pipeline + exposed, dram, optimizer, cores_s)
     parts = {
         "compute": compute,
         "H2D": h2d,
@@ -375,7 +469,9 @@ def step_time(
         bottleneck = "optimizer cores" if optim_bound == "cores" else "host DRAM"
     if dram >= step and dram > pipeline + exposed:
         bottleneck = "host DRAM"
-    tokens = g * m * n
+    if cores_s >= step and cores_s > max(pipeline + exposed, dram):
+        bottleneck = "shared cores"
+    tokens = g * m * b * t
     return StepTime(
         tokens=tokens,
         model_flops=model_flops(shape, tokens, t),
@@ -392,10 +488,20 @@ def step_time(
         optimizer_exposed_s=exposed,
         update_mode=update_mode,
         exposure=exposure,
+        attention_s=st.compute_parts[slowest][1],
+        elementwise_s=st.compute_parts[slowest][2],
+        overhead_s=st.compute_parts[slowest][3],
+        stage_compute_s=tuple(p[0] for p in st.seconds),
+        core_s=tuple(core_s),
+        shared_cores_s=cores_s,
     )
 
 
-def _rounds(schedule: str, g: int, m: int) -> tuple[int, int]:
-    from nodetrain.engine.pipeline import step_rounds  # pure; imported here: step_time stays light
-
-    return step_rounds(schedule, g, m)
+def _core_seconds(
+    compute_s: float, x: StageTraffic, core_bytes_per_s: float, optimizer: bool = True
+) -> float:
+    """A stage's CPU seconds in a step when its device is the CPU: ``compute_s``, plus the bytes its
+    H2D and D2H copies move (each byte read and written: 2 per byte copied), its gradient
+    accumulation and (``optimizer``) its optimizer move, at one core's bandwidth."""
+    moved = 2 * x.h2d_bytes + 2 * x.d2h_bytes + x.accum_bytes + (x.optimizer_bytes if optimizer else 0)
+    return compute_s + moved / core_bytes_per_s
