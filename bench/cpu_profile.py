@@ -17,7 +17,7 @@ gives now; ``plan_accuracy.py`` calibrates with it). The kernels:
   values, counted as the planner counts it (16·B·T²·H·Q nominal FLOPs; the causal kernel skips
   about half of them), in bf16 and fp32;
 - elementwise: a SwiGLU product and residual add, ``silu(a) * b + a`` over [2048, 1024]
-  activations, counted as ``costs.block_elementwise_bytes`` counts a layer's (each tensor made is
+  activations, counted as ``compute.block_elementwise_bytes`` counts a layer's (each tensor made is
   written once and read once: 2 × 3 × the activation's bytes), in bf16 and fp32;
 - overhead: a decoder layer of hidden size 64 on 8 tokens (``transformers``' own layer, SDPA), its
   forward without autograd, recompute and backward: the seconds per layer and micro-batch that do not

@@ -21,6 +21,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("nodetrain.checkpoint",),  # save, resume, HF in and out
     ("nodetrain.run",),  # metrics, breakdown, plots, output dirs, jobs, faults
     (
+        "nodetrain.plan.compute",
         "nodetrain.plan.costs",
         "nodetrain.plan.exposure",
         "nodetrain.plan.step_time",

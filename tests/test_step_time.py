@@ -1,13 +1,14 @@
 """The step-time model's compute and shared-core terms (``nodetrain/plan/step_time.py``) against
 closed forms written here from the docstrings' formulas, on a hand-built ``ModelShape``, and the
-planner's choice of rates per dtype and profile (``planner._time``)."""
+planner's choice of rates per dtype and profile (``pricing.priced_step``)."""
 
 from __future__ import annotations
 
 import pytest
 
 from nodetrain.config.schema import Config, HardwareConfig, ModelConfig
-from nodetrain.plan.costs import ModelShape, block_elementwise_bytes
+from nodetrain.plan.compute import block_elementwise_bytes
+from nodetrain.plan.costs import ModelShape
 from nodetrain.plan.planner import make_plan
 from nodetrain.plan.step_time import HostRates, step_time
 
@@ -29,7 +30,7 @@ SHAPE = ModelShape(
     head_dim=Q,
     qk_norm=False,
 )
-# Per token, a layer's forward makes (costs._layer_saved_per_token, e = 2): the input norm's fp32
+# Per token, a layer's forward makes (costs.layer_saved_per_token, e = 2): the input norm's fp32
 # upcast 4·D, normalized copy and output 2·D·e; q, k, v (H + 2K)·Q·e; SDPA's output and o_proj's copy
 # 2·H·Q·e, its log-sum-exp 4·H; the post-attention norm 4·D + 2·D·e; the MLP 4·F·e; output and
 # incoming gradient 2·D·e: 512 + 256 + 256 + 16 + 512 + 1024 + 256 = 2832 bytes.

@@ -2,10 +2,10 @@
 
 Owns: host store bytes per field, each stage's peak device bytes (window + activations), and the
 bytes a step moves (H2D, D2H, and through host DRAM: the DMA, the gradient accumulation, the
-optimizer). Does not own: the seconds those cost (``step_time.py``), hardware profiles or verdicts
-(planner.py), measuring (``bench/``), or anything that needs torch.distributed. Byte counts of the
-store and the stage partition come from the engine's own code (``StoreLayout``, ``partition`` in
-the caller), so the model cannot drift from what a run allocates.
+optimizer). Does not own: the seconds those cost (``step_time.py``, ``compute.py``), hardware
+profiles or verdicts (planner.py), measuring (``bench/``), or anything that needs torch.distributed.
+Byte counts of the store and the stage partition come from the engine's own code (``StoreLayout``,
+``partition`` in the caller), so the model cannot drift from what a run allocates.
 
 Shapes: B = micro-batch size, T = sequence length, n = B·T tokens, D = hidden size, F = MLP width,
 V = vocab, H / K = query / key-value heads, Q = head dim, e = compute-dtype bytes, S = stages,
@@ -31,7 +31,7 @@ __all__ = [
     "stage_memory",
     "GRAD_ACC_ITEMSIZE",
     "resident_bytes_per_param",
-    "block_elementwise_bytes",
+    "layer_saved_per_token",
     "optimizer_bytes_per_param",
     "speculative_backup_bytes",
     "StageTraffic",
@@ -169,7 +169,7 @@ class StageMemory:
         return self.window_bytes + self.resident_bytes + self.activation_bytes
 
 
-def _layer_saved_per_token(shape: ModelShape, e: int) -> int:
+def layer_saved_per_token(shape: ModelShape, e: int) -> int:
     """Bytes per token that autograd saves while recomputing one decoder layer (transformers 5's
     Llama/Qwen3 ``DecoderLayer`` with SDPA; no T×T matrix), plus its output and incoming gradient.
 
@@ -196,7 +196,7 @@ def _layer_backward_peak(shape: ModelShape, n: int, e: int, grads: int) -> int:
     Autograd runs the MLP's backward first (``down_proj``, the SwiGLU product, ``up_proj``, the
     SiLU, ``gate_proj``: reverse creation order) and frees each node's saved tensors once it ran,
     while the weight gradients (F·D·e each) accumulate. With S the saved bytes
-    (:func:`_layer_saved_per_token` × n) the live bytes at each node are:
+    (:func:`layer_saved_per_token` × n) the live bytes at each node are:
 
     - ``down_proj``: S + n·F·e (gradient of its input) + F·D·e;
     - the product: its input p is freed, grad_p stays while grad_a, grad_u are made: S + 2·n·F·e + F·D·e;
@@ -215,7 +215,7 @@ def _layer_backward_peak(shape: ModelShape, n: int, e: int, grads: int) -> int:
     mmap threshold) on the three configurations of ``bench/plan_accuracy.py``: 3–4% above it.
     """
     d, f, q, h, k = shape.hidden, shape.intermediate, shape.head_dim, shape.heads, shape.kv_heads
-    saved = n * _layer_saved_per_token(shape, e)
+    saved = n * layer_saved_per_token(shape, e)
     w = d * f * e
     norm_in = (4 * d if e < 4 else 0) + 2 * d * e
     attention = (h + 2 * k) * q * e + h * q * e + 4 * h + ((h + k) * q * (4 + e) if shape.qk_norm else 0)
@@ -365,38 +365,6 @@ def stage_memory(
         in_flight=in_flight,
         p2p_buffers=buffers,
     )
-
-
-# ----------------------------------------------------------------------------- elementwise work
-
-
-def block_elementwise_bytes(shape: ModelShape, block: int, n: int, itemsize: int) -> tuple[int, int]:
-    """(forward, backward) bytes that ``block``'s elementwise kernels move for a micro-batch of ``n``
-    tokens: the work between its matmuls and attention (RMSNorms, RoPE, SiLU and the SwiGLU product,
-    residual adds, the head's softmax and casts), bound by memory bandwidth on any device.
-
-    A decoder layer: each tensor its forward makes (:func:`_layer_saved_per_token`, A bytes per
-    token) is written once and read once, 2·A·n per forward; its backward (``stage.py``) recomputes
-    the forward (2·A·n), then writes and reads each tensor's gradient and reads the tensor and one
-    more operand (4·A·n): (2·A·n, 6·A·n). The head (``linear_ce.py``, gradients taken in its forward,
-    none in the backward), per logit: ``log_softmax`` reads its fp32 input three times and writes
-    once (16 bytes), ``nll_loss``'s backward writes a zero-filled fp32 gradient (4), the softmax's
-    backward reads the gradient twice and its output once and writes (16); with e < 4 the upcast
-    reads e and writes 4, its backward reads 4 and writes e: n·V·(36 + 8 + 2e); and per micro-batch,
-    over the head's P parameters, the fp32 sums of its weight gradients zeroed (4), the chunk's
-    gradient added (read 4 + 4, write 4; with e < 4 torch first widens it into a temporary: read e,
-    write 4) and the sums narrowed to the compute dtype (read 4, write e; a no-op in fp32):
-    P·(24 + 2e), P·16 in fp32 (one chunk: ``linear_ce.chunk_tokens`` ≥ n). The embedding's row
-    gather and scatter-add (n·D each way) are not counted.
-    """
-    e, last = itemsize, len(shape.unit_numels) - 1
-    if block == last:
-        logits = n * shape.vocab * (36 + (8 + 2 * e if e < 4 else 0))
-        return logits + shape.load_numels[block] * (24 + 2 * e if e < 4 else 16), 0
-    if block == 0:
-        return 0, 0
-    per_pass = 2 * n * _layer_saved_per_token(shape, e)
-    return per_pass, 3 * per_pass
 
 
 # ----------------------------------------------------------------------------- traffic

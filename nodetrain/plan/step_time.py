@@ -2,22 +2,44 @@
 
 Owns: a step's time split into compute, H2D, D2H, host accumulation, CPU optimizer (and what of it
 the next step waits for: plan/exposure.py), host DRAM and pipeline bubble, the host rates it is
-priced at (``HostRates``), and the model FLOPs used for MFU. Does not own: the bytes (``costs.py``:
-store, stage memory, a step's traffic), hardware profiles or verdicts (planner.py), measuring
-(``bench/``), or anything that needs torch.distributed.
+priced at (``HostRates``). Does not own: a block's compute work and its rates (``compute.py``), the
+bytes (``costs.py``: store, stage memory, a step's traffic), hardware profiles or verdicts
+(planner.py), measuring (``bench/``), or anything that needs torch.distributed.
 
 Shapes as in ``costs.py``: n = B·T tokens per micro-batch, T = sequence length, e = compute-dtype
 bytes, S = stages, M = micro-batches per round, G = rounds per step (grad_accum).
+
+The step (:func:`step_time`): the window overlaps H2D, compute, D2H and the host accumulation on
+each stage. 1F1B runs the G rounds as one pipeline round of G·M micro-batches, GPipe as G rounds of M
+(``pipeline.step_rounds``). The pipeline is the engine's schedule of those rounds played out
+(``exposure.pipeline_times``: a forward waits for the previous stage's forward of its
+micro-batch, a backward for the next stage's backward), each stage's forward and backward of a
+micro-batch taking its share of the stage's per-micro-batch max(compute, H2D, D2H,
+accumulation); with equal stages that is the (M' + S − 1) slots per round of GPipe
+(arXiv:1811.06965) and 1F1B, with unequal ones the slowest stage's micro-batches plus the others'
+fill and drain. Compute is matmul, attention and elementwise work and fixed overheads
+(:class:`ComputeRates`). The CPU optimizer adds what the next step waits for in
+``update_mode`` (:func:`optimizer_exposure`; ``serial``: all of it). The node's DRAM must carry
+every stage's host bytes: in the exposed seconds only the optimizers run, each stage's at most
+at its rate, so the step is at least ``exposed + (host bytes − what they moved) / DRAM bandwidth``.
+
+When the stages share the node's cores (``shared_cores``: a CPU profile, the device is the CPU),
+a stage's copies, gradient accumulation and optimizer run on the cores its compute runs on, so
+each stage's CPU seconds (:attr:`StepTime.core_s`) count: its threads share its
+``shared_cores // S`` cores (at least 1), so its micro-batches take at least its in-step CPU
+seconds (all but the optimizer's) over those, and the step at least its CPU seconds over them; a
+stage idle in the bubble leaves its cores to the others, so the step is at least every stage's
+CPU seconds over ``shared_cores`` (work-conserving), not only the critical path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from nodetrain.plan.compute import ComputeRates, block_seconds, model_flops, stage_compute
 from nodetrain.plan.costs import (
     ModelShape,
     StageTraffic,
-    block_elementwise_bytes,
     optimizer_bytes_per_param,
     stage_traffic,
 )
@@ -31,26 +53,12 @@ from nodetrain.plan.exposure import (
 )
 
 __all__ = [
-    "model_flops",
     "speculative_bytes_per_param",
     "HostRates",
-    "ComputeRates",
     "StepTime",
     "step_time",
     "optimizer_exposure",
 ]
-
-
-def model_flops(shape: ModelShape, tokens: int, t: int) -> float:
-    """Useful training FLOPs for ``tokens`` tokens of sequences of length ``t``.
-
-    ``6·N·tokens + 12·L·H·Q·t·tokens`` (PaLM, arXiv:2204.02311, appendix B), N = the parameters
-    multiplied per token (every matmul weight incl. the head; the embedding lookup is free).
-    Recompute is not useful work and is not counted here.
-    """
-    n_matmul = sum(shape.costs)
-    attention = 12 * shape.num_layers * shape.heads * shape.head_dim * t
-    return float(6 * n_matmul + attention) * tokens
 
 
 def speculative_bytes_per_param(rolled_back: bool) -> int:
@@ -82,35 +90,6 @@ class HostRates:
         of the node's DRAM bandwidth."""
         cores, share = threads * self.core_bytes_per_s, self.host_bytes_per_s / self.ranks
         return (cores, "cores") if cores < share else (share, "host DRAM")
-
-
-@dataclass(frozen=True)
-class ComputeRates:
-    """What one stage's device reaches on each kind of work in a block, per second."""
-
-    matmul_flops_per_s: float
-    """Achieved matmul FLOP/s in the compute dtype (the profile's peak × ``matmul_efficiency``)."""
-    attention_flops_per_s: float = 0.0
-    """Attention's nominal FLOP/s (4·n·T·H·Q per forward; causal SDPA skips about half): 0 = at
-    ``matmul_flops_per_s``."""
-    elementwise_bytes_per_s: float = 0.0
-    """Bytes/s of the elementwise kernels (:func:`~nodetrain.plan.costs.block_elementwise_bytes`);
-    0 = not priced."""
-    layer_overhead_s: float = 0.0
-    """Fixed seconds of one decoder layer's three passes for a micro-batch (forward, recompute,
-    backward) that do not shrink with its size: Python, autograd, kernel dispatch."""
-
-    def seconds(self, matmul_flops: float, attention_flops: float, elementwise_bytes: float, layers: float):
-        """(matmul, attention, elementwise, overhead) seconds of that much work; ``layers``: the
-        decoder-layer passes' share of :attr:`layer_overhead_s`."""
-        attention = self.attention_flops_per_s or self.matmul_flops_per_s
-        rate = self.elementwise_bytes_per_s
-        return (
-            matmul_flops / self.matmul_flops_per_s,
-            attention_flops / attention,
-            elementwise_bytes / rate if rate > 0 else 0.0,
-            layers * self.layer_overhead_s,
-        )
 
 
 @dataclass(frozen=True)
@@ -178,36 +157,6 @@ class StepTime:
         return self.model_flops / self.step_s / peak_flops
 
 
-def _block_work(shape: ModelShape, block: int, n: int, t: int, e: int):
-    """(forward, backward) work of one block for one micro-batch, each as (matmul FLOPs, attention
-    FLOPs, elementwise bytes, share of a layer's fixed overhead): a layer 2·cost·n matmul and
-    4·n·T·H·Q attention FLOPs forward and 3 × those backward (recompute, then the backward's two
-    matmuls per forward one), its overhead split the same 1 : 3; the head 6·cost·n in its forward (it
-    takes its gradients there) and none in the backward; the embedding none (a gather and a
-    scatter-add). Elementwise bytes: :func:`~nodetrain.plan.costs.block_elementwise_bytes`."""
-    last = len(shape.unit_numels) - 1
-    fwd_bytes, bwd_bytes = block_elementwise_bytes(shape, block, n, e)
-    if block == last:
-        return (6.0 * shape.costs[block] * n, 0.0, fwd_bytes, 0.0), (0.0, 0.0, bwd_bytes, 0.0)
-    if block == 0:
-        return (0.0, 0.0, fwd_bytes, 0.0), (0.0, 0.0, bwd_bytes, 0.0)
-    matmul, attention = 2.0 * shape.costs[block] * n, 4.0 * n * t * shape.heads * shape.head_dim
-    return (matmul, attention, fwd_bytes, 0.25), (3 * matmul, 3 * attention, bwd_bytes, 0.75)
-
-
-def _block_seconds(shape, block: int, n: int, t: int, e: int, compute: ComputeRates) -> tuple[float, float]:
-    """(forward, backward) seconds of one block for one micro-batch on ``compute``."""
-    fwd, bwd = _block_work(shape, block, n, t, e)
-    return sum(compute.seconds(*fwd)), sum(compute.seconds(*bwd))
-
-
-def _stage_compute(shape, blocks, n: int, t: int, e: int, compute: ComputeRates) -> tuple[float, ...]:
-    """(matmul, attention, elementwise, overhead) seconds of one micro-batch's forward and backward
-    on a stage."""
-    parts = [compute.seconds(*w) for i in blocks for w in _block_work(shape, i, n, t, e)]
-    return tuple(sum(p[j] for p in parts) for j in range(4))
-
-
 @dataclass(frozen=True)
 class _Stages:
     """Per stage, what one step costs it: its actions (the engine's rounds), bytes, and seconds of
@@ -239,7 +188,7 @@ def _stages(
     for k, blocks in enumerate(stage_blocks):
         actions = build_schedule(schedule, s, k, per_round) * rounds  # the engine's rounds
         x = stage_traffic(shape, blocks, actions, n=n, itemsize=itemsize, resident=resident[k])
-        parts = tuple(g * m * p for p in _stage_compute(shape, blocks, n, t, itemsize, compute))
+        parts = tuple(g * m * p for p in stage_compute(shape, blocks, n, t, itemsize, compute))
         link = rates.link_bytes_per_s
         out.actions.append(actions)
         out.traffic.append(x)
@@ -266,7 +215,7 @@ def _unit_timings(
     n, e, last = b * t, itemsize, len(shape.unit_numels) - 1
     fwd, bwd, per_block = [], [], []
     for k, blocks in enumerate(stage_blocks):
-        seconds = {i: _block_seconds(shape, i, n, t, e, compute) for i in blocks}
+        seconds = {i: block_seconds(shape, i, n, t, e, compute) for i in blocks}
         busy = sum(map(sum, seconds.values()))
         stretch = st.busy[k] / (g * m) / busy if busy > 0 else 0.0
         per_block.append({i: (f * stretch, w * stretch) for i, (f, w) in seconds.items()})
@@ -378,26 +327,7 @@ def step_time(
 ) -> StepTime:
     """Step time when the window overlaps H2D, compute, D2H and the host accumulation on each stage.
 
-    1F1B runs the G rounds as one pipeline round of G·M micro-batches, GPipe as G rounds of M
-    (``pipeline.step_rounds``). The pipeline is the engine's schedule of those rounds played out
-    (``exposure.pipeline_times``: a forward waits for the previous stage's forward of its
-    micro-batch, a backward for the next stage's backward), each stage's forward and backward of a
-    micro-batch taking its share of the stage's per-micro-batch max(compute, H2D, D2H,
-    accumulation); with equal stages that is the (M' + S − 1) slots per round of GPipe
-    (arXiv:1811.06965) and 1F1B, with unequal ones the slowest stage's micro-batches plus the others'
-    fill and drain. Compute is matmul, attention and elementwise work and fixed overheads
-    (:class:`ComputeRates`). The CPU optimizer adds what the next step waits for in
-    ``update_mode`` (:func:`optimizer_exposure`; ``serial``: all of it). The node's DRAM must carry
-    every stage's host bytes: in the exposed seconds only the optimizers run, each stage's at most
-    at its rate, so the step is at least ``exposed + (host bytes − what they moved) / DRAM bandwidth``.
-
-    When the stages share the node's cores (``shared_cores``: a CPU profile, the device is the CPU),
-    a stage's copies, gradient accumulation and optimizer run on the cores its compute runs on, so
-    each stage's CPU seconds (:attr:`StepTime.core_s`) count: its threads share its
-    ``shared_cores // S`` cores (at least 1), so its micro-batches take at least its in-step CPU
-    seconds (all but the optimizer's) over those, and the step at least its CPU seconds over them; a
-    stage idle in the bubble leaves its cores to the others, so the step is at least every stage's
-    CPU seconds over ``shared_cores`` (work-conserving), not only the critical path.
+    The model is the module's ("The step").
 
     Args:
         flops_per_s: achieved matmul FLOP/s of one stage's device; rates: the host side;
@@ -425,31 +355,15 @@ def step_time(
     optim_rates = _optim_rates(rates, s, optim_bytes_per_s)
     _, optim_bound = rates.rate(rates.optim_threads)
     traffic = st.traffic
-    if update_mode == "speculative":  # backups every step, a rollback and redo on clipped ones
-        extra = speculative_bytes_per_param(False) + clip_fraction * (
-            speculative_bytes_per_param(True) - speculative_bytes_per_param(False)
-        )
-        traffic = [
-            replace(
-                x, optimizer_bytes=x.optimizer_bytes + int(extra * sum(shape.unit_numels[i] for i in blocks))
-            )
-            for x, blocks in zip(traffic, stage_blocks, strict=True)
-        ]
-    core = rates.core_bytes_per_s
-    core_s = (
-        [_core_seconds(p[0], x, core) for p, x in zip(st.seconds, traffic, strict=True)]
-        if shared_cores
-        else []
-    )
+    if update_mode == "speculative":
+        traffic = _speculative_traffic(shape, stage_blocks, traffic, clip_fraction)
+    core_s, cores_s = _shared_cores(st, traffic, rates.core_bytes_per_s, shared_cores)
     compute, h2d, d2h, accum = (max(p[j] for p in st.seconds) for j in range(4))
     slowest = max(range(s), key=lambda k: st.seconds[k][0])
     opt_s = [x.optimizer_bytes / r for x, r in zip(traffic, optim_rates, strict=True)]
     optimizer = max(opt_s)
     host_bytes = sum(x.host_bytes for x in traffic)
     host_dram = host_bytes / rates.host_bytes_per_s
-    cores_s = 0.0
-    if shared_cores:  # work-conserving: every stage's CPU seconds on the node's cores
-        cores_s = max(sum(core_s) / shared_cores, max(core_s) / max(1, shared_cores // s))
     exposure, pipeline = _exposure(shape, stage_blocks, st, kw, resident, optim_rates)
     bubble = pipeline - max(st.busy)
     exposed = exposure.of(update_mode, clip_fraction)
@@ -464,13 +378,9 @@ def step_time(
         "host accumulation": accum,
         "pipeline bubble": bubble,
     }
-    bottleneck = max(parts, key=parts.get)
-    if exposed > max(parts.values()):
-        bottleneck = "optimizer cores" if optim_bound == "cores" else "host DRAM"
-    if dram >= step and dram > pipeline + exposed:
-        bottleneck = "host DRAM"
-    if cores_s >= step and cores_s > max(pipeline + exposed, dram):
-        bottleneck = "shared cores"
+    bottleneck = _bottleneck(
+        parts, exposed, optim_bound, step=step, pipeline=pipeline, dram=dram, cores_s=cores_s
+    )
     tokens = g * m * b * t
     return StepTime(
         tokens=tokens,
@@ -495,6 +405,44 @@ def step_time(
         core_s=tuple(core_s),
         shared_cores_s=cores_s,
     )
+
+
+def _speculative_traffic(shape, stage_blocks, traffic, clip_fraction: float) -> list[StageTraffic]:
+    """``traffic`` with speculation's optimizer bytes added: backups every step, a rollback and a
+    redo on the ``clip_fraction`` of steps that clip."""
+    extra = speculative_bytes_per_param(False) + clip_fraction * (
+        speculative_bytes_per_param(True) - speculative_bytes_per_param(False)
+    )
+    return [
+        replace(x, optimizer_bytes=x.optimizer_bytes + int(extra * sum(shape.unit_numels[i] for i in blocks)))
+        for x, blocks in zip(traffic, stage_blocks, strict=True)
+    ]
+
+
+def _bottleneck(
+    parts: dict[str, float], exposed: float, optim_bound: str, *, step, pipeline, dram, cores_s
+) -> str:
+    """What bounds the step: the largest of a stage's ``parts``; the optimizer's cores or DRAM when
+    its exposed seconds exceed them; host DRAM or the shared cores when their floor sets the step."""
+    out = max(parts, key=parts.get)
+    if exposed > max(parts.values()):
+        out = "optimizer cores" if optim_bound == "cores" else "host DRAM"
+    if dram >= step and dram > pipeline + exposed:
+        out = "host DRAM"
+    if cores_s >= step and cores_s > max(pipeline + exposed, dram):
+        out = "shared cores"
+    return out
+
+
+def _shared_cores(st: _Stages, traffic, core_bytes_per_s: float, shared_cores: int):
+    """(per stage its CPU seconds, the step's floor from them) when the stages share ``shared_cores``
+    cores (else ``([], 0.0)``): work-conserving, every stage's CPU seconds over the node's cores, and
+    at least the busiest stage's over its share of them."""
+    if not shared_cores:
+        return [], 0.0
+    core_s = [_core_seconds(p[0], x, core_bytes_per_s) for p, x in zip(st.seconds, traffic, strict=True)]
+    per_stage = max(1, shared_cores // len(core_s))
+    return core_s, max(sum(core_s) / shared_cores, max(core_s) / per_stage)
 
 
 def _core_seconds(
