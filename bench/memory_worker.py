@@ -103,6 +103,22 @@ def _calibrate(kernels, seconds: float = 1.5) -> dict[str, float]:
     return {**out, **{f"cpu:{name}": work * calls[name] / cpu[name] for name, _, work in kernels}}
 
 
+def _memory(engine, base_pss: int, peak_growth: int, shmem_growth: int) -> dict:
+    """This rank's memory figures after the steps (bytes): the engine's objects and ``smaps_rollup``."""
+    rollup = _rollup_kb()
+    return {
+        "store_bytes": engine.store.nbytes,
+        "window_bytes": engine.window.nbytes,
+        "blocks": list(engine.blocks),
+        "peak_growth_bytes": peak_growth,
+        "shmem_growth_bytes": shmem_growth,
+        "pss_bytes": rollup["Pss"] * 1024,
+        "base_pss_bytes": base_pss,
+        "pss_shmem_bytes": rollup.get("Pss_Shmem", 0) * 1024,
+        "rss_bytes": rollup["Rss"] * 1024,
+    }
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     dist.init_process_group("gloo")
@@ -144,18 +160,9 @@ def main() -> None:
         peak_growth = (_status_kb("VmHWM") - rss_before) * 1024
         shmem_growth = (_status_kb("RssShmem") - shmem_before) * 1024
         dist.barrier()  # every rank still maps the store while PSS is read
-        rollup = _rollup_kb()
         mine = {
             "rank": rank,
-            "store_bytes": engine.store.nbytes,
-            "window_bytes": engine.window.nbytes,
-            "blocks": list(engine.blocks),
-            "peak_growth_bytes": peak_growth,
-            "shmem_growth_bytes": shmem_growth,
-            "pss_bytes": rollup["Pss"] * 1024,
-            "base_pss_bytes": base_pss,
-            "pss_shmem_bytes": rollup.get("Pss_Shmem", 0) * 1024,
-            "rss_bytes": rollup["Rss"] * 1024,
+            **_memory(engine, base_pss, peak_growth, shmem_growth),
             # wall seconds between the ends of consecutive steps, from the 2nd step to the one before
             # the last (the last is preceded by the store mapping above); calibrated: of each step
             "step_s": timed[1:-1] if kernels else [b - a for a, b in itertools.pairwise(ends[1:-1])],
