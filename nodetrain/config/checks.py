@@ -231,6 +231,16 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
         "use 1800",
     ),
     ("hardware.peak_flops", lambda v: v > 0, "must be > 0", "the device's dense bf16 FLOP/s"),
+    *(
+        (f"hardware.{key}", lambda v: v >= 0, "must be >= 0", "use 0 when not known")
+        for key in (
+            "fp32_flops",
+            "attention_flops",
+            "fp32_attention_flops",
+            "device_memory_bandwidth_gbps",
+            "layer_overhead_s",
+        )
+    ),
     ("hardware.device_memory_gb", lambda v: v >= 0, "must be >= 0", "use 0 on a CPU profile"),
     ("hardware.host_link_gbps", lambda v: v > 0, "must be > 0", "the host link's GB/s per direction"),
     ("hardware.host_memory_gb", lambda v: v > 0, "must be > 0", "the node's RAM in GB"),
