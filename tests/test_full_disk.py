@@ -21,7 +21,7 @@ import torch.distributed as dist
 from nodetrain.checkpoint import state as st
 from nodetrain.checkpoint import writer as writer_mod
 from nodetrain.checkpoint.writer import CheckpointWriter
-from nodetrain.config.checks import DiskFullError
+from nodetrain.config.disk import DiskFullError
 from nodetrain.config.schema import CheckpointConfig, DataConfig, ModelConfig, OptimConfig
 from nodetrain.data import datasets
 from nodetrain.model import HFModel, build_hf_config

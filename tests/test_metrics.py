@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from wandb_log import read_run
 
-from nodetrain.config.checks import DiskFullError
+from nodetrain.config.disk import DiskFullError
 from nodetrain.run import metrics
 from nodetrain.run.jobs import REFUSALS
 from nodetrain.run.metrics import METRICS_FILE, MetricsLogger, eta_seconds, format_progress

@@ -47,8 +47,8 @@ from nodetrain.checkpoint import state as st
 from nodetrain.checkpoint.collective import all_gather_json, broadcast_json
 from nodetrain.checkpoint.export import write_export_files
 from nodetrain.checkpoint.state import lean_key
-from nodetrain.config.checks import DiskFullError, is_disk_full
 from nodetrain.config.constants import DTYPES
+from nodetrain.config.disk import DiskFullError, is_disk_full
 from nodetrain.config.schema import CheckpointConfig
 from nodetrain.model import HFModel, Unit
 from nodetrain.optim.adamw import StoreAdamW

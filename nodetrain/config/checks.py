@@ -11,11 +11,9 @@ anything that needs torch.distributed.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import functools
 import json
 import math
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,12 +36,10 @@ __all__ = [
     "SUPPORTED_ARCHS",
     "ConfigError",
     "DataError",
-    "DiskFullError",
     "Problems",
     "check_unknown_keys",
     "config_source",
     "float_fields",
-    "is_disk_full",
     "no_effect",
     "validate",
 ]
@@ -65,30 +61,6 @@ class ConfigError(ValueError):
 class DataError(ValueError):
     """The data cannot serve this run (missing or unreadable source, too short, vocabulary too large for
     the model); the message names the key, the file and the fix."""
-
-
-class DiskFullError(ValueError):
-    """A filesystem the run writes to is full (or over its quota); the message names the key, the path,
-    the bytes needed and free, and what was kept."""
-
-
-_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-_FULL_TEXT = re.compile(
-    rf"os error ({'|'.join(str(n) for n in _FULL_ERRNOS)})\b|No space left|quota exceeded"
-)
-_SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")  # numpy's tofile on a full disk (no errno)
-
-
-def is_disk_full(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an error it was raised from) says a write found no space: ``OSError`` with
-    ENOSPC/EDQUOT, a safetensors error quoting that ``os error``, or numpy's short-write message."""
-    while exc is not None:
-        if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
-            return True
-        if _FULL_TEXT.search(str(exc)) or (isinstance(exc, OSError) and _SHORT_WRITE.search(str(exc))):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 FAIL_MODES = ("raise", "hang")

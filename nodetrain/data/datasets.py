@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from nodetrain.config.checks import DiskFullError, is_disk_full
+from nodetrain.config.disk import DiskFullError, is_disk_full
 from nodetrain.config.schema import DataConfig
 from nodetrain.data import corpus, tokenizer
 from nodetrain.data.progress import TaskProgress

@@ -33,7 +33,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from nodetrain.checkpoint.state import CheckpointError
-from nodetrain.config.checks import DataError, DiskFullError
+from nodetrain.config.checks import DataError
+from nodetrain.config.disk import DiskFullError
 from nodetrain.config.schema import ConfigError, LoggingConfig
 from nodetrain.run.faults import record_failure
 from nodetrain.run.metrics import to_log_files

@@ -29,7 +29,7 @@ from typing import IO, Any
 
 from rich.console import Console
 
-from nodetrain.config.checks import DiskFullError, is_disk_full
+from nodetrain.config.disk import DiskFullError, is_disk_full
 
 __all__ = ["METRICS_FILE", "MetricsLogger", "eta_seconds", "format_progress", "read_rows", "to_log_files"]
 
