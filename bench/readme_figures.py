@@ -51,6 +51,13 @@ def _row(label: str, column: int = 1) -> str:
     return re.escape(label) + cells
 
 
+def _scales(out: str) -> str:
+    """Bytes/param of both block-scale rows of the lean store table, summed (the README quotes one)."""
+    rows = re.findall(r"│ exp_avg(?:_sq)? block scales \([^)]*\)\s*│\s*[\d.]+\s*│\s*([\d.,]+)", out)
+    params = float(_find(r"\(([\d,.]+)B parameters", out).replace(",", "")) * 1e9
+    return f"{sum(float(r.replace(',', '')) for r in rows) * 1e9 / params:.2f}"
+
+
 def _years(days_regex: str) -> Callable[[str], str]:
     def years(out: str) -> str:
         return f"{float(_find(days_regex, out).replace(',', '')) / 365.25:,.0f}"
@@ -165,6 +172,19 @@ PROSE: list[Prose] = [
     ),
     Prose(
         _70B_LEAN,
+        "The planner prints {total} bytes/param (fp32 gradient {grad}, bf16 master = transfer copy {master}, "
+        "8-bit `exp_avg_sq` {sq}, 4-bit `exp_avg` {avg}, block scales {scales})",
+        {
+            "total": r"│ host store\s*│\s*([\d.]+)",
+            "grad": r"│ gradient accumulator \(fp32\)\s*│\s*([\d.]+)",
+            "master": r"│ master weights = transfer copy \(bfloat16\)\s*│\s*([\d.]+)",
+            "sq": r"│ AdamW exp_avg_sq \(8-bit codes\)\s*│\s*([\d.]+)",
+            "avg": r"│ AdamW exp_avg \(4-bit codes\)\s*│\s*([\d.]+)",
+            "scales": _scales,
+        },
+    ),
+    Prose(
+        _70B_LEAN,
         "the planner still times the CPU update with `full`'s memory traffic, {exposed} s exposed",
         {"exposed": _EXPOSED},
     ),
@@ -176,9 +196,11 @@ PROSE: list[Prose] = [
     ),
     Prose(
         _1T,
-        "needs an {store} GB host store against the node's {host} GB — the largest model that fits 2 TB "
+        "(`model=llama_1t`, {params}B parameters) needs an {store} GB host store against the node's "
+        "{host} GB — the largest model that fits 2 TB "
         "is ~{largest}B parameters",
         {
+            "params": r"llama_1t \(([\d,.]+)B parameters",
             "store": r"the host store needs ([\d,]+) GB",
             "host": r"but h100_sxm has ([\d,]+) GB",
             "largest": r"fits is ~([\d.]+)B parameters",
