@@ -418,6 +418,9 @@ def test_host_problems_by_hand() -> None:
     assert "only 12.0 GB is available" in memory
     (disk,) = host_problems(10 * 10**9, 1, 0, 99 * 10**9, 9 * 10**9, "/x")
     assert disk.startswith("store.dir=/x:") and "9.0 GB free" in disk
+    # a small store is not printed as "0.0 GB" (issue 25): 12.3 MB needed, 4.5 MB free
+    (small,) = host_problems(12_345_678, 1, 0, 99 * 10**9, 4_500_000, "/y")
+    assert "needs 12.3 MB but the directory has 4.5 MB free" in small
 
 
 # ----------------------------------------------------------------------------- profiles and CLI

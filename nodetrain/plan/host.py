@@ -31,6 +31,14 @@ GB = 1e9
 """Bytes in the GB of every figure here (decimal, as ``psutil`` totals are quoted)."""
 
 
+def _size(nbytes: float) -> str:
+    """``nbytes`` as GB with one decimal, or as MB (kB) when that would print "0.0 GB" (decimal units)."""
+    for unit, scale in (("GB", GB), ("MB", 1e6)):
+        if nbytes >= 0.1 * scale:
+            return f"{nbytes / scale:,.1f} {unit}"
+    return f"{nbytes / 1e3:,.1f} kB"
+
+
 def host_problems(
     store_bytes: int,
     world_size: int,
@@ -54,14 +62,14 @@ def host_problems(
     problems = []
     if need > available_bytes:
         problems.append(
-            f"host memory: the host store needs {store_bytes / GB:.1f} GB + {world_size} rank(s) × "
-            f"{rank_overhead_bytes / GB:.2f} GB (plan.rank_overhead_gb) = {need / GB:.1f} GB, but only "
-            f"{available_bytes / GB:.1f} GB is available; {fix}"
+            f"host memory: the host store needs {_size(store_bytes)} + {world_size} rank(s) × "
+            f"{rank_overhead_bytes / GB:.2f} GB (plan.rank_overhead_gb) = {_size(need)}, but only "
+            f"{_size(available_bytes)} is available; {fix}"
         )
     if store_bytes > free_bytes:
         problems.append(
-            f"store.dir={store_dir}: the host store needs {store_bytes / GB:.1f} GB but the directory has "
-            f"{free_bytes / GB:.1f} GB free; enlarge it (e.g. `mount -o remount,size=<GB>G /dev/shm`) or "
+            f"store.dir={store_dir}: the host store needs {_size(store_bytes)} but the directory has "
+            f"{_size(free_bytes)} free; enlarge it (e.g. `mount -o remount,size=<GB>G /dev/shm`) or "
             "point store.dir at a larger RAM-backed filesystem"
         )
     return problems
