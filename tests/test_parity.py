@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import tokenizers
 import torch
 import torch.nn.functional as F
 import transformers
@@ -172,6 +173,11 @@ def save_seeded_model(case: Case, model_dir: Path) -> None:
             if p.ndim < 2:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(model_dir)
+    # the run's tokenizer (data.tokenizer): VOCAB ids, so data.vocab_size need not be a trained BPE's >= 257
+    words = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0")
+    )
+    transformers.PreTrainedTokenizerFast(tokenizer_object=words).save_pretrained(model_dir)
 
 
 def make_batches(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -267,6 +273,7 @@ def run_nodetrain(
         "train.steps": STEPS,
         "train.grad_accum": case.grad_accum,
         "data.vocab_size": VOCAB,
+        "data.tokenizer": str(model_dir),
         "pipeline.stages": case.stages,
         "pipeline.schedule": case.schedule,
         "pipeline.microbatches": case.microbatches,

