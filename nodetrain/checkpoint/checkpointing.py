@@ -147,7 +147,7 @@ class Checkpointing:
         if self.path is not None:
             return training_state_loader(self.path, self.state, self.cfg.optim.state)
         if self._hf_index is not None:
-            return lambda store, units: load_units(self._hf_index, store, units)
+            return lambda store, units: load_units(self._hf_index, store, units, model=self.model)
         return None
 
     def attach(self, engine) -> int:

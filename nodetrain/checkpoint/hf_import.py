@@ -18,6 +18,7 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
+from nodetrain.checkpoint.hf_layout import import_pieces
 from nodetrain.checkpoint.tensors import TensorEntry, read_index, read_into
 from nodetrain.model import SUPPORTED_ARCHS, HFModel, Unit
 from nodetrain.store import HostStore
@@ -94,7 +95,11 @@ def _ignored_buffers(index: dict[str, TensorEntry]) -> set[str]:
 
 
 def _check_tensors(index: dict[str, TensorEntry], model: HFModel, source: dict) -> list[str]:
-    problems, wanted = [], {p.hf_name: p for u in model.units for p in u.params}
+    # a parameter may be several checkpoint tensors (one per expert: hf_layout.py)
+    problems, wanted = (
+        [],
+        {q.name: q for u in model.units for p in u.params for q in import_pieces(model, p, index)},
+    )
     for name, p in wanted.items():
         entry = index.get(name)
         if entry is None:
@@ -170,10 +175,16 @@ def check_model_dir(
 
 
 def load_units(
-    index: dict[str, TensorEntry], store: HostStore, units: list[Unit], field: str = "master"
+    index: dict[str, TensorEntry],
+    store: HostStore,
+    units: list[Unit],
+    field: str = "master",
+    model: HFModel | None = None,
 ) -> None:
     """Read every parameter of ``units`` from ``index`` into the store's ``field`` buffers (fp32),
-    converting dtype on the way; extra memory is bounded by ``tensors.CHUNK_BYTES``.
+    converting dtype on the way; extra memory is bounded by ``tensors.CHUNK_BYTES``. With ``model``,
+    a parameter is read from the checkpoint tensors it is saved as (experts one per expert:
+    hf_layout.py); without, by its own name.
 
     Raises:
         KeyError: a parameter missing from ``index`` (callers check first).
@@ -181,7 +192,8 @@ def load_units(
     for u in units:
         buf = store.buffer(u.index, field)
         for p in u.params:
-            read_into(index[p.hf_name], buf[p.offset : p.offset + p.numel])
+            for q in import_pieces(model, p, index):
+                read_into(index[q.name], buf[p.offset + q.offset : p.offset + q.offset + q.numel])
 
 
 def load_hf_weights(
@@ -213,4 +225,4 @@ def load_hf_weights(
             raise ValueError(
                 f"model.init_from={str(model_dir)!r} does not match the model:\n  " + "\n  ".join(problems)
             )
-    load_units(index, store, units)
+    load_units(index, store, units, model=model)
