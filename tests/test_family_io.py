@@ -120,9 +120,9 @@ def test_expert_checkpoint_names_are_transformers_own(tmp_path) -> None:
 
 def test_cli_imports_trains_and_exports_a_mixture_of_experts(tmp_path: Path, corpus) -> None:
     """``model.init_from`` of a sharded Qwen3-MoE (router auxiliary loss on), 2 stages, 2 steps, an
-    fp32 checkpoint at the end: transformers loads it (experts one per expert: it would not load
-    fused ones) with exactly the checkpoint's master weights, and generates. The master weights
-    have shards of their own (resume reads them by parameter name)."""
+    fp32 checkpoint at the end: its tensors are those transformers' save_pretrained writes (one per
+    expert), transformers loads it with exactly the checkpoint's master weights, and generates. The
+    master weights have shards of their own (resume reads them by parameter name)."""
     src = tmp_path / "hf"
     _saved("Qwen3MoeForCausalLM", src, vocab_size=320, hidden_size=64)
     run = tmp_path / "run"
@@ -141,6 +141,10 @@ def test_cli_imports_trains_and_exports_a_mixture_of_experts(tmp_path: Path, cor
     model = transformers.AutoModelForCausalLM.from_pretrained(step, dtype=torch.float32)
     assert isinstance(model, transformers.Qwen3MoeForCausalLM)
     assert json.loads((step / "trainer_state.json").read_text())["weights"]["master"] == "master"
+    saved = read_index(step, "model")  # the tensors transformers' save_pretrained writes (src is its)
+    assert (
+        set(saved) == set(read_index(src, "model")) and "model.layers.1.mlp.experts.3.up_proj.weight" in saved
+    )
     master = read_index(step, "master")
     state = model.state_dict()
     assert set(master) == set(state)
