@@ -35,8 +35,9 @@ CASES = [
          router_aux_loss="per_layer", mutants=("pooled_aux",),
          hf={**_MOE, "num_experts": 4, "mlp_only_layers": [0], "router_aux_loss_coef": 0.1}),
     Case("gptoss-1stage-gpipe-slots2-accum1x4", "GptOssForCausalLM", 1, "gpipe", 2, 1, 4,
-         hf={"num_experts_per_tok": 2, "num_local_experts": 4, "intermediate_size": 32, "head_dim": 16, "sliding_window": 8,
-             "layer_types": ["sliding_attention", "full_attention"] * 2, "attention_bias": True}),
+         hf={"num_experts_per_tok": 2, "num_local_experts": 4, "intermediate_size": 32, "head_dim": 16,
+             "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"] * 2,
+             "attention_bias": True}),
 ]
 # fmt: on
 
