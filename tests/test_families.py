@@ -202,3 +202,18 @@ def test_refused_by_name(arch: str, fields: dict, reason: str) -> None:
     with pytest.raises(ValueError, match=reason):
         cfg = ModelConfig(name="m", arch=arch, hf={"hidden_size": 32, **fields}, router_aux_loss=aux)
         build_hf_config(cfg)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_block_cost_counts_active_experts(arch: str) -> None:
+    """FLOPs (MFU) count the parameters a token multiplies: k of the E experts, every other one."""
+    config = tiny_config(arch)
+    model = HFModel(config)
+    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    for i in range(1, len(model.units) - 1):
+        layer = dict(
+            getattr(transformers, config.architectures[0])(config).model.layers[i - 1].named_parameters()
+        )
+        expert = sum(p.numel() for n, p in layer.items() if ".experts." in f".{n}")
+        dense = sum(p.numel() for p in layer.values()) - expert
+        assert model.block_cost(i) == dense + expert * config.num_experts_per_tok // experts, i

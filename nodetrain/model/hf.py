@@ -254,9 +254,18 @@ class HFModel:
         """Compute cost of a block in parameters multiplied per token (2 FLOPs each, forward).
 
         The embedding is a lookup (no matmul, cost 0); the head counts its ``V × D`` matmul,
-        also when that weight is the tied embedding's.
+        also when that weight is the tied embedding's. A mixture of experts' layer counts its
+        active parameters: each token runs ``num_experts_per_tok`` of the E stacked experts.
         """
-        return 0 if index == 0 else sum(b.numel for b in self.bindings[index])
+        if index == 0:
+            return 0
+        return round(sum(b.numel * self._active_fraction(b) for b in self.bindings[index]))
+
+    def _active_fraction(self, b: Binding) -> float:
+        experts = getattr(self.config, "num_local_experts", None) or getattr(self.config, "num_experts", 0)
+        if self.family.moe and ".experts." in f".{b.local_name}" and b.shape[0] == experts:
+            return self.config.num_experts_per_tok / experts
+        return 1.0
 
     def init_unit(self, unit: Unit, out: torch.Tensor, seed: int) -> None:
         """Random init of one unit into ``out`` ([unit.numel] fp32), independent of the stage layout.
