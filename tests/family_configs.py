@@ -54,10 +54,29 @@ FIELDS: dict[str, dict] = {
         sliding_window=WINDOW,
         attention_bias=True,
     ),
+    # layer 0 dense (first_k_dense_replace), 1-2: 4 routed experts in 2 groups + a shared one; MLA
+    "DeepseekV3ForCausalLM": dict(
+        _MOE,
+        first_k_dense_replace=1,
+        n_routed_experts=4,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        moe_intermediate_size=16,
+        q_lora_rank=16,
+        kv_lora_rank=8,
+        qk_rope_head_dim=4,
+        head_dim=4,  # DeepSeek: the rotary part of a head (qk_rope_head_dim)
+        qk_nope_head_dim=4,
+        v_head_dim=8,
+        routed_scaling_factor=2.0,
+    ),
 }
 """Architecture → the fields on top of ``TINY`` that give it its family's features."""
 
-MOE_ARCHS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
+MOE_ARCHS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM")
+AUX_ARCHS = MOE_ARCHS[:3]
+"""Mixtures of experts with a router auxiliary loss in transformers (not DeepSeek-V3)."""
 
 
 def tiny_config(arch: str, **fields) -> transformers.PretrainedConfig:

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from family_configs import MOE_ARCHS, tiny_config
+from family_configs import AUX_ARCHS, MOE_ARCHS, tiny_config
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from nodetrain.config.constants import SUPPORTED_ARCHS
@@ -46,7 +46,16 @@ def _reference(config) -> transformers.PreTrainedModel:
         for name, p in model.named_parameters():
             if p.ndim < 2 or "router" in name or "gate.weight" in name:
                 p.add_(torch.randn_like(p) * 0.3)
+        for name, b in model.named_buffers():  # DeepSeek-V3: a bias that changes which experts are chosen
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.3)
     return model
+
+
+def _bind_constants(model: HFModel, state: dict) -> None:
+    for block, constants in enumerate(model.constants):
+        for local, (hf_name, _) in constants.items():
+            model.set_constant(block, local, state[hf_name])
 
 
 def _batches():
@@ -129,6 +138,7 @@ def _check(arch: str, shm_dir, cuts: list[int], rows: bool, aux: str = "") -> No
     want_loss, want = _reference_grads(ref, ids, labels, aux)
     router_aux = RouterAux(COEF, config.num_experts_per_tok, MICROBATCHES) if aux else None
     model = HFModel(config, router_aux)
+    _bind_constants(model, ref.state_dict())
     store = _store(model, ref.state_dict(), shm_dir, f"fam-{arch}-{len(cuts)}-{rows}-{aux}")
     loss, got = _stage_grads(model, store, cuts, ids, labels, rows)
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=0)
@@ -150,7 +160,7 @@ def test_stages_give_transformers_loss_and_gradients(arch: str, staging: str, sh
     _check(arch, shm_dir, cuts, rows)
 
 
-@pytest.mark.parametrize("arch", MOE_ARCHS)
+@pytest.mark.parametrize("arch", AUX_ARCHS)
 def test_per_layer_aux_loss_gradients(arch: str, shm_dir) -> None:
     """The per-layer auxiliary loss over two micro-batches and two stages (cut inside the MoE layers)."""
     _check(arch, shm_dir, [3], rows=True, aux="per_layer")
@@ -174,7 +184,7 @@ def test_pooled_aux_loss_is_another_objective() -> None:
     assert (per_layer[router] - pooled[router]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("arch", MOE_ARCHS)
+@pytest.mark.parametrize("arch", AUX_ARCHS)
 def test_aux_loss_is_off_by_default_and_pooled_refused(arch: str) -> None:
     hf = dict(tiny_config(arch).to_diff_dict())
     hf.pop("architectures", None), hf.pop("model_type", None)
@@ -192,6 +202,7 @@ def test_every_supported_arch_has_a_family() -> None:
 @pytest.mark.parametrize(
     ("arch", "fields", "reason"),
     [
+        ("DeepseekV3ForCausalLM", {}, "no auxiliary loss for this family"),
         ("Gemma3ForCausalLM", {"use_bidirectional_attention": True}, "encoder's attention"),
         ("MixtralForCausalLM", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
         ("LlamaForCausalLM", {}, "per_layer: the model has no experts"),
@@ -217,3 +228,22 @@ def test_block_cost_counts_active_experts(arch: str) -> None:
         expert = sum(p.numel() for n, p in layer.items() if ".experts." in f".{n}")
         dense = sum(p.numel() for p in layer.values()) - expert
         assert model.block_cost(i) == dense + expert * config.num_experts_per_tok // experts, i
+
+
+def test_deepseek_router_bias_is_a_constant_that_chooses_experts(shm_dir) -> None:
+    """DeepSeek-V3's ``e_score_correction_bias`` is a buffer in transformers (no gradient, never
+    updated): no unit holds it (so AdamW, clipping and weight decay cannot touch it), and it is bound
+    to every call: without it the stage code's loss is another model's."""
+    config = tiny_config("DeepseekV3ForCausalLM")
+    model = HFModel(config)
+    held = {p.hf_name for u in model.units for p in u.params}
+    names = {hf for c in model.constants for hf, _ in c.values()}
+    assert names == {f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2)}
+    assert not names & held
+    ref = _reference(config)
+    ids, labels = _batches()
+    _, want = _reference_grads(ref, ids, labels)
+    store = _store(model, ref.state_dict(), shm_dir, "fam-bias")  # constants left at zero
+    _, got = _stage_grads(model, store, [], ids, labels, rows=False)
+    name = "model.layers.1.mlp.experts.gate_up_proj"  # other experts chosen: other experts' gradients
+    assert (got[name] - want[name]).abs().max() > 100 * 1e-6  # 100 × the comparisons' tolerance

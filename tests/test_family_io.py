@@ -29,6 +29,7 @@ from nodetrain.checkpoint.hf_layout import checkpoint_pieces
 from nodetrain.checkpoint.tensors import read_index, read_into
 from nodetrain.config.schema import ModelConfig
 from nodetrain.model import HFModel, build_hf_config
+from nodetrain.run.outputs import checkpoint_bytes
 from nodetrain.store import HostStore, StoreLayout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +42,9 @@ def _saved(arch: str, directory: Path, **fields) -> transformers.PreTrainedModel
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
+        for name, b in model.named_buffers():  # DeepSeek-V3's router bias: saved, so checked
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.3)
     model.save_pretrained(directory, max_shard_size="40KB")
     return model
 
@@ -86,6 +90,8 @@ def test_import_then_export_round_trips_through_transformers(
         for p in u.params:
             got = store.master(u.index)[p.offset : p.offset + p.numel].view(p.shape)
             assert torch.equal(got, state[p.hf_name]), p.hf_name
+        for hf_name, value in model.constants[u.index].values():  # DeepSeek-V3's router bias
+            assert torch.equal(value, state[hf_name]), hf_name
 
     out = tmp_path / "export"
     out.mkdir()
@@ -95,6 +101,7 @@ def test_import_then_export_round_trips_through_transformers(
             flat = store.master(u.index)[p.offset : p.offset + p.numel]
             for q in checkpoint_pieces(model, p):
                 tensors[q.name] = flat[q.offset : q.offset + q.numel].view(q.shape)
+        tensors.update(dict(model.constants[u.index].values()))  # as the writer does
     save_file(tensors, str(out / "model.safetensors"))
     write_export_files(out, model.config, None, torch.float32)
     back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -110,11 +117,12 @@ def test_import_then_export_round_trips_through_transformers(
 def test_expert_checkpoint_names_are_transformers_own(tmp_path) -> None:
     """The per-expert names export writes are exactly the tensors transformers' save_pretrained
     writes (both MoE layouts), so the hub's files import and ours load anywhere theirs do."""
-    for arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM"):
+    for arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM"):
         _saved(arch, tmp_path / arch)
         index = json.loads((tmp_path / arch / "model.safetensors.index.json").read_text())["weight_map"]
         model = HFModel(tiny_config(arch))
         names = {q.name for u in model.units for p in u.params for q in checkpoint_pieces(model, p)}
+        names |= {hf for c in model.constants for hf, _ in c.values()}  # DeepSeek-V3's router bias
         assert names == set(index), arch
 
 
@@ -145,6 +153,13 @@ def test_cli_imports_trains_and_exports_a_mixture_of_experts(tmp_path: Path, cor
     assert (
         set(saved) == set(read_index(src, "model")) and "model.layers.1.mlp.experts.3.up_proj.weight" in saved
     )
+    size = sum(f.stat().st_size for f in step.glob("*.safetensors"))
+    want_bytes = checkpoint_bytes(
+        HFModel(build_hf_config(ModelConfig(name="x", init_from=str(src)))), "float32"
+    )
+    assert want_bytes <= size < want_bytes + 64 * 1024, (
+        "the checkpoint's size estimate counts the master shards"
+    )
     master = read_index(step, "master")
     state = model.state_dict()
     assert set(master) == set(state)
@@ -160,3 +175,33 @@ def test_cli_imports_trains_and_exports_a_mixture_of_experts(tmp_path: Path, cor
     with torch.no_grad():
         out = model.generate(**prompt, max_new_tokens=4, do_sample=False)
     assert out.shape[1] == prompt.input_ids.shape[1] + 4 or out[0, -1] == model.generation_config.eos_token_id
+
+
+def test_cli_deepseek_router_bias_survives_import_resume_and_export(tmp_path: Path, corpus) -> None:
+    """DeepSeek-V3 through the CLI: import (router bias non-zero), one step and a checkpoint, then
+    ``checkpoint.resume=auto`` to step 2: the step-2 export holds the imported bias bit for bit (a
+    resume that lost it would train and export zeros) and transformers loads and generates with it."""
+    src = tmp_path / "hf"
+    ref = _saved("DeepseekV3ForCausalLM", src, vocab_size=320, hidden_size=64)
+    run = tmp_path / "run"
+    base = [*TINY_RUN, *corpus, "train.dtype=float32", "train.eval_every=0", "logging.wandb=false"]
+    base += [f"store.dir={tmp_path}", f"model.init_from={src}", "data.tokenizer=bpe", f"hydra.run.dir={run}"]
+    base += ["checkpoint.every=1", "checkpoint.async_write=false"]
+    for extra in (["train.steps=1"], ["train.steps=2", "checkpoint.resume=auto"]):
+        cmd = torchrun_cmd(2, "-m", "nodetrain.train", *base, *extra)
+        proc = subprocess.run(cmd, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert "init_from=" in (log := (run / "rank0.log").read_text()) and "is not read" in log  # resumed
+    step = run / "checkpoints" / "step-2"
+    model = transformers.AutoModelForCausalLM.from_pretrained(step, dtype=torch.float32)
+    for i in (1, 2):
+        name = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+        assert torch.equal(model.state_dict()[name], ref.state_dict()[name]), name
+    moved = (
+        model.state_dict()["model.layers.1.mlp.gate.weight"]
+        - ref.state_dict()["model.layers.1.mlp.gate.weight"]
+    )
+    assert moved.abs().max() > 0, "the router trained"
+    tok = transformers.AutoTokenizer.from_pretrained(step)
+    with torch.no_grad():
+        model.generate(**tok("Shall I compare thee", return_tensors="pt"), max_new_tokens=3, do_sample=False)

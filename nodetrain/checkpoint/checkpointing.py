@@ -30,7 +30,7 @@ import torch.distributed as dist
 from nodetrain.checkpoint import state as st
 from nodetrain.checkpoint.collective import broadcast_json
 from nodetrain.checkpoint.export import run_tokenizer
-from nodetrain.checkpoint.hf_import import check_model_dir, load_units
+from nodetrain.checkpoint.hf_import import check_model_dir, load_constants, load_units
 from nodetrain.checkpoint.resume import (
     check_training_state,
     choose_checkpoint,
@@ -39,6 +39,7 @@ from nodetrain.checkpoint.resume import (
     seed_rng,
     training_state_loader,
 )
+from nodetrain.checkpoint.tensors import read_index
 from nodetrain.checkpoint.writer import CheckpointWriter
 from nodetrain.config.schema import Config, grad_accum_of
 from nodetrain.model import HFModel
@@ -145,7 +146,16 @@ class Checkpointing:
     def init_fn(self):
         """The ``init_from`` callable for ``Engine``: checkpoint state, HF weights, or None (random)."""
         if self.path is not None:
-            return training_state_loader(self.path, self.state, self.cfg.optim.state)
+            load = training_state_loader(self.path, self.state, self.cfg.optim.state)
+            if not any(self.model.constants):
+                return load
+            path = self.path
+
+            def load_with_constants(store, units):  # the router's bias is in the model shards only
+                load(store, units)
+                load_constants(read_index(path, "model"), self.model, units)
+
+            return load_with_constants
         if self._hf_index is not None:
             return lambda store, units: load_units(self._hf_index, store, units, model=self.model)
         return None

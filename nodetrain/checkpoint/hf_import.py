@@ -16,14 +16,15 @@ import re
 from collections.abc import Collection
 from pathlib import Path
 
+import torch
 from transformers import AutoConfig
 
-from nodetrain.checkpoint.hf_layout import import_pieces
+from nodetrain.checkpoint.hf_layout import Piece, import_pieces
 from nodetrain.checkpoint.tensors import TensorEntry, read_index, read_into
 from nodetrain.model import SUPPORTED_ARCHS, HFModel, Unit
 from nodetrain.store import HostStore
 
-__all__ = ["check_model_dir", "load_hf_weights", "load_units"]
+__all__ = ["check_model_dir", "load_constants", "load_hf_weights", "load_units"]
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +97,9 @@ def _ignored_buffers(index: dict[str, TensorEntry]) -> set[str]:
 
 def _check_tensors(index: dict[str, TensorEntry], model: HFModel, source: dict) -> list[str]:
     # a parameter may be several checkpoint tensors (one per expert: hf_layout.py)
-    problems, wanted = (
-        [],
-        {q.name: q for u in model.units for p in u.params for q in import_pieces(model, p, index)},
-    )
+    problems = []
+    wanted = {q.name: q for u in model.units for p in u.params for q in import_pieces(model, p, index)}
+    wanted.update({hf: Piece(hf, 0, tuple(t.shape)) for c in model.constants for hf, t in c.values()})
     for name, p in wanted.items():
         entry = index.get(name)
         if entry is None:
@@ -110,7 +110,7 @@ def _check_tensors(index: dict[str, TensorEntry], model: HFModel, source: dict) 
             problems.append(f"{name}: dtype {entry.dtype} in {entry.file.name} is not a float dtype")
     # A tied checkpoint may still carry lm_head.weight (a copy of the embedding); transformers ignores it.
     ignored = {"lm_head.weight"} if model.tied and source.get("tie_word_embeddings") else set()
-    buffers = _ignored_buffers(index)
+    buffers = _ignored_buffers(index) | {n for n in index if any(re.search(k, n) for k in model.ignored_keys)}
     if buffers:
         log.info(
             "skipping %d non-parameter buffer(s) transformers also ignores, e.g. %s",
@@ -194,6 +194,23 @@ def load_units(
         for p in u.params:
             for q in import_pieces(model, p, index):
                 read_into(index[q.name], buf[p.offset + q.offset : p.offset + q.offset + q.numel])
+    if model is not None:
+        load_constants(index, model, units)
+
+
+def load_constants(index: dict[str, TensorEntry], model: HFModel, units: list[Unit]) -> None:
+    """Read the constants of ``units`` (DeepSeek-V3's router ``e_score_correction_bias``: buffers
+    transformers saves but never trains, held by the model, not the store; hf.py) from ``index``
+    (an HF directory, or a checkpoint's model shards at resume).
+
+    Raises:
+        KeyError: a constant missing from ``index``.
+    """
+    for u in units:
+        for local, (hf_name, value) in model.constants[u.index].items():
+            fresh = torch.empty_like(value)
+            read_into(index[hf_name], fresh.view(-1))
+            model.set_constant(u.index, local, fresh)
 
 
 def load_hf_weights(

@@ -5,7 +5,8 @@ transformers 5 holds a mixture of experts' weights stacked in the module (``expe
 ``save_pretrained`` writes (``conversion_mapping.py`` reverts the fusion on save, 5.17 to 5.24
 alike) — hold one tensor per expert and projection, under transformers 4's module names:
 
-    Qwen3-MoE  mlp.experts.<e>.gate_proj.weight [I, D], .up_proj.weight [I, D], .down_proj.weight [D, I]
+    Qwen3-MoE, DeepSeek-V3  mlp.experts.<e>.gate_proj.weight [I, D], .up_proj.weight [I, D],
+               .down_proj.weight [D, I]
     Mixtral    block_sparse_moe.experts.<e>.w1.weight (gate), .w3.weight (up), .w2.weight (down);
                block_sparse_moe.gate.weight (the router, ``mlp.gate.weight`` in the module)
 
@@ -48,6 +49,7 @@ class Piece:
 # model_type → (module prefix in the checkpoint, gate name, up name, down name, router renamed)
 _PER_EXPERT = {
     "qwen3_moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj", None),
+    "deepseek_v3": ("mlp.experts", "gate_proj", "up_proj", "down_proj", None),
     "mixtral": ("block_sparse_moe.experts", "w1", "w3", "w2", "block_sparse_moe.gate.weight"),
 }
 _FUSED = re.compile(r"^(model\.layers\.\d+\.)mlp\.(experts\.(gate_up_proj|down_proj)|gate\.weight)$")

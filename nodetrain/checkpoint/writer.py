@@ -271,6 +271,7 @@ class CheckpointWriter:
                 for q in checkpoint_pieces(self.model, p):  # transformers' saved layout (hf_layout.py)
                     exported[q.name] = named[p.hf_name].view(-1)[q.offset : q.offset + q.numel].view(q.shape)
             model = {k: v.to(self.export_dtype) for k, v in exported.items()}
+            model.update(dict(self.model.constants[u.index].values()))  # the router's bias, fp32 (hf.py)
             self._save(model, tmp / st.shard_name("model", u.index, n), manifest)
             del model
             if self.master_prefix == "master":
@@ -305,6 +306,10 @@ class CheckpointWriter:
                     for f in LEAN_MOMENT_FIELDS:
                         weight_map[lean_key(u, f)] = st.shard_name(kind, u.index, n)
                         total += layout.numel(u.index, f) * layout.itemsize(f)
+                if kind == "model":  # constants (the router's bias): fp32, as transformers keeps them
+                    for hf_name, t in self.model.constants[u.index].values():
+                        weight_map[hf_name] = st.shard_name(kind, u.index, n)
+                        total += t.numel() * 4
                 for p in u.params:
                     names = (
                         [q.name for q in checkpoint_pieces(self.model, p)] if kind == "model" else [p.hf_name]

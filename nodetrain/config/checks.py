@@ -118,6 +118,13 @@ HF_KEYS: dict[str, frozenset[str]] = {
         """attention_bias head_dim layer_types num_experts_per_tok num_local_experts output_router_logits
         router_aux_loss_coef sliding_window swiglu_alpha swiglu_limit""".split()
     ),
+    "DeepseekV3ForCausalLM": _COMMON_HF_KEYS
+    | set(
+        """attention_bias first_k_dense_replace head_dim kv_lora_rank moe_intermediate_size n_group
+        n_routed_experts n_shared_experts norm_topk_prob num_experts_per_tok num_nextn_predict_layers
+        output_router_logits pretraining_tp q_lora_rank qk_head_dim qk_nope_head_dim qk_rope_head_dim
+        rope_interleave routed_scaling_factor topk_group v_head_dim""".split()
+    ),
 }
 """Keys ``model.hf`` may set, per arch (the fields of the transformers 5 config class). HF config
 classes silently keep unknown kwargs, so a typo such as ``num_hidden_layer`` is refused here."""

@@ -24,6 +24,7 @@ SUPPORTED_ARCHS = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 """HF causal-LM class (``architectures[0]`` of a config.json, ``model.arch``) → its ``model_type``."""
 

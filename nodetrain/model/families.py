@@ -51,6 +51,8 @@ class Family:
     random_keys: tuple[str, ...] = ("attention_dropout",)
     moe: bool = False
     """Some decoder layers route tokens to experts (router modules, see moe.py)."""
+    router_aux: bool = True
+    """transformers has a router auxiliary loss for it (its config's ``output_router_logits``)."""
 
 
 def _gemma_embed_scale(h: torch.Tensor, config: PretrainedConfig) -> torch.Tensor:
@@ -101,6 +103,10 @@ FAMILIES: dict[str, Family] = {
     "Qwen3MoeForCausalLM": Family(moe=True),
     "MixtralForCausalLM": Family(moe=True, refuse=_mixtral_refuse),
     "GptOssForCausalLM": Family(moe=True),
+    # Its multi-token-prediction layers (``num_nextn_predict_layers``; the hub's model.layers.61) are
+    # not in transformers' model, which skips them on load; so does the import. Balancing is the
+    # router's e_score_correction_bias, a buffer transformers loads and never updates: a constant here.
+    "DeepseekV3ForCausalLM": Family(moe=True, router_aux=False),
 }
 """HF causal-LM class → its hooks; the same keys as ``SUPPORTED_ARCHS`` (a test checks it)."""
 
@@ -109,8 +115,6 @@ _REFUSED = {
     "Gemma3ForConditionalGeneration": "the vision tower is not a decoder stack; train the text model "
     "(architectures=['Gemma3ForCausalLM'], model_type gemma3_text)",
     "Gemma2ForCausalLM": "its attention soft-capping runs only in eager attention; not tested here",
-    "DeepseekV3ForCausalLM": "not yet adapted (its router's e_score_correction_bias is a buffer the "
-    "host store does not hold)",
 }
 """Architectures people ask for that the adapter refuses, with the reason."""
 

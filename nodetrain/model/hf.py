@@ -140,7 +140,8 @@ def build_hf_config(cfg: ModelConfig, vocab_size: int | None = None) -> Pretrain
         hf = AutoConfig.for_model(SUPPORTED_ARCHS[cfg.arch], **fields)
         hf.architectures = [cfg.arch]
     hf.use_cache = False
-    why = refusal(hf) or aux_refusal(cfg.router_aux_loss, hf, family_of(hf).moe)
+    family = family_of(hf)
+    why = refusal(hf) or aux_refusal(cfg.router_aux_loss, hf, family.moe, family.router_aux)
     if why:
         raise ValueError(f"{hf.architectures[0]}: {why}")
     return hf
@@ -215,6 +216,10 @@ class HFModel:
         self._aux_scale = router_aux.scale(num_moe) if router_aux else 0.0
         self.units = self._build_units()
         self.bindings = [self._bindings(u) for u in self.units]
+        self.constants = self._build_constants()
+        self._constants_on: dict[tuple[int, torch.device], dict[str, torch.Tensor]] = {}
+        self.ignored_keys = tuple(getattr(type(self._meta), "_keys_to_ignore_on_load_unexpected", None) or ())
+        """Regexes of checkpoint tensors transformers skips on load (DeepSeek-V3's MTP layer 61)."""
         self.has_dropout = any(float(getattr(hf_config, k, 0.0) or 0.0) > 0 for k in self.family.random_keys)
         self._rotary: dict[torch.device, nn.Module] = {}
 
@@ -242,6 +247,35 @@ class HFModel:
             head.append(("lm_head.weight", "lm_head.weight", self.templates[-1].lm_head.weight))
         units.append(_layout(self.num_layers + 1, "head", head))
         return units
+
+    def _build_constants(self) -> list[dict[str, tuple[str, torch.Tensor]]]:
+        """Per block: local name -> (HF name, fp32 CPU tensor) of the persistent buffers of its
+        template (DeepSeek-V3's router ``e_score_correction_bias``). transformers saves and loads
+        them but never trains them (no gradient reaches them: they only choose experts), so they
+        live here, not in the host store: read at import (hf_import), written at export, the
+        module's init (zeros) otherwise, bound to every call as they are."""
+        out: list[dict[str, tuple[str, torch.Tensor]]] = [{} for _ in self.templates]
+        for i in range(self.num_layers):
+            template = self.templates[1 + i]
+            for name, buf in template.named_buffers():
+                owner, _, leaf = name.rpartition(".")
+                if leaf not in template.get_submodule(owner)._non_persistent_buffers_set:
+                    out[1 + i][name] = (
+                        f"model.layers.{i}.{name}",
+                        torch.zeros(buf.shape, dtype=torch.float32),
+                    )
+        return out
+
+    def set_constant(self, block: int, local_name: str, value: torch.Tensor) -> None:
+        """Replace a constant (import: before any forward; see ``_build_constants``)."""
+        self.constants[block][local_name][1].copy_(value)
+        self._constants_on.clear()
+
+    def _bound_constants(self, block: int, device: torch.device) -> dict[str, torch.Tensor]:
+        key = (block, device)
+        if key not in self._constants_on:
+            self._constants_on[key] = {k: t.to(device) for k, (_, t) in self.constants[block].items()}
+        return self._constants_on[key]
 
     def _bindings(self, unit: Unit) -> tuple[Binding, ...]:
         own = [Binding(p.local_name, unit.index, p.offset, p.shape) for p in unit.params]
@@ -352,6 +386,8 @@ class HFModel:
         if index == 1 and self.family.embed is not None:
             x = self.family.embed(x, self.config)
         layer = index - 1
+        if self.constants[index]:  # not leaves of the backward: no gradient, never updated
+            params = {**params, **self._bound_constants(index, x.device)}
         kwargs = {
             "attention_mask": self._mask_for(layer, ctx["masks"]),
             "position_embeddings": self._rope_for(layer, ctx["position_embeddings"]),

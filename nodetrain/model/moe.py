@@ -120,13 +120,20 @@ class RouterAux:
         return self.coef / (num_moe_layers * self.num_microbatches)
 
 
-def aux_refusal(form: str, config: PretrainedConfig, moe: bool) -> str | None:
-    """Why ``model.router_aux_loss=form`` cannot run on ``config``, or None."""
+def aux_refusal(form: str, config: PretrainedConfig, moe: bool, has_aux: bool = True) -> str | None:
+    """Why ``model.router_aux_loss=form`` cannot run on ``config``, or None (``moe``: the model has
+    experts; ``has_aux``: transformers has an auxiliary loss for the family)."""
     if form not in AUX_FORMS:
         return f"model.router_aux_loss={form!r}: use one of {', '.join(AUX_FORMS)}"
     if form == "per_layer" and not moe:
         return "model.router_aux_loss=per_layer: the model has no experts"
-    if form == "auto" and moe and getattr(config, "output_router_logits", False):
+    if form == "per_layer" and not has_aux:
+        return (
+            "model.router_aux_loss=per_layer: transformers has no auxiliary loss for this family (its "
+            "routers choose by sigmoid scores plus e_score_correction_bias, not the softmax the Switch "
+            "loss balances)"
+        )
+    if form == "auto" and moe and has_aux and getattr(config, "output_router_logits", False):
         return (
             "output_router_logits=True asks for transformers' pooled load_balancing_loss_func, which "
             "pools the router statistics of all layers of one forward (across pipeline stages); "
