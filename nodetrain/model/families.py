@@ -19,6 +19,11 @@ adapter calls at the seams between units:
 Everything inside a decoder layer (extra norms, q/k norms, fused projections, attention sinks,
 per-layer sliding windows, NoPE layers, experts and routers) is transformers' own module, bound
 per call. Does not own: units, templates and compute (hf.py), the router auxiliary loss (moe.py).
+
+Known differences from transformers' own models, both on packed rows (position ids restarting per
+document): GPT-OSS builds its masks without position ids, so transformers' model attends across
+documents where nodetrain's never does; DeepSeek-V3's attention fails inside transformers (sdpa) on
+packed position ids in 5.24, in nodetrain as in transformers.
 """
 
 from __future__ import annotations

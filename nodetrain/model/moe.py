@@ -137,7 +137,7 @@ def aux_refusal(form: str, config: PretrainedConfig, moe: bool, has_aux: bool = 
         return (
             "output_router_logits=True asks for transformers' pooled load_balancing_loss_func, which "
             "pools the router statistics of all layers of one forward (across pipeline stages); "
-            "nodetrain cannot compute it exactly. Set +model.router_aux_loss=per_layer (each layer's "
+            "nodetrain cannot compute it exactly. Set model.router_aux_loss=per_layer (each layer's "
             "Switch Transformer loss, see nodetrain/model/moe.py) or =off"
         )
     return None
