@@ -27,9 +27,17 @@ GB, MB = 1e9, 1e6
 
 
 def measure(
-    nproc: int, overrides: list[str], steps: int = 2, timeout_s: float = 900, pin_malloc: bool = True
+    nproc: int,
+    overrides: list[str],
+    steps: int = 2,
+    timeout_s: float = 900,
+    pin_malloc: bool = True,
+    calibrate: dict | None = None,
 ) -> list[dict]:
     """Run the real engine on ``nproc`` ranks (gloo, CPU) and return every rank's figures.
+
+    With ``calibrate`` (``memory_worker._kernels``' keys) the ranks measure the machine's rates right
+    before each timed step, after the previous step's updates finished.
 
     With ``pin_malloc``, ``MALLOC_MMAP_THRESHOLD_`` pins glibc's mmap threshold at 64 kB so freed
     tensors go back to the kernel and a step's resident peak (VmHWM) tracks the bytes actually live
@@ -37,7 +45,8 @@ def measure(
     """
     store_dir = Path(tempfile.mkdtemp(prefix="nt-bench-", dir="/dev/shm"))
     env = job_env(MALLOC_MMAP_THRESHOLD_="65536") if pin_malloc else job_env()
-    spec = json.dumps({"overrides": [*overrides, f"store.dir={store_dir}"], "steps": steps})
+    spec = {"overrides": [*overrides, f"store.dir={store_dir}"], "steps": steps}
+    spec = json.dumps({**spec, "calibrate": calibrate} if calibrate else spec)
     cmd = torchrun_cmd(nproc, str(ROOT / "bench/memory_worker.py"), spec)
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)

@@ -7,7 +7,10 @@ steps, and reports, per rank: the host store and window bytes of the engine's ob
 resident growth during the last step (``VmHWM`` − ``VmRSS`` before it, after resetting the peak
 through ``/proc/self/clear_refs``; every page of the store is mapped into the rank first, so the
 growth is the step's own memory, not store pages the rank happens to touch for the first time),
-the wall seconds of the steps between the first and the last (``step_s``),
+the wall seconds of the steps between the first and the last (``step_s``) with the engine's
+breakdown of each (``breakdowns``: per-stage phase seconds, workers' busy seconds, CPU seconds;
+rank 0), and, with ``"calibrate"`` in the spec, the machine's rates right before each step from the
+second on (``rates``, see :func:`_calibrate`: a timed step lies between two of them),
 and the rank's proportional set size (``Pss`` of ``/proc/self/smaps_rollup``: shared pages divided
 among the processes mapping them, so the ranks' PSS add up to the node's memory without counting
 the host store twice), after the steps and before the engine is built (``base_pss_bytes``: the
@@ -59,6 +62,63 @@ def _map_store(store) -> None:
         int(store.buffer(unit, name).view(torch.uint8)[::4096].sum())
 
 
+def _kernels(calibrate: dict) -> list[tuple[str, object, float]]:
+    """``cpu_profile.py``'s kernels for ``calibrate`` (``dtype``; the model's shapes: ``matmul``
+    (M, K, N), ``attention`` [B, H, T, Q], ``elementwise`` [rows, cols]; ``arch``): (name, call, work
+    per call), buffers allocated once."""
+    from cpu_profile import workload
+
+    dtype = getattr(torch, calibrate["dtype"])
+    kernels = [
+        ("matmul", *workload("matmul", dtype, tuple(calibrate["matmul"]))),
+        ("attention", *workload("attention", dtype, tuple(calibrate["attention"]))),
+        ("elementwise", *workload("elementwise", dtype, tuple(calibrate["elementwise"]))),
+        ("overhead", *workload("overhead", dtype, (calibrate["arch"],))),
+        ("copy", *workload("copy")),
+        ("triad", *workload("triad", torch.float32)),
+    ]
+    for _, fn, _ in kernels:
+        fn()  # warm-up: first-touch of the buffers, lazy initialisation
+    return kernels
+
+
+def _calibrate(kernels, seconds: float = 1.5) -> dict[str, float]:
+    """This rank's throughput of each kernel now (FLOP/s, bytes/s; overhead: calls/s) over a window of
+    ``seconds``, every rank at the same time (as they compute at once), the kernels taken in turn
+    (round-robin) so that each one's figure covers the same moments of a machine whose load moves;
+    and per second of this thread's CPU time (``cpu:<name>``: what the work costs, whatever share of
+    a core the load leaves)."""
+    names = [name for name, _, _ in kernels]
+    wall, cpu, calls = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
+    dist.barrier()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for name, fn, _ in kernels:
+            t, c = time.perf_counter(), time.thread_time()
+            fn()
+            wall[name] += time.perf_counter() - t
+            cpu[name] += time.thread_time() - c
+            calls[name] += 1
+    out = {name: work * calls[name] / wall[name] for name, _, work in kernels}
+    return {**out, **{f"cpu:{name}": work * calls[name] / cpu[name] for name, _, work in kernels}}
+
+
+def _memory(engine, base_pss: int, peak_growth: int, shmem_growth: int) -> dict:
+    """This rank's memory figures after the steps (bytes): the engine's objects and ``smaps_rollup``."""
+    rollup = _rollup_kb()
+    return {
+        "store_bytes": engine.store.nbytes,
+        "window_bytes": engine.window.nbytes,
+        "blocks": list(engine.blocks),
+        "peak_growth_bytes": peak_growth,
+        "shmem_growth_bytes": shmem_growth,
+        "pss_bytes": rollup["Pss"] * 1024,
+        "base_pss_bytes": base_pss,
+        "pss_shmem_bytes": rollup.get("Pss_Shmem", 0) * 1024,
+        "rss_bytes": rollup["Rss"] * 1024,
+    }
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     dist.init_process_group("gloo")
@@ -78,36 +138,37 @@ def main() -> None:
     gen = torch.Generator().manual_seed(cfg.seed)
     tokens = torch.randint(0, model.config.vocab_size, (shape[0], shape[1], shape[2] + 1), generator=gen)
     x, y = tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous()
-    ends = [time.perf_counter()]
+    ends, breakdowns, timed, rates = [time.perf_counter()], [], [], []
+    kernels = _kernels(spec["calibrate"]) if "calibrate" in spec else None
     try:
         for step in range(spec.get("steps", 2)):
             last = step == spec.get("steps", 2) - 1
+            if kernels and step > 0:  # after the last step's updates, before this one
+                engine.wait_optimizer()
+                rates.append(_calibrate(kernels))
+                dist.barrier()
+            t0 = time.perf_counter()
             if last:
                 _map_store(engine.store)
                 dist.barrier()
                 shmem_before = _status_kb("RssShmem")
                 Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
                 rss_before = _status_kb("VmRSS")
-            engine.train_step(step, x, y)
+            breakdowns.append(engine.train_step(step, x, y).breakdown)
             ends.append(time.perf_counter())
+            timed.append(ends[-1] - t0)
         peak_growth = (_status_kb("VmHWM") - rss_before) * 1024
         shmem_growth = (_status_kb("RssShmem") - shmem_before) * 1024
         dist.barrier()  # every rank still maps the store while PSS is read
-        rollup = _rollup_kb()
         mine = {
             "rank": rank,
-            "store_bytes": engine.store.nbytes,
-            "window_bytes": engine.window.nbytes,
-            "blocks": list(engine.blocks),
-            "peak_growth_bytes": peak_growth,
-            "shmem_growth_bytes": shmem_growth,
-            "pss_bytes": rollup["Pss"] * 1024,
-            "base_pss_bytes": base_pss,
-            "pss_shmem_bytes": rollup.get("Pss_Shmem", 0) * 1024,
-            "rss_bytes": rollup["Rss"] * 1024,
+            **_memory(engine, base_pss, peak_growth, shmem_growth),
             # wall seconds between the ends of consecutive steps, from the 2nd step to the one before
-            # the last (the last is preceded by the store mapping above)
-            "step_s": [b - a for a, b in itertools.pairwise(ends[1:-1])],
+            # the last (the last is preceded by the store mapping above); calibrated: of each step
+            "step_s": timed[1:-1] if kernels else [b - a for a, b in itertools.pairwise(ends[1:-1])],
+            "rates": rates,
+            # the engine's own record of those steps (breakdown.combine_stages; rank 0 only, else {})
+            "breakdowns": breakdowns[1:-1],
         }
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)

@@ -18,16 +18,24 @@ Two nodes, each a replica of the 2-stage pipeline (data parallel; see nodetrain/
     torchrun --nnodes 2 --nproc_per_node 2 --node_rank <0|1> --master_addr <node 0> -m nodetrain.train
 
 Every rank shares one run directory (``runs/<launch time>_<id>``), writes ``rank<N>.log`` there,
-and rank 0 writes ``metrics.jsonl``, the offline wandb run and ``plots/``.
+and rank 0 writes ``metrics.jsonl``, the offline wandb run and ``plots/`` (and the per-step progress
+lines into its ``rank0.log``).
+
+Signals (faults.StopRequest): during set-up a SIGINT/SIGTERM ends the launch at once; in the loop
+every rank stops after a step they agree on, an evaluation is left between two batches, and a
+checkpoint being written is finished first.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import io
 import logging
 import os
 import signal
 import sys
+import weakref
 from datetime import timedelta
 from pathlib import Path
 
@@ -37,19 +45,28 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from nodetrain.checkpoint import Checkpointing
-from nodetrain.checkpoint.state import CheckpointError, config_hash
-from nodetrain.config.checks import DataError
+from nodetrain.checkpoint.checkpointing import choose_resume
+from nodetrain.checkpoint.state import CheckpointError, config_hash, read_state, step_dir_name, verify_import
+from nodetrain.config.checks import DataError, no_effect
 from nodetrain.config.schema import CONFIG_DIR, Config, grad_accum_of, register_configs, to_typed, validate
 from nodetrain.data import datasets as data
-from nodetrain.data.checks import check_init_vocab, check_vocab, open_splits, run_data_config
+from nodetrain.data.checks import (
+    check_init_vocab,
+    check_resumed_tokenizer,
+    check_vocab,
+    open_splits,
+    resume_data_config,
+    run_data_config,
+)
+from nodetrain.data.progress import TaskProgress
 from nodetrain.engine.engine import Engine
 from nodetrain.engine.replicas import Topology
 from nodetrain.model import HFModel, build_hf_config, router_aux_of
 from nodetrain.plan.planner import preflight, resolve_auto
-from nodetrain.run.faults import BadSteps, StopRequest, maybe_fail, stop_with_launcher
+from nodetrain.run.faults import BadSteps, Stopped, StopRequest, maybe_fail, stop_with_launcher
 from nodetrain.run.jobs import REFUSALS, Job, Release, current_job, fail_fast, refusals_of
 from nodetrain.run.metrics import MetricsLogger
-from nodetrain.run.outputs import RunOutputs, check_space, checkpoint_bytes, checkpoint_dir
+from nodetrain.run.outputs import RunOutputs, check_space, check_writable, checkpoint_bytes, checkpoint_dir
 
 __all__ = ["main", "run"]
 
@@ -121,12 +138,26 @@ def _step_batch(ds, cfg: Config, index: int, num_mb: int):
     return tuple(torch.from_numpy(a).view(num_mb, b, t) for a in ds.batch(cfg.seed, index, num_mb * b))
 
 
-def _evaluate(engine: Engine, val, cfg: Config) -> float:
-    m, total, tokens = cfg.pipeline.microbatches, 0.0, 0
-    for i in range(cfg.train.eval_batches):
-        x, y, pos = _step_batch(val, cfg, i, m)
-        loss, n = engine.eval_loss(x, y, pos)
-        total, tokens = total + loss * n, tokens + n
+def _evaluate(engine: Engine, val, cfg: Config, signals: StopRequest, step: int) -> float | None:
+    """Mean validation loss over ``train.eval_batches`` batches, or None when a stop was requested
+    (every rank asks :meth:`StopRequest.agreed` before each batch, so all leave it together); rank 0
+    shows the progress of an evaluation that lasts (data/progress.py: a line every 5 s on a pipe)."""
+    m, n, total, tokens = cfg.pipeline.microbatches, cfg.train.eval_batches, 0.0, 0
+    shown = dist.get_rank() == 0 and n > 1
+    with (
+        TaskProgress(f"evaluation at step {step}", n, "batches") if shown else contextlib.nullcontext() as bar
+    ):
+        for i in range(n):
+            if signals.agreed():
+                log.warning(
+                    "stop requested: the evaluation at step %d ends after %d of %d batches", step, i, n
+                )
+                return None
+            x, y, pos = _step_batch(val, cfg, i, m)
+            loss, k = engine.eval_loss(x, y, pos)
+            total, tokens = total + loss * k, tokens + k
+            if bar is not None:
+                bar.advance(1)
     return total / max(tokens, 1)
 
 
@@ -174,8 +205,23 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
     Raises:
         ConfigError: the config cannot work with this world size, or its host store does not fit
             this node (before any allocation).
+        Stopped: a signal ended the run (exit status 128 + its number), after the step every rank
+            stopped after (and its checkpoint, ``checkpoint.on_signal=save``).
     """
     job = job or Job.plain(run_dir, cfg.logging)
+    signals = StopRequest()  # set-up: a signal ends the launch now; the loop defers it (faults.py)
+    with signals:
+        try:
+            return _claim_and_run(cfg, run_dir, resolved, job, signals)
+        except Exception as e:
+            if not signals.requested:
+                raise
+            # another rank ended on the same signal first (its collective broke): not a bug
+            log.warning("stopped by %s (%s: %s)", signal.Signals(signals.signum).name, type(e).__name__, e)
+            raise Stopped(signals.signum) from None
+
+
+def _claim_and_run(cfg: Config, run_dir: Path, resolved: dict, job: Job, signals: StopRequest) -> list[dict]:
     if dist.is_initialized():  # a later job of a sweep: every rank checks it together, so that rank 0
         dist.barrier()  # (not still finishing the previous job) is there to print a refusal
     world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
@@ -186,34 +232,67 @@ def run(cfg: Config, run_dir: Path, resolved: dict, job: Job | None = None) -> l
         log.info("%s", line)
     validate(cfg, world, local)
     ranks = _init_distributed(cfg.dist.timeout_s, cfg.dist.backend)
+    if ranks[0] == 0:
+        for line in no_effect(cfg):
+            log.warning("%s", line)
     c = cfg.checkpoint
     outputs = RunOutputs(run_dir, checkpoint_dir(cfg, run_dir), c.resume, config_hash(resolved))
     search = c.resume == "auto" and not c.dir  # continue the newest run of this config (outputs.py)
+    _on_rank0(lambda: check_writable("store.dir", Path(cfg.store.dir), create=False))
     ckpt_dir = Path(_on_rank0(lambda: outputs.acquire(resolved, search)))  # locks held by rank 0
     try:
-        return _run(cfg, run_dir, resolved, job, ckpt_dir, *ranks)
+        return _run(cfg, run_dir, resolved, job, ckpt_dir, signals, *ranks)
     finally:
         outputs.release()
 
 
-def _checkpointing(cfg, run_dir, resolved, model, data_dir, tokenizer_dir, ckpt_dir) -> Checkpointing:
+def _checkpointing(
+    cfg, run_dir, resolved, model, data_dir, tokenizer_dir, ckpt_dir, resume=None, stop=None
+) -> Checkpointing:
     """The run's :class:`Checkpointing`; a ``model.init_from`` directory without weights
     (``FileNotFoundError``) or one that cannot initialise this model (``ValueError``) is the user's to
     fix: a ``CheckpointError`` refusal, printed once without a traceback (jobs.fail_fast)."""
     with refusals_of((ValueError, OSError), CheckpointError):
         return Checkpointing(
-            cfg, run_dir, resolved, model, data_dir, tokenizer_dir=tokenizer_dir, ckpt_dir=ckpt_dir
+            cfg,
+            run_dir,
+            resolved,
+            model,
+            data_dir,
+            tokenizer_dir=tokenizer_dir,
+            ckpt_dir=ckpt_dir,
+            resume_path=resume,
+            stop=stop,
         )
 
 
-def _run(cfg, run_dir, resolved, job, ckpt_dir, rank, world_size, local_rank, device) -> list[dict]:
+def _prepare(cfg: Config, data_cfg, resume: str | None) -> tuple[str, str]:
+    """Rank 0: (the prepared dataset, the tokenizer it was made with). A resumed run keeps the
+    tokenizer its checkpoint was trained with (data/checks.py); a ``model.init_from`` checkpoint is
+    verified against its manifest before its tokenizer or weights are read."""
+    recorded = {}
+    if resume is not None:
+        recorded = read_state(Path(resume))["data"].get("dataset") or {}
+        data_cfg = resume_data_config(data_cfg, recorded, Path(resume))
+    elif cfg.model.init_from:
+        with refusals_of((ValueError, OSError), CheckpointError):
+            verify_import(cfg.model.init_from)
+    data_dir = data.prepare(data_cfg, cfg.seed, cfg.train.seq_len)
+    if resume is not None:
+        check_resumed_tokenizer(data_dir, recorded, Path(resume))
+    return str(data_dir), data_cfg.tokenizer
+
+
+def _run(cfg, run_dir, resolved, job, ckpt_dir, signals, rank, world_size, local_rank, device) -> list[dict]:
     """The run itself, while rank 0 holds the output directories (see :func:`run`)."""
     topology, release = Topology.from_env(cfg.pipeline.stages), Release()
     data_refusals = refusals_of((ValueError, OSError), DataError)  # the data's problems are the user's
     with refusals_of((ValueError, OSError), DataError):
         data_cfg = run_data_config(cfg)  # model.init_from's tokenizer unless data.tokenizer is set
-    prepare = data_refusals(data.prepare)
-    data_dir = Path(_on_rank0(lambda: str(prepare(data_cfg, cfg.seed, cfg.train.seq_len))))
+    resume = _on_rank0(lambda: choose_resume(cfg, ckpt_dir))  # verified, before the data it decides
+    prepare = data_refusals(lambda: _prepare(cfg, data_cfg, resume))
+    data_dir, tokenizer = _on_rank0(prepare)
+    data_dir, data_cfg = Path(data_dir), dataclasses.replace(data_cfg, tokenizer=tokenizer)
     with refusals_of((ValueError, OSError), DataError):
         train_ds, val_ds = open_splits(data_dir, cfg, topology.num_replicas)
         # an imported (maybe padded) embedding's rows
@@ -228,7 +307,11 @@ def _run(cfg, run_dir, resolved, job, ckpt_dir, rank, world_size, local_rank, de
         ckpt_bytes = checkpoint_bytes(model, cfg.checkpoint.export_dtype)
         _on_rank0(lambda: check_space(ckpt_dir, ckpt_bytes, "checkpoint.dir"))
     # resume or import is checked before the store exists; checkpoints carry the run's tokenizer
-    ckpt = _checkpointing(cfg, run_dir, resolved, model, data_dir, data_cfg.tokenizer, ckpt_dir)
+    stop = lambda: signals.requested  # noqa: E731
+    ckpt = _checkpointing(cfg, run_dir, resolved, model, data_dir, data_cfg.tokenizer, ckpt_dir, resume, stop)
+    signals.group = ckpt.group  # evaluations ask every rank on it between batches (gloo, main thread)
+    ref = weakref.ref(ckpt)  # not a strong reference: the store mapping must go with ckpt (below)
+    signals.unsaved = lambda: _newest(ref()) if ref() is not None else "no checkpoint in flight"
     engine = Engine(
         cfg,
         model,
@@ -240,70 +323,110 @@ def _run(cfg, run_dir, resolved, job, ckpt_dir, rank, world_size, local_rank, de
         init_from=ckpt.init_fn(),
         topology=topology,
     )
-    k = topology.num_replicas  # the global batch: every replica's micro-batches
-    num_mb = grad_accum_of(cfg, k) * cfg.pipeline.microbatches * k
-    metrics = _metrics_logger(cfg, job, resolved, rank == 0, ckpt.wandb_run_id, ckpt.start_step, ckpt_dir)
-    ckpt.wandb_run_id = metrics.run_id or ckpt.wandb_run_id  # kept in trainer_state.json (rank 0)
-    records, ok, signals, bad = [], False, StopRequest(), BadSteps(cfg.train.max_bad_steps)
     try:
-        with metrics, signals:  # inside: SIGINT/SIGTERM end the run after a step every rank agrees on
-            start = ckpt.attach(engine)  # on resume: AdamW counts and RNG states, right before the loop
-            if cfg.train.eval_every and start == 0:
-                metrics.log({"step": 0, "val_loss": _evaluate(engine, val_ds, cfg)})
-            for step in range(start, cfg.train.steps):
-                maybe_fail(cfg.test, rank, step + 1)  # test-only (test.fail_*)
-                x, y, pos = _step_batch(train_ds, cfg, step, num_mb)
-                r = engine.train_step(step, x, y, stop=signals.requested, position_ids=pos)
-                bad.count(r.skipped)
-                rec = {
-                    "step": step + 1,
-                    "loss": r.loss,
-                    "lr": r.lr,
-                    "grad_norm": r.grad_norm,
-                    "tokens": r.tokens,
-                    "tokens_per_s": r.tokens / r.step_s,
-                    "step_s": r.step_s,
-                    "stall_s": r.stall_s,
-                    "p2p_wait_s": r.p2p_wait_s,
-                    "optim_s": r.optim_s,
-                    "skipped": int(r.skipped),
-                    "bad_steps": bad.total,
-                    **r.breakdown,  # every stage's breakdown (rank 0): see nodetrain/run/breakdown.py
-                }
-                last = step + 1 == cfg.train.steps
-                interrupted = r.stop and not last
-                every = cfg.train.eval_every
-                if every and not interrupted and ((step + 1) % every == 0 or last):
-                    rec["val_loss"] = _evaluate(engine, val_ds, cfg)
-                save = interrupted and cfg.checkpoint.on_signal == "save"
-                stop, stall_s = ckpt.after_step(step + 1, save=save)  # after evaluation (draws no RNG)
-                if stall_s is not None:
-                    rec["ckpt_stall_s"] = stall_s
-                if interrupted:
-                    rec["stopped"] = True  # by a signal, before train.steps
-                    log.warning("stop requested by a signal: every rank stops after step %d", step + 1)
-                metrics.log(rec)
-                records.append(rec)
-                if stop or interrupted:
-                    break
-                bad.check(step + 1)
-            ok = True
+        ckpt.check_import()  # collective: imported NaN/inf refused by name, before anything is written
+        records, metrics = _loop(cfg, job, resolved, engine, ckpt, ckpt_dir, signals, train_ds, val_ds)
     finally:
-        try:
-            ckpt.close(ok)  # waits for the last save and commits it
-        finally:
-            engine.close()
-    store_path = engine.store.path
+        engine.close()
+    store_path, newest = engine.store.path, _newest(ckpt)
     del engine, ckpt  # the last references (ckpt's writer holds the store): the mapping goes now
     release.check(store_path)
+    _on_rank0(lambda: metrics.raise_if_failed(newest))  # a full run directory: a refusal on every rank
     log.info(
         "done: %d steps, final loss %.4f", len(records), records[-1]["loss"] if records else float("nan")
     )
     if rank == 0 and cfg.logging.plots:
         _write_plots(run_dir)
-    if records and records[-1].get("stopped"):
-        raise SystemExit(128 + (signals.signum or signal.SIGTERM))  # not finished: say so to the caller
+    if signals.requested and (not records or records[-1].get("stopped")):
+        log.warning("stopped by %s: %s", signal.Signals(signals.signum).name, newest)
+        raise Stopped(signals.signum)  # not finished: say so to the caller
     return records
+
+
+def _newest(ckpt: Checkpointing) -> str:
+    """Which checkpoint a stopped run leaves, for its last log line."""
+    step = ckpt.writer.last_saved if ckpt.writer is not None else None
+    if step is None:
+        return "no checkpoint of this run was written"
+    return f"the newest checkpoint is {ckpt.dir / step_dir_name(step)}"
+
+
+def _loop(cfg, job, resolved, engine, ckpt, ckpt_dir, signals, train_ds, val_ds):
+    """The training loop: (the per-step records, the metrics logger). Collective on every rank."""
+    rank, topology = dist.get_rank(), engine.topo
+    k = topology.num_replicas  # the global batch: every replica's micro-batches
+    num_mb = grad_accum_of(cfg, k) * cfg.pipeline.microbatches * k
+    metrics = _metrics_logger(cfg, job, resolved, rank == 0, ckpt.wandb_run_id, ckpt.start_step, ckpt_dir)
+    ckpt.wandb_run_id = metrics.run_id or ckpt.wandb_run_id  # kept in trainer_state.json (rank 0)
+    records, bad = [], BadSteps(cfg.train.max_bad_steps)
+    # inside: SIGINT/SIGTERM end the run after a step every rank agrees on (faults.StopRequest), also
+    # while the last checkpoint is written; a row metrics.jsonl has no room for (rank 0) stops it the
+    # same way, and fails it once it is over (_run)
+    with signals.deferred():
+        ok = False
+        try:
+            with metrics:
+                _steps(cfg, engine, ckpt, metrics, signals, train_ds, val_ds, num_mb, records, bad)
+            ok = True
+        finally:
+            ckpt.close(ok)  # waits for the last save and commits it (a stop request meanwhile is told)
+    return records, metrics
+
+
+def _steps(cfg, engine, ckpt, metrics, signals, train_ds, val_ds, num_mb, records, bad) -> None:
+    rank = dist.get_rank()
+    start = ckpt.attach(engine)  # on resume: AdamW counts and RNG states, right before the loop
+    if cfg.train.eval_every and start == 0:
+        val = _evaluate(engine, val_ds, cfg, signals, 0)
+        if val is None:
+            return
+        metrics.log({"step": 0, "val_loss": val})
+    for step in range(start, cfg.train.steps):
+        maybe_fail(cfg.test, rank, step + 1)  # test-only (test.fail_*)
+        x, y, pos = _step_batch(train_ds, cfg, step, num_mb)
+        asked = signals.requested or metrics.failed is not None
+        r = engine.train_step(step, x, y, stop=asked, position_ids=pos)
+        bad.count(r.skipped)
+        rec = _record(step, r, bad)
+        last = step + 1 == cfg.train.steps
+        interrupted = r.stop and not last
+        every = cfg.train.eval_every
+        if every and not interrupted and ((step + 1) % every == 0 or last):
+            val = _evaluate(engine, val_ds, cfg, signals, step + 1)
+            if val is None:
+                interrupted = not last
+            else:
+                rec["val_loss"] = val
+        save = interrupted and cfg.checkpoint.on_signal == "save"
+        stop, stall_s = ckpt.after_step(step + 1, save=save)  # after evaluation (draws no RNG)
+        if stall_s is not None:
+            rec["ckpt_stall_s"] = stall_s
+        if interrupted:
+            rec["stopped"] = True  # by a signal (or a full run directory), before train.steps
+            log.warning("stop requested: every rank stops after step %d", step + 1)
+        metrics.log(rec)
+        records.append(rec)
+        if stop or interrupted:
+            break
+        bad.check(step + 1)
+
+
+def _record(step: int, r, bad: BadSteps) -> dict:
+    return {
+        "step": step + 1,
+        "loss": r.loss,
+        "lr": r.lr,
+        "grad_norm": r.grad_norm,
+        "tokens": r.tokens,
+        "tokens_per_s": r.tokens / r.step_s,
+        "step_s": r.step_s,
+        "stall_s": r.stall_s,
+        "p2p_wait_s": r.p2p_wait_s,
+        "optim_s": r.optim_s,
+        "skipped": int(r.skipped),
+        "bad_steps": bad.total,
+        **r.breakdown,  # every stage's breakdown (rank 0): see nodetrain/run/breakdown.py
+    }
 
 
 def _write_plots(run_dir: Path) -> None:

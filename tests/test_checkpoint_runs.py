@@ -99,18 +99,19 @@ def work() -> Path:
     assert not left, f"host stores left in /dev/shm: {left}"
 
 
-def _cmd(work: Path, nproc: int, run_dir: Path, overrides: list[str]) -> tuple[list[str], dict]:
-    data = [
-        f"data.source={work / 'corpus.txt'}",
-        f"data.dir={work / 'prepared'}",
-        f"store.dir={work / 'shm'}",
-    ]
+def _cmd(
+    work: Path, nproc: int, run_dir: Path, overrides: list[str], corpus: Path | None = None
+) -> tuple[list[str], dict]:
+    """The launch of a run on the module's corpus, or on ``corpus`` (prepared beside it)."""
+    source = corpus or work / "corpus.txt"
+    prepared = corpus.parent / "prepared" if corpus else work / "prepared"
+    data = [f"data.source={source}", f"data.dir={prepared}", f"store.dir={work / 'shm'}"]
     cmd = torchrun_cmd(nproc, "-m", "nodetrain.train", f"hydra.run.dir={run_dir}")
     return cmd + COMMON + data + overrides, job_env()
 
 
-def train(work: Path, nproc: int, run_dir: Path, overrides: list[str]) -> str:
-    cmd, env = _cmd(work, nproc, run_dir, overrides)
+def train(work: Path, nproc: int, run_dir: Path, overrides: list[str], corpus: Path | None = None) -> str:
+    cmd, env = _cmd(work, nproc, run_dir, overrides, corpus)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"exit {proc.returncode}: {' '.join(cmd)}\n{out[-6000:]}"
@@ -282,7 +283,7 @@ def test_resume_mid_epoch_with_dropout_is_bitwise(work: Path, d_full: Path) -> N
     shutil.copytree(part / "checkpoints" / "step-3", wrong / "step-3")
     state = json.loads((wrong / "step-3" / st.TRAINER_STATE).read_text())
     state["rng"] = state["rng"][::-1]
-    (wrong / "step-3" / st.TRAINER_STATE).write_text(json.dumps(state))
+    st.write_state(wrong / "step-3" / st.TRAINER_STATE, state)  # resealed: an edit alone is refused
     train(work, 2, wrong, [*D, f"checkpoint.resume={wrong / 'step-3'}", "checkpoint.stop_after_steps=1"])
     assert records(wrong)[4]["loss"] != want[4]["loss"], "the RNG restore is not what makes the run exact"
 
@@ -575,3 +576,76 @@ def test_resume_continues_the_same_wandb_run(work: Path, tmp_path: Path) -> None
     assert ids == [run_id, run_id], ids  # a second offline segment of the same run, not a new run
     state = json.loads((run / "checkpoints" / "step-3" / "trainer_state.json").read_text())
     assert state["wandb_run_id"] == run_id
+
+
+# ----------------------------------------------------------------------------- issue 25
+
+
+def _vocabulary(ckpt: Path) -> str:
+    from tokenizers import Tokenizer
+
+    from nodetrain.data.tokenizer import vocabulary_sha256
+
+    return vocabulary_sha256(Tokenizer.from_file(str(ckpt / "tokenizer.json")))
+
+
+def test_resume_after_the_corpus_changed_keeps_the_checkpoints_tokenizer(work: Path, tmp_path: Path) -> None:
+    """The trained BPE and a data.source whose contents changed since the checkpoint: the resumed
+    run says what changed and tokenizes the new text with the checkpoint's tokenizer, so every id
+    keeps its meaning (it used to train a new BPE and ship it in the next checkpoint)."""
+    corpus = tmp_path / "data" / "corpus.txt"
+    corpus.parent.mkdir()
+    shutil.copyfile(work / "corpus.txt", corpus)
+    run = tmp_path / "run"
+    train(work, 2, run, [*Q, "checkpoint.stop_after_steps=2"], corpus)
+    with corpus.open("a") as f:  # new text: a BPE trained now would merge other pairs
+        f.write("\n" + "\n".join(" ".join(w[::-1] for w in WORDS[i : i + 8]) for i in range(0, 24, 2)) * 3)
+    out = train(work, 2, run, [*Q, "checkpoint.resume=auto"], corpus)
+    assert "the contents of data.source=" in out and "changed" in out and "own tokenizer" in out, out[-3000:]
+    assert "training a byte-level BPE" not in out
+    want = _vocabulary(run / "checkpoints" / "step-2")
+    assert _vocabulary(run / "checkpoints" / f"step-{STEPS}") == want
+    fresh = [m.parent for m in (tmp_path / "data" / "prepared").glob("*/meta.json")]
+    assert len(fresh) == 2 and all(
+        json.loads((d / "meta.json").read_text())["vocabulary_sha256"] == want for d in fresh
+    )
+
+
+def test_import_of_a_damaged_checkpoint_is_refused_naming_the_file(
+    work: Path, q_ref: Path, tmp_path: Path
+) -> None:
+    """model.init_from of a checkpoint carrying a manifest checks what it reads against it."""
+    src = tmp_path / "step-6"
+    shutil.copytree(q_ref / "checkpoints" / "step-6", src)
+    victim = sorted(src.glob("model-*.safetensors"))[1]
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0x40  # one weight changes, the file stays loadable
+    victim.write_bytes(data)
+    cmd, env = _cmd(work, 2, tmp_path / "run", [*Q, f"model.init_from={src}", "train.steps=1"])
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count(f"model.init_from={src}: {victim}: sha256") == 1, out[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_resuming_an_older_step_keeps_its_chain_and_auto_continues_it(
+    work: Path, q_ref: Path, tmp_path: Path
+) -> None:
+    """q_ref saved step-3 and step-6. Resume step-3 and save step-4 with keep_last=2: the branch point
+    stays (step-6, of the abandoned branch, is not counted), and auto then continues step-4 — exactly
+    as q_ref ran — not step-6 (keep_last used to delete step-3 and auto to pick step-6)."""
+    ckpts = tmp_path / "ckpts"
+    shutil.copytree(q_ref / "checkpoints", ckpts)
+    run = tmp_path / "run"
+    args = [*Q, f"checkpoint.dir={ckpts}", "checkpoint.every=1", "checkpoint.keep_last=2"]
+    out = train(
+        work, 2, run, [*args, f"checkpoint.resume={ckpts / 'step-3'}", "checkpoint.stop_after_steps=1"]
+    )
+    assert "starts a new branch from step-3" in out
+    assert [p.name for _, p in st.complete_checkpoints(ckpts)] == ["step-3", "step-4", "step-6"]
+    assert choose_checkpoint("auto", ckpts) == ckpts / "step-4"
+    train(work, 2, run, [*args, "checkpoint.resume=auto", "checkpoint.stop_after_steps=1"])
+    _assert_same_steps(records(run), records(q_ref), [4, 5])
+    assert [p.name for _, p in st.complete_checkpoints(ckpts)] == ["step-4", "step-5", "step-6"]
+    assert st.read_state(ckpts / "step-5")["parent"]["name"] == "step-4"

@@ -203,19 +203,117 @@ def test_config_hash_ignores_only_what_leaves_the_math_alone() -> None:
     assert st.config_differences(base, other) == ["optim.lr: 0.001 -> 0.002"]
 
 
-def _fake_checkpoint(directory: Path, step: int) -> Path:
-    """A ``step-N`` directory with two files and a manifest, as the writer commits it."""
+def _fake_checkpoint(directory: Path, step: int, parent: Path | None = None, sequence: int = 0) -> Path:
+    """A ``step-N`` directory with model, master and config files and a manifest, as the writer
+    commits it; ``parent``/``sequence``: its place in a chain (state.py)."""
     ckpt = directory / st.step_dir_name(step)
     ckpt.mkdir(parents=True)
-    save_file({"w": torch.full((64,), float(step))}, str(ckpt / "model-00001-of-00001.safetensors"))
+    names = ("model-00001-of-00001.safetensors", "master-00001-of-00001.safetensors", "config.json")
+    save_file({"w": torch.full((64,), float(step))}, str(ckpt / names[0]))
+    save_file({"w": torch.full((64,), float(step))}, str(ckpt / names[1]))
     (ckpt / "config.json").write_text("{}")
-    files = {
-        name: st.file_record(ckpt / name) for name in ("model-00001-of-00001.safetensors", "config.json")
-    }
-    st.write_json(
-        ckpt / st.TRAINER_STATE, {"format_version": st.FORMAT_VERSION, "step": step, "files": files}
-    )
+    files = {name: st.file_record(ckpt / name) for name in names}
+    state = {"step": step, "files": files, "sequence": sequence}
+    state["parent"] = None if parent is None else st.identity(parent, st.read_state(parent))
+    st.write_state(ckpt / st.TRAINER_STATE, state)
     return ckpt
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(data)
+
+
+def test_an_edited_trainer_state_is_refused_on_every_read(tmp_path: Path, caplog) -> None:
+    """trainer_state.json is covered by its own digest: editing its step (4 -> 1, every other file
+    intact) is refused by read_state and verify, so neither resume path nor auto trusts it."""
+    _fake_checkpoint(tmp_path, 2)
+    ckpt = _fake_checkpoint(tmp_path, 4)
+    path = ckpt / st.TRAINER_STATE
+    state = json.loads(path.read_text())
+    state["step"] = 1
+    path.write_text(json.dumps(state, indent=1))  # a hand edit: the manifest's files still match
+    for read in (st.read_state, st.verify):
+        with pytest.raises(st.CheckpointError, match=r"trainer_state\.json: its contents do not match"):
+            read(ckpt)
+    with pytest.raises(st.CheckpointError, match=r"checkpoint\.resume=.*edited or corrupted"):
+        choose_checkpoint(str(ckpt), tmp_path)
+    with caplog.at_level(logging.WARNING):
+        assert choose_checkpoint("auto", tmp_path) == tmp_path / "step-2"
+    assert "step-4/trainer_state.json" in caplog.text and "falling back" in caplog.text
+
+
+def test_an_imported_checkpoint_is_verified_for_the_files_an_import_reads(tmp_path: Path) -> None:
+    """model.init_from of a nodetrain checkpoint: its state digest and the sha256 of every file an
+    import reads are checked; master/optimizer files are not read, so not hashed. A plain HF
+    directory has no manifest: nothing to verify."""
+    ckpt = _fake_checkpoint(tmp_path, 3)
+    assert st.verify_import(ckpt) is True
+    _flip_last_byte(ckpt / "master-00001-of-00001.safetensors")
+    assert st.verify_import(ckpt) is True  # an import never reads it
+    _flip_last_byte(ckpt / "model-00001-of-00001.safetensors")
+    with pytest.raises(
+        st.CheckpointError, match=r"model\.init_from=.*model-00001-of-00001\.safetensors: sha256"
+    ):
+        st.verify_import(ckpt)
+    (tmp_path / "hf").mkdir()
+    assert st.verify_import(tmp_path / "hf") is False
+
+
+def _branched(tmp_path: Path) -> dict[int, Path]:
+    """Chain 2 -> 4 -> 6, then a run resumed step-2 and saved step-3: the newest branch."""
+    c = {2: _fake_checkpoint(tmp_path, 2, sequence=1)}
+    c[4] = _fake_checkpoint(tmp_path, 4, c[2], sequence=2)
+    c[6] = _fake_checkpoint(tmp_path, 6, c[4], sequence=3)
+    c[3] = _fake_checkpoint(tmp_path, 3, c[2], sequence=4)
+    return c
+
+
+def test_auto_continues_the_branch_the_last_run_was_on(tmp_path: Path) -> None:
+    c = _branched(tmp_path)
+    assert st.chain({p: st.read_state(p) for p in c.values()}, c[3]) == [c[3], c[2]]
+    assert choose_checkpoint("auto", tmp_path) == c[3], "not the abandoned branch's newer step-6"
+    _flip_last_byte(c[3] / "config.json")
+    assert choose_checkpoint("auto", tmp_path) == c[2], "a corrupt head falls back along its own chain"
+
+
+@pytest.mark.parametrize(("keep_last", "left"), [(2, [2, 3, 4, 6]), (1, [3, 4, 6])])
+def test_keep_last_prunes_only_the_chain_of_the_new_checkpoint(tmp_path: Path, keep_last, left) -> None:
+    """After resuming step-2 and saving step-3, keep_last counts step-3 and its ancestors; the
+    abandoned branch (step-4, step-6) is neither counted nor removed, and the branch point stays
+    while keep_last allows."""
+    from types import SimpleNamespace
+
+    from nodetrain.checkpoint.writer import CheckpointWriter
+
+    c = _branched(tmp_path)
+    writer = CheckpointWriter.__new__(CheckpointWriter)  # only its directory and keep_last matter here
+    writer.dir, writer.cfg = tmp_path, SimpleNamespace(keep_last=keep_last)
+    writer._prune(c[3])
+    assert [s for s, _ in st.complete_checkpoints(tmp_path)] == left
+
+
+def test_non_finite_imported_weights_are_named(tmp_path: Path, shm_dir: Path) -> None:
+    want = _save_hf(tmp_path / "hf")
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        part = load_file(str(f))
+        if "model.layers.1.mlp.up_proj.weight" in part:
+            part["model.layers.1.mlp.up_proj.weight"][3, :5] = float("nan")
+            part["model.layers.1.mlp.up_proj.weight"][0, 0] = float("inf")
+            save_file(part, str(f), metadata={"format": "pt"})
+    assert torch.isfinite(want["model.layers.1.mlp.up_proj.weight"]).all()
+    model = _model()
+    layout = StoreLayout(tuple(u.numel for u in model.units), torch.bfloat16)
+    store = HostStore.create(layout, shm_dir, "nan-import-test")
+    try:
+        with pytest.raises(ValueError) as info:
+            load_hf_weights(tmp_path / "hf", store, model.units, model)
+    finally:
+        store.unlink()
+    message = str(info.value)
+    assert "1 tensor(s) hold NaN or inf" in message
+    assert "model.layers.1.mlp.up_proj.weight: 6 of 2048 values are NaN/inf" in message
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])

@@ -17,7 +17,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
-from nodetrain.config.checks import _FIELD_CHECKS, float_fields
+from nodetrain.config.checks import _FIELD_CHECKS, float_fields, no_effect
 from nodetrain.config.schema import (
     HF_KEYS,
     SUPPORTED_ARCHS,
@@ -205,6 +205,8 @@ INVALID = [
     (["data.val_fraction=0"], 2, ["data.val_fraction"]),
     (["data.val_fraction=0.6"], 2, ["data.val_fraction"]),
     (["data.vocab_size=100"], 2, ["data.vocab_size"]),
+    (["data.vocab_size=256"], 2, ["data.vocab_size=256: must be >= 257", "end-of-text"]),  # prepare's rule
+    (["train.dtype=int8"], 2, ["train.dtype=int8: not one of bfloat16, float32;", "float16 is refused"]),
     (["data.source="], 2, ["data.source"]),
     (["logging.log_every=0"], 2, ["logging.log_every"]),
     (["seed=-1"], 2, ["seed"]),
@@ -268,7 +270,7 @@ def test_every_float_key_must_be_finite(key: str, value: str) -> None:
 def test_every_float_key_has_a_range() -> None:
     ranged = {key for key, *_ in _FIELD_CHECKS}
     assert set(_float_keys()) - ranged == set()
-    assert len(_float_keys()) == 24  # the walk finds the nested fields, not an empty list
+    assert len(_float_keys()) == 29  # the walk finds the nested fields, not an empty list
 
 
 def test_all_problems_are_gathered_in_one_error() -> None:
@@ -461,3 +463,19 @@ def test_auto_is_accepted_only_where_meant() -> None:
     for key in ("train.steps", "train.grad_accum", "optim.threads", "stream.accum_threads"):
         with pytest.raises(Exception, match=re.escape(key)):
             _compose([f"{key}=auto"])
+
+
+@pytest.mark.parametrize(
+    "overrides,off",
+    [
+        (["optim.speculative=true", "optim.max_grad_norm=0"], "optim.max_grad_norm=0.0 (no clipping)"),
+        (["optim.speculative=true", "optim.overlap=false"], "optim.overlap=false"),
+        (["optim.speculative=true", "optim.update_in_backward=false"], "optim.update_in_backward=false"),
+    ],
+)
+def test_a_setting_that_has_no_effect_is_said(overrides: list[str], off: str) -> None:
+    """``optim.speculative=true`` where speculation cannot apply is not an error, but it is said at
+    start-up (train.run logs ``no_effect`` on rank 0), naming what is off; where it applies, nothing."""
+    (line,) = no_effect(_compose(overrides))
+    assert line.startswith("optim.speculative=true has no effect") and off in line, line
+    assert no_effect(_compose(["optim.speculative=true"])) == []

@@ -389,3 +389,54 @@ def test_prepare_removes_temp_dirs_of_dead_pids_only(tmp_path, caplog):
         prepare(cfg)
     assert not stale.exists() and live.is_dir()
     assert f"removing {stale}, left by a killed prepare (pid {dead_pid} is dead)" in caplog.text
+
+
+# --- issue 25 case 1: a resumed run keeps the tokenizer its checkpoint was trained with ------------
+
+
+def test_a_resume_after_the_corpus_changed_tokenizes_with_the_checkpoints_tokenizer(tmp_path, caplog):
+    """The trained BPE (data.tokenizer empty): while the corpus is the checkpoint's, the same BPE is
+    prepared again (cfg unchanged); once its contents changed, a new BPE would renumber every token,
+    so the run tokenizes with the checkpoint's own tokenizer, saying what changed."""
+    from nodetrain.checkpoint.checkpointing import dataset_identity
+    from nodetrain.data.checks import resume_data_config
+
+    cfg = DataConfig(source=str(_txt_corpus(tmp_path)), dir=str(tmp_path / "ds"), vocab_size=300)
+    recorded = dataset_identity(prepare(cfg))
+    ckpt = tmp_path / "ckpts" / "step-4"
+    assert resume_data_config(cfg, recorded, ckpt) == cfg
+    _write(tmp_path / "src" / "a.txt", TEXTS[1] + "and new text the checkpoint never saw\n")
+    with caplog.at_level(logging.WARNING):
+        resumed = resume_data_config(cfg, recorded, ckpt)
+    assert resumed.tokenizer == str(ckpt) and resumed.source == cfg.source
+    assert (
+        f"the contents of data.source={cfg.source} changed (corpus sha256 {recorded['corpus_sha256'][:12]}"
+        in (caplog.text)
+    )
+    assert "tokenizes data.source with the checkpoint's own tokenizer" in caplog.text
+    given = DataConfig(source=cfg.source, dir=cfg.dir, tokenizer=str(tmp_path / "tok"))
+    assert resume_data_config(given, recorded, ckpt) == given  # a given tokenizer: compared, not replaced
+
+
+def test_a_resume_onto_a_dataset_of_another_tokenizer_is_refused(tmp_path, caplog):
+    """A prepared dataset whose tokenizer gives other ids than the checkpoint's is refused, naming
+    both vocabularies and the fix; the same tokenizer on other text is allowed, and said."""
+    from nodetrain.checkpoint.checkpointing import dataset_identity
+    from nodetrain.data.checks import check_resumed_tokenizer
+
+    src = _txt_corpus(tmp_path)
+    trained = prepare(DataConfig(source=str(src), dir=str(tmp_path / "ds"), vocab_size=300))
+    recorded, ckpt = dataset_identity(trained), tmp_path / "step-4"
+    check_resumed_tokenizer(trained, recorded, ckpt)  # the checkpoint's own dataset
+    other = prepare(DataConfig(source=str(src), dir=str(tmp_path / "ds"), vocab_size=290))
+    with pytest.raises(ValueError) as info:
+        check_resumed_tokenizer(other, recorded, ckpt)
+    theirs = dataset_identity(other)["vocabulary_sha256"]
+    assert f"{ckpt} was trained with another tokenizer than {other / 'tokenizer.json'}" in str(info.value)
+    assert f"{recorded['vocabulary_sha256'][:12]}… -> {theirs[:12]}…" in str(info.value)
+    assert f"data.tokenizer={ckpt}" in str(info.value)
+    more = _write(tmp_path / "more" / "m.txt", TEXTS[2] * 3)
+    same_ids = prepare(DataConfig(source=str(more.parent), dir=str(tmp_path / "ds"), tokenizer=str(trained)))
+    with caplog.at_level(logging.WARNING):
+        check_resumed_tokenizer(same_ids, recorded, ckpt)
+    assert f"{same_ids} is not the dataset step-4 was trained on" in caplog.text

@@ -96,7 +96,7 @@ def _run_files_in_shm(run_id: str) -> list[str]:
 
 def test_stop_request_turns_signals_into_one_flag_and_restores_handlers() -> None:
     before = signal.getsignal(signal.SIGTERM)
-    with StopRequest() as stop:
+    with StopRequest() as stop, stop.deferred():  # the training loop's mode: a flag, not an exit
         assert not stop.requested
         os.kill(os.getpid(), signal.SIGTERM)  # delivered to the main thread before the next bytecode
         os.kill(os.getpid(), signal.SIGINT)  # the same request again (terminal + torchrun): no exit

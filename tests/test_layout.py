@@ -20,7 +20,12 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("nodetrain.data", "nodetrain.optim"),  # batches; the CPU optimizer on the store
     ("nodetrain.checkpoint",),  # save, resume, HF in and out
     ("nodetrain.run",),  # metrics, breakdown, plots, output dirs, jobs, faults
-    ("nodetrain.plan.costs", "nodetrain.plan.exposure"),  # the cost model the engine and the planner share
+    (
+        "nodetrain.plan.compute",
+        "nodetrain.plan.costs",
+        "nodetrain.plan.exposure",
+        "nodetrain.plan.step_time",
+    ),  # the cost model the engine and the planner share
     ("nodetrain.engine",),  # one rank's step
     ("nodetrain.plan",),  # the planner and its report
     ("nodetrain.train", "nodetrain.plots"),  # top: the entry points
@@ -30,6 +35,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
 UPWARD_ALLOWED = {
     # inside step_time and stage_memory only: the cost model prices the engine's own (pure) schedule
     ("nodetrain.plan.costs", "nodetrain.engine.pipeline"),
+    ("nodetrain.plan.step_time", "nodetrain.engine.pipeline"),
     # inside _head_peak_bytes only: the head's chunk size is the engine's (pure arithmetic)
     ("nodetrain.plan.costs", "nodetrain.engine.linear_ce"),
 }

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import math
 from pathlib import Path
 
 import pytest
 from wandb_log import read_run
 
+from nodetrain.config.disk import DiskFullError
 from nodetrain.run import metrics
+from nodetrain.run.jobs import REFUSALS
 from nodetrain.run.metrics import METRICS_FILE, MetricsLogger, eta_seconds, format_progress
 
 KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"}
@@ -194,3 +198,76 @@ def test_a_resumed_launch_drops_the_rows_after_its_start(tmp_path: Path, start_s
     ):
         pass
     assert [json.loads(ln)["step"] for ln in path.read_text().splitlines()] == kept
+
+
+class _FillingFile:
+    """A file on a filesystem with ``room`` bytes left: a write past it writes what fits, then fails
+    with ENOSPC, as write(2) on a full disk does."""
+
+    def __init__(self, real, room: int) -> None:
+        self.real, self.room = real, room
+
+    def write(self, data) -> int:
+        n = min(len(data), self.room)
+        self.real.write(data[:n])
+        self.real.flush()
+        self.room -= n
+        if n < len(data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return n
+
+    def __getattr__(self, name):  # flush, fileno, close: the real file's
+        return getattr(self.real, name)
+
+
+def _logger(run_dir: Path, **kwargs) -> MetricsLogger:
+    return MetricsLogger(
+        run_dir, {}, enabled=True, use_wandb=False, project="p", run_name="r", total_steps=9, **kwargs
+    )
+
+
+def test_a_full_disk_leaves_no_torn_row_and_stops_with_a_refusal(tmp_path: Path) -> None:
+    """The row that does not fit is cut back (the file ends with the last whole row), later rows are
+    not attempted, and the run's end raises the refusal naming the directory and the bytes."""
+    logger = _logger(tmp_path)
+    first = json.dumps(_record(1)) + "\n"
+    logger._file = _FillingFile(logger._file, room=len(first) + 20)  # a second row does not fit
+    logger.log(_record(1))
+    logger.log(_record(2))  # no exception here: the loop stops every rank after the next step
+    logger.log(_record(3))
+    logger.close()
+    assert (tmp_path / METRICS_FILE).read_text() == first
+    row = len(json.dumps(_record(2)) + "\n")
+    want = (
+        f"hydra.run.dir={tmp_path}: the filesystem is full: the row of step 2 in metrics.jsonl needs {row:,}"
+    )
+    assert logger.failed is not None and logger.failed.startswith(want), logger.failed
+    with pytest.raises(DiskFullError, match="the newest checkpoint is step-1") as info:
+        logger.raise_if_failed("the newest checkpoint is step-1")
+    assert isinstance(info.value, REFUSALS) and "checkpoint.resume=auto" in str(info.value)
+
+
+@pytest.mark.parametrize(("start_step", "kept"), [(3, [0, 1, 2, 3]), (9, [0, 1, 2, 3, 4])])
+def test_a_resume_reads_a_torn_last_row_as_torn(tmp_path: Path, caplog, start_step, kept) -> None:
+    """A row a full disk or a crash cut short is dropped with a warning, not a JSONDecodeError."""
+    path = tmp_path / METRICS_FILE
+    whole = "".join(json.dumps(_record(s)) + "\n" for s in range(5))
+    path.write_text(whole + json.dumps(_record(5))[:17])
+    with caplog.at_level(logging.WARNING):
+        _logger(tmp_path, start_step=start_step).close()
+    assert [json.loads(ln)["step"] for ln in path.read_text().splitlines()] == kept
+    assert path.read_text().endswith("\n")
+    assert "dropping line 6, a torn last row" in caplog.text
+
+
+def test_progress_lines_also_go_to_the_rank_log(tmp_path: Path) -> None:
+    """README: rank0.log holds the per-step progress lines the console shows (Hydra's file handler)."""
+    handler = logging.FileHandler(tmp_path / "rank0.log")
+    logging.getLogger().addHandler(handler)
+    try:
+        with _logger(tmp_path / "run", print_every=1) as logger:
+            logger.log(_record(1))
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+    assert "step 1/9  11% |" in (tmp_path / "rank0.log").read_text()

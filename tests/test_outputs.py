@@ -15,11 +15,21 @@ from pathlib import Path
 
 import pytest
 from conftest import TINY_RUN, job_env, start_job, torchrun_cmd
+from omegaconf import OmegaConf
 
 from nodetrain.checkpoint import state as st
 from nodetrain.config.schema import ConfigError
 from nodetrain.run import outputs
-from nodetrain.run.outputs import LOCK_NAME, RunOutputs, check_space, refuse_if_held, run_to_continue
+from nodetrain.run.jobs import LiveRunGuard
+from nodetrain.run.outputs import (
+    LOCK_NAME,
+    RunOutputs,
+    check_space,
+    check_writable,
+    refuse_if_held,
+    refuse_overwrite,
+    run_to_continue,
+)
 
 
 def _checkpoint(ckpts: Path, step: int, config_hash: str, run_dir: Path) -> Path:
@@ -146,6 +156,84 @@ def test_resume_auto_continues_the_newest_run_of_the_same_config(tmp_path: Path,
     assert claim.acquire(search=True) == str(me / "checkpoints")
     assert "starting from scratch" in caplog.text and caplog.records[-1].levelname == "WARNING"
     claim.release()
+
+
+def _earlier_run(run: Path, steps: int = 3) -> bytes:
+    """A run directory an earlier launch left: its metrics.jsonl (``steps`` rows) and .hydra/."""
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text("seed: 1\n")
+    rows = "".join(json.dumps({"step": s, "loss": 5.0}) + "\n" for s in range(1, steps + 1))
+    (run / "metrics.jsonl").write_text(rows)
+    return rows.encode()
+
+
+def _guard_config(run: Path, ckpt_dir: str = "", resume: str = ""):
+    return OmegaConf.create(
+        {"hydra": {"run": {"dir": str(run)}}, "checkpoint": {"dir": ckpt_dir, "resume": resume}}
+    )
+
+
+def test_a_launch_from_scratch_into_an_earlier_run_is_refused_before_hydra_writes(
+    tmp_path: Path, capsys
+) -> None:
+    """Issue 25 case 4: a from-scratch launch into a run directory holding results (another
+    checkpoint.dir, or resume=auto after the checkpoints moved) is refused by the Hydra callback
+    that runs before Hydra rewrites .hydra/, naming the run and both ways on; metrics.jsonl is kept."""
+    run = tmp_path / "run"
+    rows = _earlier_run(run)
+    moved = tmp_path / "moved"  # resume=auto where the checkpoints are not (any more)
+    for ckpt_dir, resume in ((str(tmp_path / "other"), ""), (str(moved), "auto"), ("", "auto")):
+        with pytest.raises(SystemExit):
+            LiveRunGuard().on_run_start(_guard_config(run, ckpt_dir, resume))
+        err = capsys.readouterr().err
+        assert f"hydra.run.dir={run}: holds an earlier run (metrics.jsonl: 3 row(s) up to step 3)" in err, err
+        assert "start fresh in a new run directory" in err and "checkpoint.resume=auto" in err
+        assert "nothing was changed there" in err
+    assert (run / "metrics.jsonl").read_bytes() == rows and (run / ".hydra" / "config.yaml").is_file()
+    with pytest.raises(ConfigError, match="holds an earlier run"):  # and again where the outputs are claimed
+        RunOutputs(run, tmp_path / "other", "", "a" * 64).acquire()
+    assert (run / "metrics.jsonl").read_bytes() == rows
+
+
+def test_a_launch_that_continues_the_run_in_its_directory_may(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _earlier_run(run)
+    ckpts = run / "checkpoints"
+    ckpts.mkdir()
+    (ckpts / "step-2").mkdir()
+    (ckpts / "step-2" / st.TRAINER_STATE).write_text("{}")
+    refuse_overwrite(run, ckpts, "auto")  # a complete checkpoint to continue
+    refuse_overwrite(run, tmp_path / "elsewhere", str(ckpts / "step-2"))  # an explicit resume
+    refuse_overwrite(tmp_path / "fresh", tmp_path / "x", "")  # a new run directory
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")  # a launch that never logged a step
+    refuse_overwrite(tmp_path / "empty", tmp_path / "x", "")
+    LiveRunGuard().on_run_start(_guard_config(run, "", "auto"))
+
+
+def test_a_runs_root_that_is_not_a_writable_directory_is_refused_by_name(tmp_path: Path, capsys) -> None:
+    """A runs root that is a file: the refusal names hydra.run.dir and the reason (it used to be
+    Hydra's OSError traceback from every rank)."""
+    root = tmp_path / "runs"
+    root.write_text("a file")
+    with pytest.raises(SystemExit):
+        LiveRunGuard().on_run_start(_guard_config(root / "2026-01-01_00-00-00_ab12"))
+    err = capsys.readouterr().err
+    assert f"hydra.run.dir={root / '2026-01-01_00-00-00_ab12'}: cannot write there" in err, err
+    assert "Traceback" not in err
+
+
+def test_a_store_dir_that_is_not_a_writable_directory_is_refused_by_name(tmp_path: Path) -> None:
+    """store.dir is not created by the run (a tmpfs is mounted, not made): a missing path or a file is
+    refused as not a directory, one it cannot write to with the system's reason."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match=f"store.dir={blocker}: not a directory; create it"):
+        check_writable("store.dir", blocker, create=False)
+    with pytest.raises(ConfigError, match=f"store.dir={tmp_path / 'none'}: not a directory"):
+        check_writable("store.dir", tmp_path / "none", create=False)
+    check_writable("store.dir", tmp_path, create=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"], "the probe was left behind"
 
 
 # ----------------------------------------------------------------------------- real launches

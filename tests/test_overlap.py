@@ -269,19 +269,19 @@ def test_grad_norm_runs_on_the_accumulation_team(monkeypatch, optim) -> None:
     hf = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
           "intermediate_size": 64}  # fmt: skip
     cfg = base_config(
-        model_config("llama_10m", 256, **hf),
+        model_config("llama_10m", 320, **hf),
         train={"seq_len": 8, "micro_batch_size": 1, "dtype": "float32", "steps": 1},
         pipeline={"stages": 1, "microbatches": 2},
         stream={"accum_threads": 2},
         optim={"threads": 1, **optim},
     )
-    cfg.data.vocab_size = 256
+    cfg.data.vocab_size = 320  # data.vocab_size >= 257 (a byte-level BPE)
     before = torch.get_num_threads()
     limit_thread(1)  # the training thread under torchrun
     engine = None
     try:
         engine, _ = make_engine(cfg, "norm-team")
-        x = torch.randint(0, 256, (engine.grad_accum * 2, 1, 8), generator=torch.Generator().manual_seed(0))
+        x = torch.randint(0, 320, (engine.grad_accum * 2, 1, 8), generator=torch.Generator().manual_seed(0))
         engine.train_step(0, x, x)
         engine.wait_optimizer()
     finally:

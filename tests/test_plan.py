@@ -3,7 +3,7 @@ profile, the ``python -m nodetrain.plan`` CLI, and the training start-up refusal
 the node cannot hold (before anything is allocated).
 
 The hand computations below are written from the model's shapes and the documented formulas
-(``nodetrain/plan/costs.py`` docstrings), not by calling the planner's helpers.
+(``nodetrain/plan/costs.py`` and ``step_time.py`` docstrings), not by calling the planner's helpers.
 """
 
 from __future__ import annotations
@@ -178,7 +178,12 @@ def test_config_a_step_time_by_hand() -> None:
     assert t.h2d_s == pytest.approx(s1 * e / 10e9, rel=1e-12)
     assert t.d2h_s == pytest.approx(4 * s1 / 10e9, rel=1e-12)
     assert t.accum_s == pytest.approx(8 * s1 / accum_rate, rel=1e-12)
-    assert t.bubble_s == pytest.approx(1 * slot, rel=1e-12)  # (S - 1) slots
+    # the pipeline: stage 0's first forward fills it, stage 1 (the slower: L1 and the head) runs its
+    # 2 micro-batches back to back, stage 0's last backward drains it; f_l = a layer's forward
+    f_l, f_h = (2 * A_LAYER * n + attn / 4) / rate, 6 * A_HEAD * n / rate
+    assert slot == pytest.approx(4 * f_l + f_h, rel=1e-12)
+    pipeline = f_l + 2 * slot + 3 * f_l
+    assert t.bubble_s == pytest.approx(4 * f_l, rel=1e-12)  # stage 0's one micro-batch
     assert t.optimizer_s == pytest.approx(42 * s1 / optim_rate, rel=1e-12)
     host = (2 + 4 + 8 + 42) * (s0 + s1)
     assert t.host_bytes == host and t.host_dram_s == pytest.approx(host / 200e9, rel=1e-12)
@@ -190,7 +195,6 @@ def test_config_a_step_time_by_hand() -> None:
     # of stage 0's forward f_l, its L1 update first.
     u_e, u_l, u_h = (42 * x / optim_rate for x in (A_EMBED, A_LAYER, A_HEAD))
     l_e, l_l, l_h = (e * x / 10e9 for x in (A_EMBED, A_LAYER, A_HEAD))  # resident: whole loads
-    f_l, f_h = (2 * A_LAYER * n + attn / 4) / rate, 6 * A_HEAD * n / rate
     stage0 = (max(u_e + l_e, u_e + u_l) + l_l + f_l) - (l_e + l_l + f_l)
     l1 = max(f_l, u_l + l_l) + f_l
     head = max(l1, max(u_l + l_l, u_l + u_h) + l_h) + f_h
@@ -199,11 +203,11 @@ def test_config_a_step_time_by_hand() -> None:
     assert t.update_mode == "deferred"
     assert t.optimizer_exposed_s == pytest.approx(exposed, rel=1e-12)
     assert exposed > 0.9 * t.optimizer_s  # little of AdamW hides behind a first forward this short
-    # the exposed seconds add to the (G·M + S − 1)-slot pipeline; the DRAM (each stage's optimizer
-    # moving at most its rate while exposed) binds less
+    # the exposed seconds add to the pipeline; the DRAM (each stage's optimizer moving at most its
+    # rate while exposed) binds less
     moved = sum(min(exposed * optim_rate, 42 * x) for x in (s0, s1))
-    assert (host - moved) / 200e9 < 3 * slot
-    assert t.step_s == pytest.approx((2 + 2 - 1) * slot + exposed, rel=1e-12)
+    assert (host - moved) / 200e9 < pipeline
+    assert t.step_s == pytest.approx(pipeline + exposed, rel=1e-12)
     assert t.bottleneck == "optimizer cores"
     assert t.tokens == 2 * n
     # PaLM: 6·N + 12·L·H·Q·T per token, N = matmul weights (2 layers + lm_head)
@@ -257,14 +261,15 @@ def test_more_microbatches_leave_resident_offload_unchanged() -> None:
 
 
 def test_grad_accum_runs_as_one_round() -> None:
-    """G rounds of M run as one 1F1B round of G·M: one fill and drain, (G·M + S − 1) slots."""
+    """G rounds of M run as one 1F1B round of G·M: one fill and drain (stage 0's first forward and
+    last backward: one of its micro-batches) around the slower stage 1's G·M micro-batches."""
     cfg = _config_a()
     cfg.train.grad_accum = 3
     cfg.plan.overlap_optimizer = False
     t = make_plan(cfg).time
-    slot = t.bubble_s / 1
-    assert t.step_s == pytest.approx((3 * 2 + 2 - 1) * slot + t.optimizer_s, rel=1e-12)
-    assert t.compute_s == pytest.approx(3 * 2 * slot, rel=1e-12)
+    assert t.compute_s == pytest.approx(t.stage_compute_s[1], rel=1e-12)
+    assert t.bubble_s == pytest.approx(t.stage_compute_s[0] / (3 * 2), rel=1e-12)
+    assert t.step_s == pytest.approx(t.compute_s + t.bubble_s + t.optimizer_s, rel=1e-12)
 
 
 def test_host_dram_bottleneck_named() -> None:
@@ -273,11 +278,12 @@ def test_host_dram_bottleneck_named() -> None:
     cfg.stream.device_budget = 0
     cfg.hardware.host_memory_bandwidth_gbps = 1e-4
     t = make_plan(cfg).time
-    # the gradient accumulation (on the bus too) sets the slot, and the optimizer (at each rank's
-    # half of the bus) is exposed after the pipeline: the step is longer than the bus's bytes alone
-    slot = max(t.compute_s, t.h2d_s, t.d2h_s, t.accum_s) / 2
-    assert t.accum_s == pytest.approx(t.traffic[1].accum_bytes / 5e4, rel=1e-12)
-    assert t.step_s == pytest.approx(3 * slot + t.optimizer_exposed_s, rel=1e-12)
+    # the gradient accumulation (on the bus too) sets each stage's micro-batches, and the optimizer
+    # (at each rank's half of the bus) is exposed after the pipeline: stage 1's 2 micro-batches and
+    # stage 0's one (its fill and drain), longer than the bus's bytes alone
+    accum = [x.accum_bytes / 5e4 for x in t.traffic]
+    assert t.accum_s == pytest.approx(accum[1], rel=1e-12)
+    assert t.step_s == pytest.approx(accum[1] + accum[0] / 2 + t.optimizer_exposed_s, rel=1e-12)
     assert t.step_s > t.host_bytes / 1e5
     assert t.bottleneck == "host DRAM"
     cfg.hardware.host_memory_bandwidth_gbps, cfg.hardware.core_memory_bandwidth_gbps = 200.0, 1e-5
@@ -412,6 +418,9 @@ def test_host_problems_by_hand() -> None:
     assert "only 12.0 GB is available" in memory
     (disk,) = host_problems(10 * 10**9, 1, 0, 99 * 10**9, 9 * 10**9, "/x")
     assert disk.startswith("store.dir=/x:") and "9.0 GB free" in disk
+    # a small store is not printed as "0.0 GB" (issue 25): 12.3 MB needed, 4.5 MB free
+    (small,) = host_problems(12_345_678, 1, 0, 99 * 10**9, 4_500_000, "/y")
+    assert "needs 12.3 MB but the directory has 4.5 MB free" in small
 
 
 # ----------------------------------------------------------------------------- profiles and CLI

@@ -6,8 +6,10 @@ random init; save every ``checkpoint.every`` steps, at the last step and before 
 schedule, data cursor, config + hash, stage layout). Does not own: the files (writer.py), their
 verification (state.py) or loading (resume.py, hf_import.py).
 
-    ckpt = Checkpointing(cfg, run_dir, resolved, model)        # collective, before the store
+    path = choose_resume(cfg, ckpt_dir)                         # rank 0, before the data
+    ckpt = Checkpointing(cfg, run_dir, resolved, model, resume_path=path)  # collective, before the store
     engine = Engine(..., init_from=ckpt.init_fn())
+    ckpt.check_import()                                         # collective: no NaN/inf imported
     start = ckpt.attach(engine)                                 # AdamW counts, RNG; first step
     for step in range(start, cfg.train.steps):
         ...
@@ -18,6 +20,7 @@ verification (state.py) or loading (resume.py, hf_import.py).
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import weakref
@@ -26,9 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from tokenizers import Tokenizer
 
 from nodetrain.checkpoint import state as st
-from nodetrain.checkpoint.collective import broadcast_json
+from nodetrain.checkpoint.collective import all_gather_json
 from nodetrain.checkpoint.export import run_tokenizer
 from nodetrain.checkpoint.hf_import import check_model_dir, load_constants, load_units
 from nodetrain.checkpoint.resume import (
@@ -42,12 +46,51 @@ from nodetrain.checkpoint.resume import (
 from nodetrain.checkpoint.tensors import read_index
 from nodetrain.checkpoint.writer import CheckpointWriter
 from nodetrain.config.schema import Config, grad_accum_of
+from nodetrain.data.tokenizer import vocabulary_sha256
 from nodetrain.model import HFModel
 from nodetrain.optim.adamw import lr_at
 
-__all__ = ["Checkpointing"]
+__all__ = ["Checkpointing", "choose_resume", "dataset_identity"]
 
 log = logging.getLogger(__name__)
+
+
+def choose_resume(cfg: Config, ckpt_dir: Path) -> str | None:
+    """The checkpoint this run resumes (``checkpoint.resume``), verified, or None; removes the
+    ``*.tmp`` saves a crash interrupted first. Rank 0 only, before the data is prepared (a resumed
+    run keeps the checkpoint's tokenizer, data/checks.py).
+
+    Raises:
+        CheckpointError: ``checkpoint.resume`` names a bad checkpoint, or ``auto`` finds only bad ones.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    if ckpt_dir.is_dir():
+        for p in ckpt_dir.glob("*.tmp"):
+            log.warning("removing %s, an interrupted checkpoint save", p)
+            shutil.rmtree(p, ignore_errors=True)
+    try:
+        path = choose_checkpoint(cfg.checkpoint.resume, ckpt_dir)
+    except (OSError, ValueError) as e:
+        raise st.CheckpointError(str(e)) from e
+    return None if path is None else str(path)
+
+
+def dataset_identity(data_dir: Path | None) -> dict[str, Any]:
+    """What a checkpoint records of the dataset it was trained on (``data.dataset`` in
+    trainer_state.json): its fingerprint, the corpus digest and the tokenizer's vocabulary digest
+    (``tokenizer.vocabulary_sha256``); a resume compares them (data/checks.py)."""
+    if data_dir is None:
+        return {}
+    meta = json.loads((Path(data_dir) / "meta.json").read_text())
+    vocabulary = meta.get("vocabulary_sha256")
+    if vocabulary is None and (Path(data_dir) / "tokenizer.json").is_file():  # written before it was kept
+        vocabulary = vocabulary_sha256(Tokenizer.from_file(str(Path(data_dir) / "tokenizer.json")))
+    return {
+        "dir": str(data_dir),
+        "fingerprint": meta.get("fingerprint"),
+        "corpus_sha256": (meta.get("inputs") or {}).get("corpus_sha256"),
+        "vocabulary_sha256": vocabulary,
+    }
 
 
 class Checkpointing:
@@ -63,9 +106,12 @@ class Checkpointing:
             by default; see ``data_checks.run_data_config``): its special tokens and chat template.
         ckpt_dir: where checkpoints are read and written (default ``checkpoint.dir``, else
             ``<run_dir>/checkpoints``; outputs.py finds another run's for ``resume=auto``).
+        resume_path: the checkpoint to resume (:func:`choose_resume` on rank 0, the same on every
+            rank), or None for a fresh start or import.
+        stop: called while a save is waited for: True = a signal asked the run to stop (logged).
 
     Raises:
-        CheckpointError: ``checkpoint.resume`` names a bad checkpoint, or ``auto`` finds only bad ones.
+        CheckpointError: the checkpoint to resume does not fit this model, or its state was edited.
         ValueError: ``model.init_from`` cannot initialise this model (every problem listed).
     """
 
@@ -78,6 +124,8 @@ class Checkpointing:
         data_dir: Path | None = None,
         tokenizer_dir: str = "",
         ckpt_dir: Path | None = None,
+        resume_path: str | None = None,
+        stop=None,
     ):
         self.cfg, self.model, self.resolved, self.run_dir = cfg, model, resolved, Path(run_dir)
         self.data_dir, self.tokenizer_dir = data_dir, tokenizer_dir
@@ -85,10 +133,13 @@ class Checkpointing:
         self.dir = Path(c.dir).expanduser() if c.dir else self.run_dir / "checkpoints"
         self.dir = Path(ckpt_dir) if ckpt_dir is not None else self.dir
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._dataset = dataset_identity(data_dir) if self.rank == 0 else {}  # in trainer_state (rank 0)
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.dist.timeout_s))
-        self.path, self.state = self._choose()
+        self.stop = stop
+        self.path, self.state = self._resumed(resume_path)
         self.start_step = int(self.state["step"]) if self.state else 0
         self._hf_index = None
+        self._nonfinite: list[str] = []  # imported tensors holding NaN/inf, this rank's (check_import)
         if self.path is None and cfg.model.init_from:
             overrides = set(cfg.model.hf_override)
             self._hf_index = check_model_dir(cfg.model.init_from, model, overrides)  # headers only
@@ -100,33 +151,15 @@ class Checkpointing:
         self.wandb_run_id: str | None = self.state.get("wandb_run_id") if self.state else None
         """The wandb run this training continues (kept in ``trainer_state.json``; set by the caller)."""
 
-    def _choose(self) -> tuple[Path | None, dict | None]:
-        answer = {"path": None, "error": None}
-        if self.rank == 0:
-            try:
-                self._remove_leftovers()
-                path = choose_checkpoint(self.cfg.checkpoint.resume, self.dir)
-                answer["path"] = None if path is None else str(path)
-            except (OSError, ValueError) as e:
-                answer["error"] = str(e)
-        answer = broadcast_json(answer, self.group)
-        if answer["error"]:
-            raise st.CheckpointError(answer["error"])
-        if answer["path"] is None:
+    def _resumed(self, resume_path: str | None) -> tuple[Path | None, dict | None]:
+        if resume_path is None:
             return None, None
-        path = Path(answer["path"])
-        state = st.read_state(path)
+        path = Path(resume_path)
+        state = st.read_state(path)  # every rank reads it: every read checks its digest
         check_training_state(path, state, self.model.units, self.cfg.optim.state)  # headers only
         if self.rank == 0:
             self._report(path, state)
         return path, state
-
-    def _remove_leftovers(self) -> None:
-        """``*.tmp`` directories are saves a crash interrupted; none is complete (rank 0 only)."""
-        if self.dir.is_dir():
-            for p in self.dir.glob("*.tmp"):
-                log.warning("removing %s, an interrupted checkpoint save", p)
-                shutil.rmtree(p, ignore_errors=True)
 
     def _report(self, path: Path, state: dict) -> None:
         log.info(
@@ -137,10 +170,12 @@ class Checkpointing:
         newer = [p.name for s, p in st.complete_checkpoints(self.dir) if s > state["step"]]
         if newer:
             log.warning(
-                "%s holds newer checkpoints %s than the one resumed from; this run replaces them as it "
-                "reaches their steps, and checkpoint.resume=auto picks the newest",
+                "%s holds newer checkpoints %s than the one resumed from: this run starts a new branch "
+                "from %s; it replaces them as it reaches their steps, checkpoint.keep_last prunes only "
+                "this branch, and once it has saved, checkpoint.resume=auto continues this branch",
                 self.dir,
                 newer,
+                path.name,
             )
 
     def init_fn(self):
@@ -157,8 +192,28 @@ class Checkpointing:
 
             return load_with_constants
         if self._hf_index is not None:
-            return lambda store, units: load_units(self._hf_index, store, units, model=self.model)
+
+            def load(store, units) -> None:
+                self._nonfinite += load_units(self._hf_index, store, units, model=self.model)
+
+            return load
         return None
+
+    def check_import(self) -> None:
+        """After the engine filled the store (collective): refuse imported weights holding NaN/inf.
+
+        Raises:
+            CheckpointError: on every rank, naming every such tensor of every rank.
+        """
+        if self._hf_index is None:
+            return
+        found = sorted({n for part in all_gather_json(self._nonfinite, self.group) for n in part})
+        if found:
+            raise st.CheckpointError(
+                f"model.init_from={self.cfg.model.init_from}: {len(found)} tensor(s) hold NaN or inf, so "
+                "training would start from (and save) non-finite weights:\n  " + "\n  ".join(found) + "\n"
+                "fix: use an intact copy of the weights (re-download or re-export them)"
+            )
 
     def attach(self, engine) -> int:
         """Bind to the built engine; on resume restore AdamW's update counts and the RNG states, on
@@ -180,6 +235,8 @@ class Checkpointing:
             if self.rank == 0 and self.data_dir is not None
             else None,
             source_dir=self.cfg.model.init_from,
+            stop=self.stop,
+            parent=st.identity(self.path, self.state) if self.path is not None else None,
         )
         if self.path is not None:
             restore_steps(self.path, engine.optimizer, engine.units)
@@ -241,6 +298,7 @@ class Checkpointing:
                 "sequences_per_step": sequences,
                 "sequences_seen": step * sequences,
                 "seq_len": t.seq_len,
+                "dataset": self._dataset,
             },
             "config": self.resolved,
             "config_hash": st.config_hash(self.resolved),

@@ -4,8 +4,9 @@ Owns: refusing a directory that cannot be this model (``config.json`` architectu
 unexpected tensor names, shapes, non-float dtypes — every problem listed in one message, from the
 file headers alone, before the host store is allocated) and filling the fp32 master weights of
 the units a rank owns, tensor by tensor, converting the dtype on the way (tensors.py), so no
-process ever holds a second full copy. Does not own: the trainer's own checkpoints (resume.py).
-safetensors and JSON only: no pickle is ever loaded.
+process ever holds a second full copy; each tensor is checked for NaN/inf as it lands (the values
+are only known then; checkpointing.check_import refuses them by name). Does not own: the trainer's
+own checkpoints (resume.py). safetensors and JSON only: no pickle is ever loaded.
 """
 
 from __future__ import annotations
@@ -180,22 +181,33 @@ def load_units(
     units: list[Unit],
     field: str = "master",
     model: HFModel | None = None,
-) -> None:
+) -> list[str]:
     """Read every parameter of ``units`` from ``index`` into the store's ``field`` buffers (fp32),
     converting dtype on the way; extra memory is bounded by ``tensors.CHUNK_BYTES``. With ``model``,
     a parameter is read from the checkpoint tensors it is saved as (experts one per expert:
     hf_layout.py); without, by its own name.
 
+    Returns:
+        One line per tensor that holds NaN or inf (``name: k of n values are NaN/inf (file)``); empty
+        when every value is finite. The caller refuses them (the values are in the store already).
+
     Raises:
         KeyError: a parameter missing from ``index`` (callers check first).
     """
+    nonfinite = []
     for u in units:
         buf = store.buffer(u.index, field)
         for p in u.params:
             for q in import_pieces(model, p, index):
-                read_into(index[q.name], buf[p.offset + q.offset : p.offset + q.offset + q.numel])
+                entry = index[q.name]
+                dst = buf[p.offset + q.offset : p.offset + q.offset + q.numel]
+                read_into(entry, dst)
+                if not bool(torch.isfinite(dst).all()):
+                    bad = int((~torch.isfinite(dst)).sum())
+                    nonfinite.append(f"{q.name}: {bad} of {q.numel} values are NaN/inf ({entry.file.name})")
     if model is not None:
         load_constants(index, model, units)
+    return nonfinite
 
 
 def load_constants(index: dict[str, TensorEntry], model: HFModel, units: list[Unit]) -> None:
@@ -226,7 +238,8 @@ def load_hf_weights(
             otherwise only the tensors of ``units`` are checked for presence and shape.
 
     Raises:
-        ValueError: as :func:`check_model_dir` (all problems listed).
+        ValueError: as :func:`check_model_dir` (all problems listed); a tensor holds NaN or inf
+            (every such tensor named).
     """
     if model is not None:
         index = check_model_dir(model_dir, model)
@@ -242,4 +255,9 @@ def load_hf_weights(
             raise ValueError(
                 f"model.init_from={str(model_dir)!r} does not match the model:\n  " + "\n  ".join(problems)
             )
-    load_units(index, store, units, model=model)
+    nonfinite = load_units(index, store, units, model=model)
+    if nonfinite:
+        raise ValueError(
+            f"model.init_from={str(model_dir)!r}: {len(nonfinite)} tensor(s) hold NaN or inf:\n  "
+            + "\n  ".join(nonfinite)
+        )

@@ -44,7 +44,13 @@ log = logging.getLogger(__name__)
 
 
 def choose_checkpoint(resume: str, directory: Path) -> Path | None:
-    """The checkpoint to resume from, verified (sizes and sha256 of every file).
+    """The checkpoint to resume from, verified (its trainer state's digest, sizes and sha256 of every
+    file).
+
+    ``auto`` takes the head of the chain the last run was on: the checkpoint committed last (highest
+    ``sequence``, state.py; then the highest step), so a run that resumed an older step and saved
+    continues on its own branch, not on the abandoned newer steps. A head that fails verification
+    falls back to its parent, then to the others, newest first, with a warning.
 
     Args:
         resume: ``checkpoint.resume``: empty (none), ``auto``, or a ``step-N`` path.
@@ -69,12 +75,18 @@ def choose_checkpoint(resume: str, directory: Path) -> Path | None:
                 f"checkpoint.resume={resume}: {e}; pick another step-N or use auto"
             ) from e
         return path
-    candidates = st.complete_checkpoints(directory)[::-1]
-    if not candidates:
+    complete = st.complete_checkpoints(directory)
+    if not complete:
         log.info("checkpoint.resume=auto: no complete checkpoint in %s, starting from scratch", directory)
         return None
-    errors = []
-    for _, path in candidates:
+    errors, states = [], {}
+    for _, path in complete[::-1]:
+        try:
+            states[path] = st.read_state(path)
+        except st.CheckpointError as e:
+            errors.append(str(e))
+            log.warning("checkpoint.resume=auto: refusing %s: %s; falling back to the previous one", path, e)
+    for path in _auto_order(states, dict((p, s) for s, p in complete)):
         try:
             st.verify(path)
         except st.CheckpointError as e:
@@ -85,6 +97,15 @@ def choose_checkpoint(resume: str, directory: Path) -> Path | None:
     raise st.CheckpointError(
         f"checkpoint.resume=auto: every checkpoint in {directory} is corrupted:\n  " + "\n  ".join(errors)
     )
+
+
+def _auto_order(states: dict[Path, dict[str, Any]], steps: dict[Path, int]) -> list[Path]:
+    """The head (highest ``sequence``, then step), its ancestors, then every other checkpoint."""
+    newest = sorted(states, key=lambda p: (states[p].get("sequence", 0), steps[p]), reverse=True)
+    if not newest:
+        return []
+    on_chain = st.chain(states, newest[0])
+    return on_chain + [p for p in newest if p not in on_chain]
 
 
 def _entries(

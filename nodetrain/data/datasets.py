@@ -31,6 +31,7 @@ import re
 import secrets
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -39,13 +40,14 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from nodetrain.config.disk import DiskFullError, is_disk_full
 from nodetrain.config.schema import DataConfig
 from nodetrain.data import corpus, tokenizer
 from nodetrain.data.progress import TaskProgress
 from nodetrain.data.tokenizer import EOT_TOKEN
 from nodetrain.store import pid_alive
 
-__all__ = ["EOT_TOKEN", "TokenDataset", "batch", "main", "prepare"]
+__all__ = ["EOT_TOKEN", "TokenDataset", "batch", "fingerprint", "main", "prepare"]
 
 log = logging.getLogger("nodetrain")
 
@@ -256,7 +258,12 @@ def _install(tmp: Path, target: Path) -> None:
 
 
 def _train_bpe(cfg: DataConfig, files: list[Path]) -> Tokenizer:
-    """A byte-level BPE trained on the corpus, with progress while the text is read."""
+    """A byte-level BPE trained on the corpus, with progress while the text is read.
+
+    The training runs in a daemon thread while this (main) thread waits in short slices: ``tokenizers``
+    merges in Rust for tens of seconds on a large corpus, and Python runs a signal handler only in the
+    main thread between bytecodes, so a Ctrl-C or SIGTERM must find the main thread here to end the
+    launch within a second (faults.StopRequest); the abandoned thread ends with the process."""
     total_bytes = sum(p.stat().st_size for p in files)
     log.info("data: training a byte-level BPE of %d ids (reading the text, then merging)", cfg.vocab_size)
     with TaskProgress("data: reading text for the BPE", total_bytes, "MB", 1e-6) as bar:
@@ -266,7 +273,21 @@ def _train_bpe(cfg: DataConfig, files: list[Path]) -> Tokenizer:
                 yield from _chunks(doc, True)
                 bar.advance(len(doc))
 
-        return tokenizer.train_bpe(texts(), cfg.vocab_size, show_progress=bar.terminal)
+        result: list = []
+
+        def train() -> None:
+            try:
+                result.append(tokenizer.train_bpe(texts(), cfg.vocab_size, show_progress=bar.terminal))
+            except BaseException as e:  # handed to the main thread
+                result.append(e)
+
+        worker = threading.Thread(target=train, name="nodetrain-bpe", daemon=True)
+        worker.start()
+        while worker.is_alive():
+            worker.join(0.2)
+        if isinstance(result[0], BaseException):
+            raise result[0]
+        return result[0]
 
 
 def _build(cfg: DataConfig, tmp: Path, inputs: _Inputs) -> dict:
@@ -291,10 +312,39 @@ def _build(cfg: DataConfig, tmp: Path, inputs: _Inputs) -> dict:
     meta = {"format_version": _FORMAT_VERSION, "vocab_size": vocab_size, "dtype": dtype.name}
     meta |= {"eot_id": eot_id, "bos_ids": bos, "num_train_tokens": num_train, "num_val_tokens": num_val}
     meta |= {"fingerprint": inputs.fingerprint, "inputs": inputs.record}
+    meta["vocabulary_sha256"] = tokenizer.vocabulary_sha256(tok)  # what a resume compares (data/checks.py)
     with (tmp / "meta.json").open("w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2)
         _fsync(f)
     return meta
+
+
+def fingerprint(cfg: DataConfig) -> tuple[str, dict]:
+    """(fingerprint, what it covers) of the dataset :func:`prepare` would give ``cfg``, without
+    tokenizing: the corpus files are hashed (cached by size and mtime under ``data.dir``).
+
+    Raises:
+        FileNotFoundError: as :func:`prepare`.
+    """
+    inputs = _inputs(cfg, Path(cfg.dir).expanduser().absolute())
+    return inputs.fingerprint, inputs.record
+
+
+def _full_data_dir(cfg: DataConfig, root: Path, error: BaseException) -> DiskFullError:
+    """The refusal of a preparation that ran out of space: the bytes it needs at most and the free ones."""
+    try:
+        files = corpus.source_files(cfg)
+        text_bytes = sum(p.stat().st_size for p in files)
+    except (OSError, ValueError):
+        text_bytes = 0
+    need = 4 * (1 + cfg.val_fraction) * text_bytes  # uint32 ids, at most one per byte of text; val.bin copy
+    free = shutil.disk_usage(root if root.is_dir() else root.parent).free
+    return DiskFullError(
+        f"data.dir={cfg.dir}: the filesystem is full ({error}): preparing the dataset of data.source="
+        f"{cfg.source} ({text_bytes / 1e6:,.1f} MB of text) needs up to {need / 1e6:,.1f} MB and "
+        f"{free / 1e6:,.1f} MB is free (the partial files were removed); free space there or set data.dir "
+        "to a larger filesystem"
+    )
 
 
 def prepare(cfg: DataConfig, seed: int = 0, seq_len: int = 0) -> Path:
@@ -328,8 +378,18 @@ def prepare(cfg: DataConfig, seed: int = 0, seq_len: int = 0) -> Path:
             corpus, a JSONL line that is not JSON or lacks ``data.jsonl_field``, a corpus too small
             for both splits, a tokenizer without an end-of-text token, ``data.dir`` a file, or the
             dataset directory holding other files.
+        DiskFullError: ``data.dir``'s filesystem ran out of space (naming the bytes needed and free).
     """
     root = Path(cfg.dir).expanduser().absolute()
+    try:
+        return _prepare(cfg, root, seed, seq_len)
+    except OSError as e:
+        if is_disk_full(e):
+            raise _full_data_dir(cfg, root, e) from e
+        raise
+
+
+def _prepare(cfg: DataConfig, root: Path, seed: int, seq_len: int) -> Path:
     _remove_stale_tmp(root)
     if cfg.format == "records":  # instruction/record data: nodetrain/data/sft.py
         from nodetrain.data.sft import prepare_records

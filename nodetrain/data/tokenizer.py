@@ -26,6 +26,7 @@ __all__ = [
     "bos_ids",
     "is_chunk_safe",
     "tokenizer_sha256",
+    "vocabulary_sha256",
 ]
 
 EOT_TOKEN = "<|endoftext|>"
@@ -172,3 +173,14 @@ def _trained_pre_tokenizer_spec() -> dict:
 def tokenizer_sha256(tok: Tokenizer) -> str:
     """SHA-256 of the tokenizer's canonical JSON (vocabulary, merges, pre-tokenizer, ...)."""
     return hashlib.sha256(tok.to_str().encode()).hexdigest()
+
+
+def vocabulary_sha256(tok: Tokenizer) -> str:
+    """SHA-256 of what gives a text its ids without added special tokens: normalizer, pre-tokenizer,
+    model (vocabulary and merges) and the added tokens' ids and contents; a checkpoint's copy of a
+    dataset's tokenizer (``save_pretrained``, which adds a post-processor and special-token roles)
+    has the same digest as the original (``checkpointing.dataset_identity``)."""
+    spec = json.loads(tok.to_str())
+    added = sorted((t["id"], t["content"]) for t in spec.get("added_tokens") or [])
+    keyed = {k: spec.get(k) for k in ("normalizer", "pre_tokenizer", "model")} | {"added_tokens": added}
+    return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()

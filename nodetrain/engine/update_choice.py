@@ -3,7 +3,7 @@
 Owns: timing this rank's fused AdamW on an OpenMP team of its optimizer thread's size (scratch
 buffers, not the store), sharing every rank's figures in one all-reduce (so every rank makes the
 same choice, as the replicas of a stage must), checking that the backups fit the node's available
-RAM, pricing the step in both modes with the planner's model (``costs.step_time`` with the measured
+RAM, pricing the step in both modes with the planner's model (``step_time.step_time`` with the measured
 rate in place of the profile's and the engine's own peak FLOP/s), and the one log line. Does not
 own: the rule (``exposure.choose_speculative``), the model (``plan/exposure.py``) or running the
 updates (overlap.py).
@@ -23,8 +23,9 @@ from nodetrain.engine.host_threads import CoreSplit, limit_thread
 from nodetrain.engine.overlap import update_kind
 from nodetrain.engine.replicas import Topology
 from nodetrain.optim.adamw import chunk_numel
-from nodetrain.plan.costs import HostRates, shape_of, speculative_backup_bytes, step_time
+from nodetrain.plan.costs import shape_of, speculative_backup_bytes
 from nodetrain.plan.exposure import CLIP_FRACTION, choose_speculative
+from nodetrain.plan.step_time import HostRates, step_time
 from nodetrain.run.breakdown import hardware_profiles
 
 __all__ = ["SCRATCH_NUMEL", "UpdateChoice", "adamw_bytes_per_s", "choose_update_mode"]

@@ -15,8 +15,9 @@ its actions in order, a forward waits for the previous stage's forward of the sa
 backward for the next stage's backward), and of the optimizer thread's FIFO queue in each mode
 (``engine/overlap.py``), giving how late the next step's first use of each unit is
 (:func:`exposed_s`), and the rule that picks speculative or deferred updates
-(:func:`choose_speculative`). Pure arithmetic on seconds; ``costs.py`` turns a model, a batch shape
-and rates into the seconds. Does not own: the rates, bytes or FLOPs (costs.py), or running anything.
+(:func:`choose_speculative`). Pure arithmetic on seconds; ``step_time.py`` turns a model, a batch
+shape and rates into the seconds. Does not own: the rates or FLOPs (step_time.py), the bytes
+(costs.py), or running anything.
 
 Modes (``overlap.update_kind``): ``serial`` (``optim.overlap=false``: every update on the training
 thread after P), ``deferred`` (clipping: all released at P, in forward order), ``in_backward`` (no
@@ -232,6 +233,6 @@ def _first_forward_late(units: list[UnitTiming], done: dict[int, float], start: 
 
 def choose_speculative(deferred_step_s: float, speculative_step_s: float, backup_fits: bool) -> bool:
     """``optim.speculative=auto``: speculate when the backups fit host RAM and the predicted step
-    (``costs.step_time``, speculative priced at :data:`CLIP_FRACTION` clipped steps) is shorter than
+    (``step_time.step_time``, speculative priced at :data:`CLIP_FRACTION` clipped steps) is shorter than
     the deferred one by more than :data:`SPECULATE_GAIN`."""
     return backup_fits and speculative_step_s < (1 - SPECULATE_GAIN) * deferred_step_s

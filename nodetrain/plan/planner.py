@@ -3,8 +3,9 @@
 Owns: turning a config and a hardware profile (``conf/hardware/``) into a ``Plan`` (host and
 device memory, the largest micro-batch that fits, step time and its bottleneck, tokens/day, nodes
 for a token budget, a verdict with its reasons), the ``python -m nodetrain.plan`` entry point, and
-the training start-up check that refuses a host store the node cannot hold (``preflight``). The
-arithmetic itself is in ``costs.py``; printing is in ``report.py``.
+the training start-up check that refuses a host store the node cannot hold (``preflight``, in
+``host.py``). The arithmetic itself is in ``costs.py`` (bytes), ``compute.py`` and ``step_time.py``
+(seconds), a profile's rates put to it in ``pricing.py``; printing is in ``report.py``.
 
     python -m nodetrain.plan model=llama2_70b hardware=h100_sxm train.seq_len=4096 \\
         train.micro_batch_size=4 pipeline.microbatches=16
@@ -14,12 +15,9 @@ from __future__ import annotations
 
 import copy
 import math
-import shutil
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import psutil
 import torch
 
 from nodetrain.config.schema import (
@@ -28,16 +26,13 @@ from nodetrain.config.schema import (
     grad_accum_of,
     validate,
 )
-from nodetrain.engine.host_threads import split_cores
 from nodetrain.engine.overlap import update_kind
 from nodetrain.engine.pipeline import build_schedule, partition, step_rounds
 from nodetrain.engine.residency import choose_resident, device_budget_bytes, saved_transfer_bytes
 from nodetrain.model import HFModel, build_hf_config
 from nodetrain.plan.costs import (
-    HostRates,
     ModelShape,
     StageMemory,
-    StepTime,
     field_bytes,
     load_sequence,
     pin_overhead_bytes,
@@ -45,11 +40,11 @@ from nodetrain.plan.costs import (
     shape_of,
     speculative_backup_bytes,
     stage_memory,
-    step_time,
     store_layout,
 )
-from nodetrain.plan.exposure import choose_speculative
-from nodetrain.store import remove_stale_stores
+from nodetrain.plan.host import host_problems, preflight
+from nodetrain.plan.pricing import host_rates, priced_step
+from nodetrain.plan.step_time import HostRates, StepTime
 
 __all__ = ["GB", "Plan", "make_plan", "model_of", "host_problems", "preflight", "resolve_auto"]
 
@@ -66,82 +61,6 @@ def model_of(cfg: Config) -> HFModel:
     """The adapter of ``cfg.model`` with the vocabulary of ``model.hf.vocab_size``, else
     ``data.vocab_size`` (the size the BPE is trained to)."""
     return HFModel(build_hf_config(cfg.model, vocab_size=cfg.model.hf.get("vocab_size", cfg.data.vocab_size)))
-
-
-# ----------------------------------------------------------------------------- host memory
-
-
-def host_problems(
-    store_bytes: int,
-    world_size: int,
-    rank_overhead_bytes: int,
-    available_bytes: int,
-    free_bytes: int,
-    store_dir,
-) -> list[str]:
-    """Why a host store cannot be created (empty when it can); pure arithmetic on given numbers.
-
-    The node needs ``store_bytes + world_size × rank_overhead_bytes`` of host memory, and the store
-    file needs ``store_bytes`` of free space in ``store_dir`` (tmpfs counts its own limit). Pinned
-    memory adds nothing: on CUDA the store itself is page-locked in place (``cudaHostRegister``), and
-    the per-rank overhead covers the window and kept heap.
-    """
-    need = store_bytes + world_size * rank_overhead_bytes
-    fix = (
-        "use a smaller model, a node with more RAM (or free what holds it now), or see "
-        "`python -m nodetrain.plan` for what fits"
-    )
-    problems = []
-    if need > available_bytes:
-        problems.append(
-            f"host memory: the host store needs {store_bytes / GB:.1f} GB + {world_size} rank(s) × "
-            f"{rank_overhead_bytes / GB:.2f} GB (plan.rank_overhead_gb) = {need / GB:.1f} GB, but only "
-            f"{available_bytes / GB:.1f} GB is available; {fix}"
-        )
-    if store_bytes > free_bytes:
-        problems.append(
-            f"store.dir={store_dir}: the host store needs {store_bytes / GB:.1f} GB but the directory has "
-            f"{free_bytes / GB:.1f} GB free; enlarge it (e.g. `mount -o remount,size=<GB>G /dev/shm`) or "
-            "point store.dir at a larger RAM-backed filesystem"
-        )
-    return problems
-
-
-def preflight(cfg: Config, model: HFModel, world_size: int) -> int:
-    """Refuse, before anything is allocated, a run whose host store cannot fit this node.
-
-    Removes host stores of dead runs from ``store.dir`` first (as ``HostStore.create`` would), so
-    their memory counts as available. Call on one rank per node and share the outcome.
-
-    Returns:
-        the host store's size in bytes.
-
-    Raises:
-        ConfigError: ``store.dir`` does not exist, or the store (+ per-rank overhead) exceeds the
-            available host memory (``psutil.virtual_memory().available``) or the free space of
-            ``store.dir`` (``shutil.disk_usage``); the message gives the numbers and the fix.
-    """
-    store_dir = Path(cfg.store.dir)
-    if not store_dir.is_dir():
-        raise ConfigError(f"store.dir={store_dir}: not a directory; create it or use /dev/shm")
-    remove_stale_stores(store_dir, remove=cfg.store.cleanup_stale)
-    shape = shape_of(model)
-    nbytes = store_layout(shape, getattr(torch, cfg.train.dtype), cfg.optim.state).nbytes
-    overhead = int(cfg.plan.rank_overhead_gb * GB)
-    overhead += speculative_backup_bytes(shape, _speculates(cfg)) // world_size
-    if torch.cuda.is_available():  # each rank page-locks the transfer copies it loads (HostStore.pin)
-        compute = field_bytes(store_layout(shape, getattr(torch, cfg.train.dtype), cfg.optim.state))[
-            "compute"
-        ]
-        overhead += pin_overhead_bytes(compute) // world_size
-    available, free = psutil.virtual_memory().available, shutil.disk_usage(store_dir).free
-    problems = host_problems(nbytes, world_size, overhead, available, free, store_dir)
-    if problems:
-        lines = "\n".join(f"  - {p}" for p in problems)
-        n = shape.num_params
-        what = f"{n / 1e9:,.2f}B parameters × {nbytes / n:.1f} bytes/param of host store"
-        raise ConfigError(f"model {cfg.model.name} ({what}) does not fit this node:\n{lines}")
-    return nbytes
 
 
 # ----------------------------------------------------------------------------- the whole plan
@@ -323,12 +242,6 @@ def _check_hardware(cfg: Config, num_stages: int) -> None:
         raise ConfigError(f"{len(problems)} config problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def _speculates(cfg: Config) -> bool:
-    """Whether the engine surely keeps speculative backups (``optim.speculative=true`` where it
-    applies); ``auto`` speculates only where the engine finds the backups fit (update_choice.py)."""
-    return update_kind(cfg.optim) == "speculative"
-
-
 def _node(cfg: Config, shape: ModelShape, num_stages: int) -> _Node:
     hw, dtype = cfg.hardware, getattr(torch, cfg.train.dtype)
     layout = store_layout(shape, dtype, cfg.optim.state)
@@ -347,65 +260,11 @@ def _node(cfg: Config, shape: ModelShape, num_stages: int) -> _Node:
         store_bytes=layout.nbytes,
         fields=field_bytes(layout),
         overhead_bytes=int(num_stages * cfg.plan.rank_overhead_gb * GB)
-        + speculative_backup_bytes(shape, _speculates(cfg))
+        + speculative_backup_bytes(shape, update_kind(cfg.optim) == "speculative")
         + (pin_overhead_bytes(field_bytes(layout)["compute"]) if hw.gpus_per_node else 0),
         host_bytes=int(hw.host_memory_gb * GB),
         device_limit_bytes=device_limit,
     )
-
-
-def host_rates(cfg: Config, num_stages: int) -> HostRates:
-    """The host side of one rank: its link (a CPU profile's copy bandwidth shared by its ranks), the
-    node's DRAM bandwidth shared by all ranks, and the engine's split of its cores (``cores`` /
-    ranks, ``host_threads.split_cores`` of ``stream.accum_threads`` and ``optim.threads``)."""
-    hw = cfg.hardware
-    share = 1 if hw.gpus_per_node else num_stages
-    split = split_cores(max(1, hw.cores // num_stages), cfg.stream.accum_threads, cfg.optim.threads)
-    return HostRates(
-        link_bytes_per_s=hw.host_link_gbps * GB / share,
-        host_bytes_per_s=hw.host_memory_bandwidth_gbps * GB,
-        core_bytes_per_s=hw.core_memory_bandwidth_gbps * GB,
-        ranks=num_stages,
-        accum_threads=split.accum_threads,
-        optim_threads=split.optim_threads,
-    )
-
-
-def _time(cfg: Config, node: _Node, b: int, resident: list[frozenset[int]]) -> StepTime:
-    """The step time of ``node`` at micro-batch size ``b``. A CPU profile's ranks each compute on one
-    thread (torchrun's ``OMP_NUM_THREADS=1``): a core's share of the peak, and all of them
-    together at most the node's peak (``node_flops_per_s``). The optimizer is priced in the mode the
-    engine runs (``plan.overlap_optimizer=false``: serial); ``optim.speculative=auto`` as the engine
-    chooses it (``exposure.choose_speculative``), from this profile's rates instead of its measurement."""
-    hw, num_stages = cfg.hardware, len(node.stage_blocks)
-    achieved = hw.peak_flops * hw.matmul_efficiency
-    share = 1 if hw.gpus_per_node else hw.cores  # one thread per rank: a core's share of the peak
-    kind = update_kind(cfg.optim) if cfg.plan.overlap_optimizer else "serial"
-
-    def priced(mode: str) -> StepTime:
-        return step_time(
-            node.shape,
-            node.stage_blocks,
-            b=b,
-            t=node.seq_len,
-            m=node.microbatches,
-            g=node.grad_accum,
-            itemsize=node.itemsize,
-            flops_per_s=achieved / share,
-            rates=host_rates(cfg, num_stages),
-            update_mode=mode,
-            schedule=node.schedule,
-            resident=resident,
-            node_flops_per_s=0.0 if hw.gpus_per_node else achieved,
-        )
-
-    if kind != "auto":
-        return priced(kind)
-    deferred, speculative = priced("deferred"), priced("speculative")
-    fits = (
-        node.store_bytes + node.overhead_bytes + speculative_backup_bytes(node.shape, True) <= node.host_bytes
-    )
-    return speculative if choose_speculative(deferred.step_s, speculative.step_s, fits) else deferred
 
 
 def _with_batch(cfg: Config, b: int, m: int) -> Config:
@@ -435,7 +294,7 @@ def resolve_auto(
     """Replace ``auto`` in ``train.micro_batch_size``, ``pipeline.microbatches`` and
     ``stream.device_budget`` by the planner's choice, with one log line per choice.
 
-    Sizes and counts are chosen by the step-time model (:func:`make_plan`'s, ``costs.step_time``)
+    Sizes and counts are chosen by the step-time model (:func:`make_plan`'s, ``step_time.step_time``)
     among those whose peak fits the device (``costs.stage_memory``, the one activation model, also
     behind the automatic device budget): the smallest micro-batch size × count within 2% of the
     best predicted tokens/s (a smaller batch for the same speed). ``stream.device_budget=auto``
@@ -470,7 +329,7 @@ def resolve_auto(
         trial = _with_batch(cfg, b, m)
         node = _node(trial, shape, num_stages)
         if node.fits(b):
-            t = _time(trial, node, b, node.resident(trial, b))
+            t = priced_step(trial, node, b, node.resident(trial, b))
             scored.append((t.tokens / t.step_s, b, m, t))
     if not scored:
         keys = " and ".join(
@@ -515,7 +374,7 @@ def make_plan(cfg: Config, model: HFModel | None = None) -> Plan:
     node = _node(cfg, shape, num_stages)
     stages, host_need = node.memory(b)
     resident = node.resident(cfg, b)
-    time = _time(cfg, node, b, resident)
+    time = priced_step(cfg, node, b, resident)
     train_tokens = cfg.plan.train_tokens or 20 * shape.num_params
     days_one_node = train_tokens / time.tokens_per_day
     max_b = node.max_micro_batch()
@@ -593,6 +452,11 @@ def _hints(cfg: Config, t: StepTime, max_b: int, num_stages: int) -> list[str]:
         hints.append(
             "host DRAM carries every rank's D2H, accumulation and optimizer bytes: keep more units resident "
             "(stream.device_budget) or more tokens per step amortise the optimizer"
+        )
+    if t.bottleneck == "shared cores":
+        hints.append(
+            "the stages share the node's cores: all their compute, copies, accumulation and optimizer "
+            "work over hardware.cores bounds the step; fewer stages do not make it shorter"
         )
     if t.bottleneck == "host accumulation":
         hints.append(

@@ -1,11 +1,14 @@
 """What a run does when something goes wrong: signals, non-finite steps, and test-only fault injection.
 
 Owns:
-    :class:`StopRequest`  SIGINT/SIGTERM during the training loop set a flag instead of killing the
-        rank mid-step; the engine adds the flag to the step's one all-reduce (engine.py), so every
-        rank learns of it at the same step and all stop after that step (then save, if
-        ``checkpoint.on_signal=save``). A second signal more than ``FORCE_AFTER_S`` after the first
-        ends the rank at once.
+    :class:`StopRequest`  SIGINT/SIGTERM in every phase of a run. During set-up (data preparation,
+        building the store) a signal ends the launch at once (:class:`Stopped`: nothing to save yet).
+        In the training loop (``deferred()``) it sets a flag instead of killing the rank mid-step;
+        the engine adds the flag to the step's one all-reduce (engine.py), an evaluation asks every
+        rank between its batches (:meth:`StopRequest.agreed`), and a wait for a checkpoint write
+        says at once that it finishes the write first (checkpoint/writer.py), so every rank stops
+        after the same step (then saves, if ``checkpoint.on_signal=save``). A second signal more
+        than ``FORCE_AFTER_S`` after the first ends the rank at once, saying what was not saved.
     :class:`BadSteps`  counts steps whose loss or gradient norm was NaN/inf (the engine skipped
         their update on every stage) and ends the run after ``train.max_bad_steps`` in a row.
     :func:`maybe_fail`, :func:`poison_grads`, :func:`nan_injection`  the ``test.*`` knobs
@@ -21,6 +24,7 @@ collective and receive is bounded by ``dist.timeout_s``, train.py), or the store
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -37,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from nodetrain.checkpoint.collective import all_gather_json
 from nodetrain.config.schema import FaultInjectionConfig
 
 __all__ = [
@@ -44,6 +49,7 @@ __all__ = [
     "BadSteps",
     "NonFiniteError",
     "StopRequest",
+    "Stopped",
     "maybe_fail",
     "nan_injection",
     "poison_grads",
@@ -63,19 +69,39 @@ class NonFiniteError(RuntimeError):
     """``train.max_bad_steps`` consecutive steps had a NaN/inf loss or gradient norm."""
 
 
-class StopRequest:
-    """A context manager that turns SIGINT/SIGTERM into a stop request for the training loop.
+class Stopped(SystemExit):
+    """A signal ended the launch (exit status 128 + the signal number); the log says what was saved."""
 
-    Inside the ``with`` block the first signal only sets :attr:`signum`; the loop passes
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+class StopRequest:
+    """A context manager that turns SIGINT/SIGTERM into a stop request, in every phase of a run.
+
+    Inside the ``with`` block, outside :meth:`deferred`: the first signal raises :class:`Stopped`
+    at once (set-up: nothing to save yet, finally-blocks run). Inside :meth:`deferred` (the training
+    loop, evaluations, checkpoint waits): the first signal only sets :attr:`signum`; the loop passes
     :attr:`requested` to ``Engine.train_step``, whose all-reduce tells every rank, and the loop ends
-    after that step. Outside the block (set-up, teardown) the previous handlers apply. Only the main
-    thread can install handlers; elsewhere the block does nothing.
+    after that step; an evaluation asks :meth:`agreed` between batches. A second signal more than
+    ``FORCE_AFTER_S`` after the first raises :class:`Stopped` at once, logging ``unsaved()`` (what is
+    lost). Outside the block the previous handlers apply. Only the main thread can install handlers;
+    elsewhere the block does nothing.
+
+    Args:
+        unsaved: called on a second signal: what ending now loses, for the log line.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, unsaved=None) -> None:
         self.signum: int | None = None
         """The first signal received, or None."""
+        self.group = None
+        """The gloo group :meth:`agreed` asks on (set by the caller once the process group exists)."""
+        self.unsaved = unsaved or (lambda: "nothing saved after the newest checkpoint")
+        """Called on a second signal: what ending now loses (the caller sets it once it knows)."""
         self._first_s = 0.0
+        self._deferring = False
         self._previous: dict[int, object] = {}
 
     @property
@@ -84,11 +110,37 @@ class StopRequest:
 
     def _handle(self, signum: int, frame) -> None:
         del frame
-        now = time.monotonic()
+        now, name = time.monotonic(), signal.Signals(signum).name
         if self.signum is None:
             self.signum, self._first_s = signum, now
-        elif now - self._first_s > FORCE_AFTER_S:
-            raise SystemExit(128 + signum)  # asked twice: stop now, without the clean stop
+            if not self._deferring:
+                log.warning("%s: stopping before training started (nothing to save)", name)
+                raise Stopped(signum)
+            log.warning("%s: stop requested; every rank stops after a step they agree on", name)
+        elif now - self._first_s > FORCE_AFTER_S:  # asked twice: stop now, without the clean stop
+            log.warning(
+                "%s again: ending this rank now, without the clean stop: no checkpoint of the step in "
+                "progress is written (%s)",
+                name,
+                self.unsaved(),
+            )
+            raise Stopped(signum)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Inside: a first signal only sets the flag (see the class docstring)."""
+        self._deferring = True
+        try:
+            yield self
+        finally:
+            self._deferring = False
+
+    def agreed(self) -> bool:
+        """Whether any rank of :attr:`group` was asked to stop (collective; every rank calls it at the
+        same point). Without a group: this rank's own flag."""
+        if self.group is None:
+            return self.requested
+        return any(all_gather_json(self.requested, self.group))
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():

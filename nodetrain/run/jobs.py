@@ -34,9 +34,11 @@ from omegaconf import DictConfig
 
 from nodetrain.checkpoint.state import CheckpointError
 from nodetrain.config.checks import DataError
+from nodetrain.config.disk import DiskFullError
 from nodetrain.config.schema import ConfigError, LoggingConfig
 from nodetrain.run.faults import record_failure
-from nodetrain.run.outputs import refuse_if_held
+from nodetrain.run.metrics import to_log_files
+from nodetrain.run.outputs import check_writable, refuse_if_held, refuse_overwrite
 
 __all__ = [
     "REFUSALS",
@@ -50,10 +52,10 @@ __all__ = [
     "mapped",
 ]
 
-REFUSALS: tuple[type[ValueError], ...] = (ConfigError, DataError, CheckpointError)
-"""Errors that refuse a run the user must fix (config, data, checkpoints, output directories): their
-message says what and how, so they are reported without a traceback. Anything else is a bug and
-keeps its traceback."""
+REFUSALS: tuple[type[ValueError], ...] = (ConfigError, DataError, CheckpointError, DiskFullError)
+"""Errors that refuse a run the user must fix (config, data, checkpoints, output directories, a full
+disk mid-run): their message says what and how, so they are reported without a traceback. Anything
+else is a bug and keeps its traceback."""
 
 log = logging.getLogger(__name__)
 
@@ -136,14 +138,6 @@ def refusals_of(kinds: tuple[type[BaseException], ...], as_kind: type[ValueError
         raise as_kind(str(e)) from e
 
 
-def _to_log_files(level: int, message: str) -> None:
-    """Log ``message`` to this process's log files only (not the console)."""
-    record = log.makeRecord(log.name, level, __file__, 0, message, None, None)
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.handle(record)
-
-
 def _report_refusal(e: BaseException) -> None:
     """Rank 0 prints the refusal once, with a pointer; every rank keeps it (and the traceback, for
     whoever debugs nodetrain) in its own log file; torchrun's summary gets a pointer, not a traceback."""
@@ -152,11 +146,12 @@ def _report_refusal(e: BaseException) -> None:
     where = "its log"
     with contextlib.suppress(ValueError):  # outside a Hydra job: no run directory to name
         where = f"{HydraConfig.get().runtime.output_dir}/rank<N>.log"
+    when = "the run stopped" if isinstance(e, DiskFullError) else "refused before training"
     if rank == 0:
-        log.error("%s\nrefused before training; fix it and launch again (logs: %s)", message, where)
+        log.error("%s\n%s; fix it and launch again (logs: %s)", message, when, where)
     else:
-        _to_log_files(logging.ERROR, message)
-    _to_log_files(logging.INFO, "where it was raised:\n" + traceback.format_exc())
+        to_log_files(logging.ERROR, message, log)
+    to_log_files(logging.INFO, "where it was raised:\n" + traceback.format_exc(), log)
     record_failure(e, callstack=f"{type(e).__name__}, a refusal: rank 0 printed the message above")
 
 
@@ -187,16 +182,23 @@ def fail_fast():
 
 class LiveRunGuard(Callback):
     """Hydra callback (``hydra.callbacks.live_run`` in conf/config.yaml): refuse a single run whose
-    ``hydra.run.dir`` a live run holds (outputs.LOCK_NAME), before Hydra overwrites that run's
+    ``hydra.run.dir`` a live run holds (outputs.LOCK_NAME), or that would start from scratch in a run
+    directory holding an earlier run (outputs.refuse_overwrite), or that cannot be created or
+    written (a runs root that is a file or read-only), before Hydra overwrites that run's
     ``.hydra/`` snapshot and appends to its ``rank<N>.log`` files (``run_job`` does both before the
-    task function, where outputs.RunOutputs would refuse it too late).
+    task function, where outputs.RunOutputs would refuse it too late) or fails with an ``OSError``.
 
     Rank 0 (``RANK``) prints the refusal once to stderr, without a traceback; every rank exits 1
     (``SystemExit``: Hydra's callbacks turn an ``Exception`` into a warning)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
+        run_dir, c = Path(config.hydra.run.dir), config.checkpoint
         try:
-            refuse_if_held("hydra.run.dir", Path(config.hydra.run.dir))
+            refuse_if_held("hydra.run.dir", run_dir)
+            refuse_overwrite(
+                run_dir, Path(c.dir).expanduser() if c.dir else run_dir / "checkpoints", c.resume
+            )
+            check_writable("hydra.run.dir", run_dir)  # as Hydra would create it, with the reason if not
         except ConfigError as e:
             message = f"{type(e).__name__}: {e}"
             if int(os.environ.get("RANK", "0")) == 0:

@@ -1,10 +1,12 @@
 """Where a run's numbers go: ``metrics.jsonl``, wandb and a progress line, on one rank only.
 
-Owns: the record sink (one JSON object per logged step, flushed line by line), the wandb run's
-life cycle (init with project/entity/group/name/tags/notes and the resolved config, log, finish;
-resume by id) and the console progress line. Does not own: computing the numbers (throughput,
-MFU and the stall/bubble/optimizer breakdown are measured by breakdown.py and passed in as record
-fields), or deciding which rank logs (the caller passes ``enabled``, normally ``rank == 0``).
+Owns: the record sink (one JSON object per logged step, flushed line by line; a row the disk had no
+room for is cut back, never left torn, and reported as :attr:`MetricsLogger.failed`; a torn last
+row an older crash left is dropped with a warning when a launch resumes), the wandb run's life cycle
+(init with project/entity/group/name/tags/notes and the resolved config, log, finish; resume by id)
+and the progress line (console, and the run's ``rank<N>.log``). Does not own: computing the numbers
+(throughput, MFU and the stall/bubble/optimizer breakdown are measured by breakdown.py and passed in
+as record fields), or deciding which rank logs (the caller passes ``enabled``, normally ``rank == 0``).
 
     with MetricsLogger(run_dir, cfg_dict, enabled=rank == 0, use_wandb=True, project="nodetrain",
                        run_name=run_dir.name, total_steps=300) as metrics:
@@ -27,7 +29,9 @@ from typing import IO, Any
 
 from rich.console import Console
 
-__all__ = ["METRICS_FILE", "MetricsLogger", "eta_seconds", "format_progress"]
+from nodetrain.config.disk import DiskFullError, is_disk_full
+
+__all__ = ["METRICS_FILE", "MetricsLogger", "eta_seconds", "format_progress", "read_rows", "to_log_files"]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +102,14 @@ _SHARES = (("cmp", "compute"), ("stall", "stall"), ("d2h", "d2h_wait"), ("opt", 
 """Progress-line label and breakdown phase (``<phase>_s`` keys) of each share of the step time."""
 
 
+def to_log_files(level: int, message: str, logger: logging.Logger = log) -> None:
+    """Log ``message`` to this process's log files only (Hydra's ``rank<N>.log``), not the console."""
+    record = logger.makeRecord(logger.name, level, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -155,11 +167,13 @@ class MetricsLogger:
         self.total_steps = total_steps
         self.print_every = max(1, print_every)
         self.path: Path | None = None
-        self._file: IO[str] | None = None
+        self._file: IO[bytes] | None = None
         self._run: Any = None
         self.run_id: str | None = None
         """The wandb run's id (keep it in a checkpoint to continue the run), or None without wandb."""
         self._console: Console | None = None
+        self.failed: str | None = None
+        """Why a row could not be written (the filesystem is full), or None; no row is written after."""
         self._start_s = time.monotonic()
         self._first_step: int | None = None  # the step before the first logged training step
         if not enabled:
@@ -171,7 +185,7 @@ class MetricsLogger:
             shutil.copyfile(history, self.path)  # truncated to start_step just below
         if start_step is not None and self.path.is_file():
             _truncate_after(self.path, start_step)
-        self._file = self.path.open("a", encoding="utf-8")
+        self._file = self.path.open("ab", buffering=0)  # unbuffered: a failed row is cut back exactly
         self._console = Console(highlight=False, soft_wrap=True)
         if use_wandb:
             self._run = _init_wandb(
@@ -195,12 +209,12 @@ class MetricsLogger:
         Raises:
             KeyError: the record has no ``step``.
         """
-        if self._file is None:
+        if self._file is None or self.failed is not None:
             return
         step = int(record["step"])
         clean = _jsonable(record)
-        self._file.write(json.dumps(clean, allow_nan=False) + "\n")
-        self._file.flush()
+        if not self._append((json.dumps(clean, allow_nan=False) + "\n").encode(), step):
+            return
         if self._run is not None:
             self._run.log({k: v for k, v in clean.items() if v is not None}, step=step)
         now_s = time.monotonic()
@@ -212,7 +226,45 @@ class MetricsLogger:
             if self._first_step is not None:
                 elapsed_s = now_s - self._start_s
                 eta_s = eta_seconds(elapsed_s, step - self._first_step, self.total_steps - step)
-            self._console.print(format_progress(clean, self.total_steps, elapsed_s, eta_s))
+            line = format_progress(clean, self.total_steps, elapsed_s, eta_s)
+            self._console.print(line)
+            to_log_files(logging.INFO, line)  # rank0.log holds the progress lines too
+
+    def _append(self, row: bytes, step: int) -> bool:
+        """Write one row whole or not at all: on a full disk, cut the file back to where the row began
+        and set :attr:`failed` (the caller stops the run). Returns whether the row was written."""
+        assert self._file is not None
+        start = os.lseek(self._file.fileno(), 0, os.SEEK_END)
+        try:
+            view = memoryview(row)
+            while view:
+                view = view[self._file.write(view) :]
+        except OSError as e:
+            os.ftruncate(self._file.fileno(), start)
+            if not is_disk_full(e):
+                raise
+            free = shutil.disk_usage(self.path.parent).free
+            left = self.total_steps - step + 1
+            self.failed = (
+                f"hydra.run.dir={self.path.parent}: the filesystem is full: the row of step {step} in "
+                f"{METRICS_FILE} needs {len(row):,} bytes ({free:,} free; the {left} remaining steps' rows "
+                f"need about {left * len(row) / 1e6:,.2f} MB, and the logs and wandb more), so the run "
+                "stopped after it (the rows before it are intact); free space there and relaunch with "
+                "checkpoint.resume=auto"
+            )
+            log.error("%s", self.failed)
+            return False
+        return True
+
+    def raise_if_failed(self, kept: str = "") -> None:
+        """Raise the refusal of a row that could not be written, adding ``kept`` (e.g. the newest
+        checkpoint) to its message.
+
+        Raises:
+            DiskFullError: a row could not be written (:attr:`failed`), naming the path and the bytes.
+        """
+        if self.failed is not None:
+            raise DiskFullError(f"{self.failed}; {kept}" if kept else self.failed)
 
     def close(self, exit_code: int = 0) -> None:
         """Close ``metrics.jsonl`` and finish the wandb run; later calls do nothing.
@@ -239,20 +291,41 @@ class MetricsLogger:
         self.close(exit_code=0 if exc_type is None else 1)
 
 
+def read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """The rows of a ``metrics.jsonl`` as (line, parsed record). A last line that does not parse (a
+    write cut short: a full disk, a crash) is torn: dropped with a warning; so is any other line that
+    does not parse, naming its line number."""
+    lines, rows = path.read_text(encoding="utf-8", errors="replace").splitlines(), []
+    for n, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise ValueError("not a JSON object")
+        except ValueError:
+            what = "a torn last row (a write cut short)" if n == len(lines) else "a row that is not JSON"
+            log.warning("%s: dropping line %d, %s: %.80r", path, n, what, line)
+            continue
+        rows.append((line, rec))
+    return rows
+
+
 def _truncate_after(path: Path, start_step: int) -> None:
     """Keep only rows of steps <= ``start_step`` (none when 0: a run from scratch logs step 0
-    again); rewritten atomically (temp file, rename)."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    keep = [ln for ln in lines if start_step > 0 and json.loads(ln).get("step", 0) <= start_step]
-    if len(keep) == len(lines):
+    again), and no torn or unreadable line; rewritten atomically (temp file, rename)."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    rows = read_rows(path)
+    keep = [ln for ln, rec in rows if start_step > 0 and rec.get("step", 0) <= start_step]
+    if (len(keep) == len(lines) and path.read_bytes().endswith(b"\n")) or not lines:
         return
-    where = f"the checkpoint of step {start_step}" if start_step else "scratch (step 0)"
-    log.warning(
-        "%s: this launch starts from %s; dropping %d row(s) an earlier launch wrote after it",
-        path,
-        where,
-        len(lines) - len(keep),
-    )
+    dropped = len(rows) - len(keep)
+    if dropped:
+        where = f"the checkpoint of step {start_step}" if start_step else "scratch (step 0)"
+        log.warning(
+            "%s: this launch starts from %s; dropping %d row(s) an earlier launch wrote after it",
+            path,
+            where,
+            dropped,
+        )
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
     os.replace(tmp, path)

@@ -8,8 +8,11 @@ Owns: before the host store exists, on global rank 0 —
       host store's stale files are reported); a live holder refuses the run, naming it;
     * refusing to write into a ``checkpoint.dir`` that holds another run's checkpoints, unless this
       run resumes them (``checkpoint.resume``);
-    * that every output directory can be created and written (the lock file is the probe), and that
-      ``checkpoint.dir`` has free space for one checkpoint (:func:`checkpoint_bytes`).
+    * refusing a launch from scratch into a run directory that holds an earlier run's results
+      (:func:`refuse_overwrite`: its ``metrics.jsonl`` and ``.hydra/`` would be rewritten);
+    * that every output directory can be created and written (the lock file is the probe; the
+      host store's ``store.dir`` too, :func:`check_writable`), and that ``checkpoint.dir`` has free
+      space for one checkpoint (:func:`checkpoint_bytes`).
 Does not own: what a checkpoint holds (nodetrain/checkpoint/), the host store's own checks
 (plan.preflight), or the data directory (nodetrain/data/datasets.py).
 """
@@ -31,6 +34,7 @@ from nodetrain.checkpoint.hf_layout import saved_by_name
 from nodetrain.checkpoint.writer import EXPORT_DTYPES
 from nodetrain.config.schema import Config, ConfigError
 from nodetrain.model import HFModel
+from nodetrain.run.metrics import METRICS_FILE, read_rows
 from nodetrain.store import pid_alive
 
 __all__ = [
@@ -39,7 +43,9 @@ __all__ = [
     "checkpoint_bytes",
     "checkpoint_dir",
     "check_space",
+    "check_writable",
     "refuse_if_held",
+    "refuse_overwrite",
     "run_to_continue",
 ]
 
@@ -86,6 +92,50 @@ def refuse_if_held(key: str, directory: Path) -> None:
         _refuse(key, path)
     finally:
         os.close(fd)  # also lets go of the shared lock, if taken
+
+
+def refuse_overwrite(run_dir: Path, ckpt_dir: Path, resume: str) -> None:
+    """Refuse a launch that would start from scratch in a run directory holding an earlier run's
+    results (a non-empty ``metrics.jsonl``): it would rewrite that run's ``metrics.jsonl`` and
+    ``.hydra/``. A launch that resumes a checkpoint (``checkpoint.resume=<step-N>``, or ``auto`` with
+    a complete checkpoint in ``ckpt_dir``) continues it and may. Called before Hydra writes
+    (jobs.LiveRunGuard) and again at :meth:`RunOutputs.acquire`.
+
+    Raises:
+        ConfigError: naming the run (its last step), why this launch starts from scratch, and the
+            two ways on: a new run directory, or ``checkpoint.resume=auto`` where its checkpoints are.
+    """
+    metrics = Path(run_dir) / METRICS_FILE
+    if not metrics.is_file() or metrics.stat().st_size == 0:
+        return
+    if resume not in ("", "auto") or (resume == "auto" and st.complete_checkpoints(ckpt_dir)):
+        return
+    steps = [rec.get("step") for _, rec in read_rows(metrics) if isinstance(rec.get("step"), int)]
+    what = f"{len(steps)} row(s) up to step {max(steps)}" if steps else "rows"
+    why = (
+        f"checkpoint.resume=auto finds no checkpoint in {ckpt_dir}"
+        if resume == "auto"
+        else "checkpoint.resume is empty"
+    )
+    raise ConfigError(
+        f"hydra.run.dir={run_dir}: holds an earlier run ({METRICS_FILE}: {what}), and this launch would "
+        f"start from scratch there ({why}), overwriting its {METRICS_FILE} and .hydra/; start fresh in a "
+        "new run directory (leave hydra.run.dir unset, or name a new one), or continue that run with "
+        "checkpoint.resume=auto (and checkpoint.dir=<the directory holding its step-N> if they moved)"
+    )
+
+
+def check_writable(key: str, directory: Path, create: bool = True) -> None:
+    """Refuse an output directory that cannot be created (``create``) or written: a file is created and
+    removed in it.
+
+    Raises:
+        ConfigError: naming ``key``, the path and the system's reason (read-only, not a directory, ...).
+    """
+    directory = Path(directory).expanduser()
+    if not create and not directory.is_dir():
+        raise ConfigError(f"{key}={directory}: not a directory; create it or point {key} at one")
+    _writable(key, directory)
 
 
 def check_space(directory: Path, nbytes: int, key: str) -> None:
@@ -138,9 +188,12 @@ class RunOutputs:
             The checkpoint directory this run reads and writes (another run's when it continues one).
 
         Raises:
-            ConfigError: a directory cannot be created or written; another live run holds it; or
-                ``checkpoint.dir`` holds checkpoints this run would overwrite without resuming them.
+            ConfigError: a directory cannot be created or written; another live run holds it;
+                ``checkpoint.dir`` holds checkpoints this run would overwrite without resuming them; or
+                the run directory holds an earlier run this launch would start over
+                (:func:`refuse_overwrite`).
         """
+        refuse_overwrite(self.run_dir, self.ckpt_dir, self.resume)
         if search and not st.complete_checkpoints(self.ckpt_dir):
             self.ckpt_dir = run_to_continue(self.run_dir, self.config_hash, resolved) or self.ckpt_dir
         if self.resume == "auto" and not st.complete_checkpoints(self.ckpt_dir):

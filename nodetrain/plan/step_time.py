@@ -1,0 +1,455 @@
+"""Step time: the seconds a step's bytes and FLOPs cost on a hardware profile, as pure arithmetic.
+
+Owns: a step's time split into compute, H2D, D2H, host accumulation, CPU optimizer (and what of it
+the next step waits for: plan/exposure.py), host DRAM and pipeline bubble, the host rates it is
+priced at (``HostRates``). Does not own: a block's compute work and its rates (``compute.py``), the
+bytes (``costs.py``: store, stage memory, a step's traffic), hardware profiles or verdicts
+(planner.py), measuring (``bench/``), or anything that needs torch.distributed.
+
+Shapes as in ``costs.py``: n = B·T tokens per micro-batch, T = sequence length, e = compute-dtype
+bytes, S = stages, M = micro-batches per round, G = rounds per step (grad_accum).
+
+The step (:func:`step_time`): the window overlaps H2D, compute, D2H and the host accumulation on
+each stage. 1F1B runs the G rounds as one pipeline round of G·M micro-batches, GPipe as G rounds of M
+(``pipeline.step_rounds``). The pipeline is the engine's schedule of those rounds played out
+(``exposure.pipeline_times``: a forward waits for the previous stage's forward of its
+micro-batch, a backward for the next stage's backward), each stage's forward and backward of a
+micro-batch taking its share of the stage's per-micro-batch max(compute, H2D, D2H,
+accumulation); with equal stages that is the (M' + S − 1) slots per round of GPipe
+(arXiv:1811.06965) and 1F1B, with unequal ones the slowest stage's micro-batches plus the others'
+fill and drain. Compute is matmul, attention and elementwise work and fixed overheads
+(:class:`ComputeRates`). The CPU optimizer adds what the next step waits for in
+``update_mode`` (:func:`optimizer_exposure`; ``serial``: all of it). The node's DRAM must carry
+every stage's host bytes: in the exposed seconds only the optimizers run, each stage's at most
+at its rate, so the step is at least ``exposed + (host bytes − what they moved) / DRAM bandwidth``.
+
+When the stages share the node's cores (``shared_cores``: a CPU profile, the device is the CPU),
+a stage's copies, gradient accumulation and optimizer run on the cores its compute runs on, so
+each stage's CPU seconds (:attr:`StepTime.core_s`) count: its threads share its
+``shared_cores // S`` cores (at least 1), so its micro-batches take at least its in-step CPU
+seconds (all but the optimizer's) over those, and the step at least its CPU seconds over them; a
+stage idle in the bubble leaves its cores to the others, so the step is at least every stage's
+CPU seconds over ``shared_cores`` (work-conserving), not only the critical path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from nodetrain.plan.compute import ComputeRates, block_seconds, model_flops, stage_compute
+from nodetrain.plan.costs import (
+    ModelShape,
+    StageTraffic,
+    optimizer_bytes_per_param,
+    stage_traffic,
+)
+from nodetrain.plan.exposure import (
+    CLIP_FRACTION,
+    MODES,
+    OptimizerExposure,
+    UnitTiming,
+    exposed_s,
+    pipeline_times,
+)
+
+__all__ = [
+    "speculative_bytes_per_param",
+    "HostRates",
+    "StepTime",
+    "step_time",
+    "optimizer_exposure",
+]
+
+
+def speculative_bytes_per_param(rolled_back: bool) -> int:
+    """Extra host memory traffic of ``optim.speculative`` per parameter and step, over
+    :func:`optimizer_bytes_per_param`: the backup reads and writes 12 (24); a step that clipped
+    adds the restore (24) and a second AdamW update and transfer-copy refresh (36)."""
+    return 24 + (24 + 36 if rolled_back else 0)
+
+
+@dataclass(frozen=True)
+class HostRates:
+    """The node's host side as the planner sees one rank's share of it (bytes/s)."""
+
+    link_bytes_per_s: float
+    """One device's host link, per direction."""
+    host_bytes_per_s: float
+    """The node's DRAM bandwidth, shared by all its ranks."""
+    core_bytes_per_s: float
+    """What one core's stream of loads and stores reaches (``hardware.core_memory_bandwidth_gbps``)."""
+    ranks: int
+    """Ranks (one per GPU) sharing the node's DRAM and cores."""
+    accum_threads: int
+    """The D2H worker's OpenMP team (``host_threads.split_cores``)."""
+    optim_threads: int
+    """The optimizer thread's OpenMP team."""
+
+    def rate(self, threads: int) -> tuple[float, str]:
+        """Bytes/s of a team of ``threads`` on one rank, and what bounds it: its cores, or its share
+        of the node's DRAM bandwidth."""
+        cores, share = threads * self.core_bytes_per_s, self.host_bytes_per_s / self.ranks
+        return (cores, "cores") if cores < share else (share, "host DRAM")
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one optimizer step, split by what the slowest stage waits for."""
+
+    tokens: int
+    model_flops: float
+    compute_s: float
+    """Busy compute of the slowest stage: forward + recompute + backward, 8·N_s·n matmul FLOPs,
+    the attention and the elementwise kernels; the last stage's head 6·N·n and its softmax (its
+    gradients come with the forward, no recompute)."""
+    h2d_s: float
+    """Weight prefetch of the busiest stage (:func:`stage_traffic`'s loads)."""
+    d2h_s: float
+    """Gradient offload of the busiest stage (streamed: per backward; resident: once, fp32)."""
+    accum_s: float
+    """Host accumulation of the busiest stage's D2H worker on its ``accum_threads`` cores."""
+    bubble_s: float
+    """Pipeline fill and drain: the pipeline's seconds beyond the slowest stage's micro-batches
+    (equal stages: (S − 1) slots per round)."""
+    optimizer_s: float
+    """CPU AdamW of the slowest stage on its ``optim_threads`` cores (or DRAM share), exposed or not."""
+    host_dram_s: float
+    """All stages' host bytes (:attr:`StageTraffic.host_bytes`) over the node's DRAM bandwidth."""
+    step_s: float
+    bottleneck: str
+    """compute, H2D, D2H, host accumulation, pipeline bubble, host DRAM or optimizer cores."""
+    traffic: tuple[StageTraffic, ...] = ()
+    """Per stage, the bytes behind these times."""
+    optimizer_exposed_s: float = 0.0
+    """Of ``optimizer_s``, the seconds the next step waits for (``update_mode``; the rest is hidden
+    behind the pipeline): in the step as ``pipeline + optimizer_exposed_s``."""
+    update_mode: str = "deferred"
+    """The update mode priced (``exposure.MODES``; ``speculative`` at ``exposure.CLIP_FRACTION``
+    clipped steps)."""
+    exposure: OptimizerExposure | None = None
+    """The exposed seconds of every mode, for comparison."""
+    attention_s: float = 0.0
+    """Of ``compute_s``, the attention's seconds."""
+    elementwise_s: float = 0.0
+    """Of ``compute_s``, the elementwise kernels' seconds."""
+    overhead_s: float = 0.0
+    """Of ``compute_s``, the decoder layers' fixed overheads (:attr:`ComputeRates.layer_overhead_s`)."""
+    stage_compute_s: tuple[float, ...] = ()
+    """Per stage, its compute seconds in the step (``compute_s`` is the largest)."""
+    core_s: tuple[float, ...] = ()
+    """Per stage, the CPU seconds of its threads in a step when the stages share the node's cores
+    (``shared_cores``; else empty): compute, plus every byte its copies (read and write), gradient
+    accumulation and optimizer move at one core's bandwidth."""
+    shared_cores_s: float = 0.0
+    """Σ ``core_s`` over the shared cores: the step is at least that long (work-conserving)."""
+
+    @property
+    def tokens_per_day(self) -> float:
+        return self.tokens / self.step_s * 86400
+
+    @property
+    def host_bytes(self) -> int:
+        """Host DRAM bytes per step, all stages together."""
+        return sum(x.host_bytes for x in self.traffic)
+
+    def mfu(self, peak_flops: float) -> float:
+        """Model FLOPs per second over ``peak_flops`` (all devices together)."""
+        return self.model_flops / self.step_s / peak_flops
+
+
+@dataclass(frozen=True)
+class _Stages:
+    """Per stage, what one step costs it: its actions (the engine's rounds), bytes, and seconds of
+    compute, H2D, D2H and host accumulation."""
+
+    actions: list[list]
+    traffic: list[StageTraffic]
+    seconds: list[tuple[float, float, float, float]]
+    compute_parts: list[tuple[float, ...]]
+    """Per stage, its compute's (matmul, attention, elementwise, overhead) seconds in the step."""
+    busy: list[float]
+    """Per stage, its micro-batches' seconds in the step: the slowest of its compute, H2D, D2H and
+    accumulation, and on shared cores of its in-step CPU seconds over its cores."""
+
+
+def _stages(
+    shape, stage_blocks, *, b, t, m, g, itemsize, compute, rates, schedule, resident, shared_cores=0
+) -> _Stages:
+    from nodetrain.engine.pipeline import (  # pure; imported here: step_time stays light
+        build_schedule,
+        step_rounds,
+    )
+
+    n, s = b * t, len(stage_blocks)
+    rounds, per_round = step_rounds(schedule, g, m)
+    accum_rate, _ = rates.rate(rates.accum_threads)
+    out = _Stages([], [], [], [], [])
+    share = max(1, shared_cores // s)  # a stage's threads share its cores (one each at least)
+    for k, blocks in enumerate(stage_blocks):
+        actions = build_schedule(schedule, s, k, per_round) * rounds  # the engine's rounds
+        x = stage_traffic(shape, blocks, actions, n=n, itemsize=itemsize, resident=resident[k])
+        parts = tuple(g * m * p for p in stage_compute(shape, blocks, n, t, itemsize, compute))
+        link = rates.link_bytes_per_s
+        out.actions.append(actions)
+        out.traffic.append(x)
+        out.compute_parts.append(parts)
+        out.seconds.append((sum(parts), x.h2d_bytes / link, x.d2h_bytes / link, x.accum_bytes / accum_rate))
+        in_step = _core_seconds(sum(parts), x, rates.core_bytes_per_s, optimizer=False) if shared_cores else 0
+        out.busy.append(max(*out.seconds[-1], in_step / share))
+    return out
+
+
+def _unit_timings(
+    shape, stage_blocks, st: _Stages, *, b, t, g, m, itemsize, compute, rates, resident, optim_rates
+):
+    """Per stage, its units' :class:`~nodetrain.plan.exposure.UnitTiming` (forward order), the
+    pipeline's end and each stage's fill, from :func:`~nodetrain.plan.exposure.pipeline_times` of
+    the engine's schedule.
+
+    A block's forward and backward take its compute's share of the stage's per-micro-batch time
+    (:attr:`_Stages.busy`: a streaming-bound stage's forward is its loads). A unit is final at its
+    block's last offload (the head at the last forward, every other block at the last backward, which
+    visits the blocks in reverse); its load (a row gather for stage 0's streamed embedding) starts
+    once its update is done.
+    """
+    n, e, last = b * t, itemsize, len(shape.unit_numels) - 1
+    fwd, bwd, per_block = [], [], []
+    for k, blocks in enumerate(stage_blocks):
+        seconds = {i: block_seconds(shape, i, n, t, e, compute) for i in blocks}
+        busy = sum(map(sum, seconds.values()))
+        stretch = st.busy[k] / (g * m) / busy if busy > 0 else 0.0
+        per_block.append({i: (f * stretch, w * stretch) for i, (f, w) in seconds.items()})
+        fwd.append(sum(f for f, _ in per_block[k].values()))
+        bwd.append(sum(w for _, w in per_block[k].values()))
+    times = pipeline_times(st.actions, fwd, bwd)
+    step_end = max(end for stage in times for _, end in stage)
+    stages = []
+    for k, blocks in enumerate(stage_blocks):
+        last_f = max(start for a, (start, _) in zip(st.actions[k], times[k], strict=True) if a.kind == "F")
+        last_b = max(
+            (start for a, (start, _) in zip(st.actions[k], times[k], strict=True) if a.kind == "B"),
+            default=0.0,
+        )
+        units = []
+        for i in blocks:
+            if i == last:
+                final = last_f + fwd[k]
+            else:
+                final = last_b + sum(per_block[k][j][1] for j in blocks if j >= i)
+            rows = i == 0 and i not in resident[k]
+            load = (n * shape.hidden if rows else shape.load_numels[i]) * e / rates.link_bytes_per_s
+            numel = shape.unit_numels[i]
+            units.append(
+                UnitTiming(
+                    update_s=numel * optimizer_bytes_per_param(e) / optim_rates[k],
+                    final_s=final,
+                    forward_s=per_block[k][i][0],
+                    load_s=load,
+                    backup_s=numel * speculative_bytes_per_param(False) / optim_rates[k],
+                    redo_s=numel
+                    * (speculative_bytes_per_param(True) - speculative_bytes_per_param(False))
+                    / optim_rates[k],
+                    shared=shape.tied and len(stage_blocks) > 1 and i == 0,
+                )
+            )
+        stages.append(units)
+    return stages, step_end, [stage[0][0] for stage in times]
+
+
+def optimizer_exposure(
+    shape: ModelShape,
+    stage_blocks: list[range],
+    *,
+    b: int,
+    t: int,
+    m: int,
+    g: int,
+    itemsize: int,
+    flops_per_s: float,
+    rates: HostRates,
+    schedule: str = "1f1b",
+    resident: list[frozenset[int]] | None = None,
+    optim_bytes_per_s: list[float] | None = None,
+    attention_flops_per_s: float = 0.0,
+    elementwise_bytes_per_s: float = 0.0,
+    layer_overhead_s: float = 0.0,
+) -> OptimizerExposure:
+    """Seconds of a step's CPU AdamW that the next step waits for, in every update mode
+    (``plan/exposure.py``), on the engine's schedule.
+
+    Args:
+        optim_bytes_per_s: per stage, its optimizer thread's host bytes/s (the engine's measurement);
+            default: ``rates.rate(rates.optim_threads)`` for every stage. The rest as :func:`step_time`.
+    """
+    resident = resident or [frozenset()] * len(stage_blocks)
+    compute = ComputeRates(flops_per_s, attention_flops_per_s, elementwise_bytes_per_s, layer_overhead_s)
+    kw = dict(b=b, t=t, m=m, g=g, itemsize=itemsize, compute=compute, rates=rates)
+    st = _stages(shape, stage_blocks, **kw, schedule=schedule, resident=resident)
+    return _exposure(
+        shape, stage_blocks, st, kw, resident, _optim_rates(rates, len(stage_blocks), optim_bytes_per_s)
+    )[0]
+
+
+def _optim_rates(rates: HostRates, num_stages: int, measured) -> list[float]:
+    return list(measured) if measured else [rates.rate(rates.optim_threads)[0]] * num_stages
+
+
+def _exposure(shape, stage_blocks, st: _Stages, kw: dict, resident, optim_rates):
+    """(every mode's :class:`OptimizerExposure`, the pipeline's end: the step without the optimizer)."""
+    kw = {k: v for k, v in kw.items() if k in ("b", "t", "g", "m", "itemsize", "compute", "rates")}
+    stages, step_end, fills = _unit_timings(
+        shape, stage_blocks, st, **kw, resident=resident, optim_rates=optim_rates
+    )
+    figures = {mode: exposed_s(stages, step_end, mode, fills) for mode in MODES}
+    return OptimizerExposure(**{f"{mode}_s": v for mode, v in figures.items()}), step_end
+
+
+def step_time(
+    shape: ModelShape,
+    stage_blocks: list[range],
+    *,
+    b: int,
+    t: int,
+    m: int,
+    g: int,
+    itemsize: int,
+    flops_per_s: float,
+    rates: HostRates,
+    update_mode: str = "deferred",
+    schedule: str = "1f1b",
+    resident: list[frozenset[int]] | None = None,
+    optim_bytes_per_s: list[float] | None = None,
+    clip_fraction: float = CLIP_FRACTION,
+    attention_flops_per_s: float = 0.0,
+    elementwise_bytes_per_s: float = 0.0,
+    layer_overhead_s: float = 0.0,
+    shared_cores: int = 0,
+) -> StepTime:
+    """Step time when the window overlaps H2D, compute, D2H and the host accumulation on each stage.
+
+    The model is the module's ("The step").
+
+    Args:
+        flops_per_s: achieved matmul FLOP/s of one stage's device; rates: the host side;
+        update_mode: ``serial``, ``deferred``, ``in_backward`` or ``speculative`` (priced at
+            ``clip_fraction`` clipped steps, its backups' and redos' bytes included);
+        resident: per stage, the blocks kept on the device (none when omitted);
+        optim_bytes_per_s: as :func:`optimizer_exposure`;
+        attention_flops_per_s, elementwise_bytes_per_s, layer_overhead_s: as :class:`ComputeRates`
+            (0: attention at ``flops_per_s``, elementwise work and overheads not priced);
+        shared_cores: the node's cores when the stages compute on them (a CPU profile; the rates
+            above are then one core's), else 0.
+
+    Raises:
+        ValueError: an unknown ``update_mode``.
+    """
+    if update_mode not in MODES[:4]:
+        raise ValueError(f"update_mode={update_mode!r}: use one of {MODES[:4]}")
+    s = len(stage_blocks)
+    resident = resident or [frozenset()] * s
+    compute_rates = ComputeRates(
+        flops_per_s, attention_flops_per_s, elementwise_bytes_per_s, layer_overhead_s
+    )
+    kw = dict(b=b, t=t, m=m, g=g, itemsize=itemsize, compute=compute_rates, rates=rates)
+    st = _stages(shape, stage_blocks, **kw, schedule=schedule, resident=resident, shared_cores=shared_cores)
+    optim_rates = _optim_rates(rates, s, optim_bytes_per_s)
+    _, optim_bound = rates.rate(rates.optim_threads)
+    traffic = st.traffic
+    if update_mode == "speculative":
+        traffic = _speculative_traffic(shape, stage_blocks, traffic, clip_fraction)
+    core_s, cores_s = _shared_cores(st, traffic, rates.core_bytes_per_s, shared_cores)
+    compute, h2d, d2h, accum = (max(p[j] for p in st.seconds) for j in range(4))
+    slowest = max(range(s), key=lambda k: st.seconds[k][0])
+    opt_s = [x.optimizer_bytes / r for x, r in zip(traffic, optim_rates, strict=True)]
+    optimizer = max(opt_s)
+    host_bytes = sum(x.host_bytes for x in traffic)
+    host_dram = host_bytes / rates.host_bytes_per_s
+    exposure, pipeline = _exposure(shape, stage_blocks, st, kw, resident, optim_rates)
+    bubble = pipeline - max(st.busy)
+    exposed = exposure.of(update_mode, clip_fraction)
+    # in the exposed seconds every stage's optimizer runs (all released by then) and little else
+    alone = sum(min(exposed * r, x.optimizer_bytes) for x, r in zip(traffic, optim_rates, strict=True))
+    dram = exposed + (host_bytes - alone) / rates.host_bytes_per_s
+    step = max(pipeline + exposed, dram, optimizer, cores_s)
+    parts = {
+        "compute": compute,
+        "H2D": h2d,
+        "D2H": d2h,
+        "host accumulation": accum,
+        "pipeline bubble": bubble,
+    }
+    bottleneck = _bottleneck(
+        parts, exposed, optim_bound, step=step, pipeline=pipeline, dram=dram, cores_s=cores_s
+    )
+    tokens = g * m * b * t
+    return StepTime(
+        tokens=tokens,
+        model_flops=model_flops(shape, tokens, t),
+        compute_s=compute,
+        h2d_s=h2d,
+        d2h_s=d2h,
+        accum_s=accum,
+        bubble_s=bubble,
+        optimizer_s=optimizer,
+        host_dram_s=host_dram,
+        step_s=step,
+        bottleneck=bottleneck,
+        traffic=tuple(traffic),
+        optimizer_exposed_s=exposed,
+        update_mode=update_mode,
+        exposure=exposure,
+        attention_s=st.compute_parts[slowest][1],
+        elementwise_s=st.compute_parts[slowest][2],
+        overhead_s=st.compute_parts[slowest][3],
+        stage_compute_s=tuple(p[0] for p in st.seconds),
+        core_s=tuple(core_s),
+        shared_cores_s=cores_s,
+    )
+
+
+def _speculative_traffic(shape, stage_blocks, traffic, clip_fraction: float) -> list[StageTraffic]:
+    """``traffic`` with speculation's optimizer bytes added: backups every step, a rollback and a
+    redo on the ``clip_fraction`` of steps that clip."""
+    extra = speculative_bytes_per_param(False) + clip_fraction * (
+        speculative_bytes_per_param(True) - speculative_bytes_per_param(False)
+    )
+    return [
+        replace(x, optimizer_bytes=x.optimizer_bytes + int(extra * sum(shape.unit_numels[i] for i in blocks)))
+        for x, blocks in zip(traffic, stage_blocks, strict=True)
+    ]
+
+
+def _bottleneck(
+    parts: dict[str, float], exposed: float, optim_bound: str, *, step, pipeline, dram, cores_s
+) -> str:
+    """What bounds the step: the largest of a stage's ``parts``; the optimizer's cores or DRAM when
+    its exposed seconds exceed them; host DRAM or the shared cores when their floor sets the step."""
+    out = max(parts, key=parts.get)
+    if exposed > max(parts.values()):
+        out = "optimizer cores" if optim_bound == "cores" else "host DRAM"
+    if dram >= step and dram > pipeline + exposed:
+        out = "host DRAM"
+    if cores_s >= step and cores_s > max(pipeline + exposed, dram):
+        out = "shared cores"
+    return out
+
+
+def _shared_cores(st: _Stages, traffic, core_bytes_per_s: float, shared_cores: int):
+    """(per stage its CPU seconds, the step's floor from them) when the stages share ``shared_cores``
+    cores (else ``([], 0.0)``): work-conserving, every stage's CPU seconds over the node's cores, and
+    at least the busiest stage's over its share of them."""
+    if not shared_cores:
+        return [], 0.0
+    core_s = [_core_seconds(p[0], x, core_bytes_per_s) for p, x in zip(st.seconds, traffic, strict=True)]
+    per_stage = max(1, shared_cores // len(core_s))
+    return core_s, max(sum(core_s) / shared_cores, max(core_s) / per_stage)
+
+
+def _core_seconds(
+    compute_s: float, x: StageTraffic, core_bytes_per_s: float, optimizer: bool = True
+) -> float:
+    """A stage's CPU seconds in a step when its device is the CPU: ``compute_s``, plus the bytes its
+    H2D and D2H copies move (each byte read and written: 2 per byte copied), its gradient
+    accumulation and (``optimizer``) its optimizer move, at one core's bandwidth."""
+    moved = 2 * x.h2d_bytes + 2 * x.d2h_bytes + x.accum_bytes + (x.optimizer_bytes if optimizer else 0)
+    return compute_s + moved / core_bytes_per_s
