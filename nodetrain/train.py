@@ -61,7 +61,7 @@ from nodetrain.data.checks import (
 from nodetrain.data.progress import TaskProgress
 from nodetrain.engine.engine import Engine
 from nodetrain.engine.replicas import Topology
-from nodetrain.model import HFModel, build_hf_config
+from nodetrain.model import HFModel, build_hf_config, router_aux_of
 from nodetrain.plan.planner import preflight, resolve_auto
 from nodetrain.run.faults import BadSteps, Stopped, StopRequest, maybe_fail, stop_with_launcher
 from nodetrain.run.jobs import REFUSALS, Job, Release, current_job, fail_fast, refusals_of
@@ -297,7 +297,8 @@ def _run(cfg, run_dir, resolved, job, ckpt_dir, signals, rank, world_size, local
         train_ds, val_ds = open_splits(data_dir, cfg, topology.num_replicas)
         # an imported (maybe padded) embedding's rows
         init_rows = check_init_vocab(cfg.model, train_ds, data_cfg.tokenizer)
-        model = HFModel(build_hf_config(cfg.model, vocab_size=init_rows or train_ds.vocab_size))
+        hf_config = build_hf_config(cfg.model, vocab_size=init_rows or train_ds.vocab_size)
+        model = HFModel(hf_config, router_aux_of(cfg, hf_config, topology.num_replicas))
         check_vocab(model.config.vocab_size, train_ds, data_cfg.tokenizer, cfg.model.init_from)
     # refuse a store the node cannot hold (nodes are alike: node 0 answers for all)
     _on_rank0(lambda: preflight(cfg, model, topology.num_stages))

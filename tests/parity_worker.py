@@ -45,7 +45,7 @@ from nodetrain.checkpoint import load_hf_weights
 from nodetrain.config.schema import Config, ModelConfig, validate
 from nodetrain.engine.engine import Engine
 from nodetrain.engine.replicas import Topology
-from nodetrain.model import HFModel, build_hf_config
+from nodetrain.model import HFModel, build_hf_config, router_aux_of
 
 
 def _config(spec: dict) -> Config:
@@ -118,7 +118,10 @@ def main(spec_path: str) -> None:
     inputs, labels = batch["inputs"], batch["labels"]  # [steps, N, B, T] int64
     assert inputs.shape[0] == cfg.train.steps, "batch file and train.steps disagree"
 
-    model = HFModel(build_hf_config(cfg.model))
+    hf_config = build_hf_config(cfg.model)
+    model = HFModel(
+        hf_config, router_aux_of(cfg, hf_config, Topology.from_env(cfg.pipeline.stages).num_replicas)
+    )
     init_from = None
     if spec.get("model_dir"):
         model_dir = spec["model_dir"]

@@ -1,6 +1,7 @@
 """The model adapter (``nodetrain.model.hf``) against transformers itself, in one process, in fp32.
 
-Every supported architecture, run block by block with transformers' own weights bound (the
+Every supported architecture (its tiny config from family_configs.py, with the fields that
+exercise its family's hooks), run block by block with transformers' own weights bound (the
 rotary embedding, the causal and sliding-window masks and packed position ids built by
 ``HFModel.context``), gives the logits of the transformers model built from the same config. These
 are the cheapest tests of the transformers calls the model makes, so CI's oldest-transformers leg
@@ -12,32 +13,22 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from family_configs import FIELDS, WINDOW, tiny_config
 
 from nodetrain.config.constants import SUPPORTED_ARCHS
 from nodetrain.model import HFModel, hf
 
-SEQ_LEN = 10
-WINDOW = 4  # < SEQ_LEN, so the sliding-window mask differs from the causal one
-TINY = dict(
-    vocab_size=64,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    intermediate_size=64,
-    use_cache=False,
-)
-WINDOWED = {  # architecture → the config fields that give it a sliding window
-    "MistralForCausalLM": dict(sliding_window=WINDOW),
-    "Qwen2ForCausalLM": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
-}
+SEQ_LEN = 10  # > WINDOW, so the sliding-window mask differs from the causal one
+WINDOWED = ("MistralForCausalLM", "Qwen2ForCausalLM")  # a sliding window and nothing else
+NO_PACKING = ("GptOssForCausalLM",)
+"""transformers builds these masks without position ids (no packed-document detection), so its
+model attends across documents; nodetrain's packed rows never do (checked per document)."""
 
 
-def _config(arch: str, **fields) -> transformers.PretrainedConfig:
-    config = transformers.AutoConfig.for_model(SUPPORTED_ARCHS[arch], **TINY, **fields)
-    config.architectures = [arch]
-    return config
+def _config(arch: str, windowed: bool = True) -> transformers.PretrainedConfig:
+    if windowed:
+        return tiny_config(arch)
+    return tiny_config(arch, **{k: None for k in FIELDS[arch] if k == "sliding_window"})
 
 
 def _reference(config: transformers.PretrainedConfig) -> transformers.PreTrainedModel:
@@ -67,25 +58,28 @@ def _packed_positions(batch: int) -> torch.Tensor:
 @pytest.mark.parametrize("arch", sorted(SUPPORTED_ARCHS))
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 def test_blocks_give_transformers_logits(arch: str, packed: bool) -> None:
-    config = _config(arch, **WINDOWED.get(arch, {}))
+    if packed and arch == "DeepseekV3ForCausalLM":
+        pytest.skip("transformers' own DeepSeek-V3 fails on packed position ids (sdpa, MLA head sizes)")
+    config = _config(arch)
     ref = _reference(config)
     ids = torch.randint(0, config.vocab_size, (2, SEQ_LEN), generator=torch.Generator().manual_seed(1))
     pos = _packed_positions(2) if packed else None
     with torch.no_grad():
-        want = ref(input_ids=ids, position_ids=pos).logits
         got = _blocks_logits(config, ref, ids, pos)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        if not (packed and arch in NO_PACKING):
+            want = ref(input_ids=ids, position_ids=pos).logits
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         if packed:  # no token attends across the boundary: each document gives its logits alone
             for doc in (slice(0, 6), slice(6, SEQ_LEN)):
                 alone = ref(input_ids=ids[:, doc]).logits
                 torch.testing.assert_close(got[:, doc], alone, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch", sorted(WINDOWED))
+@pytest.mark.parametrize("arch", WINDOWED)
 def test_sliding_window_is_applied(arch: str) -> None:
     """The window shapes the logits: without it transformers gives other logits, and so do we."""
-    config = _config(arch, **WINDOWED[arch])
-    full = _config(arch)  # the same model without the window
+    config = _config(arch)
+    full = _config(arch, windowed=False)  # the same model without the window
     ref, ref_full = _reference(config), _reference(full)
     ref_full.load_state_dict(ref.state_dict())
     ids = torch.randint(0, config.vocab_size, (1, SEQ_LEN), generator=torch.Generator().manual_seed(2))
@@ -113,6 +107,6 @@ def test_mask_helpers_get_the_kv_cache_positionally(monkeypatch) -> None:
 
     monkeypatch.setattr(hf, "create_causal_mask", spy(hf.create_causal_mask))
     monkeypatch.setattr(hf, "create_sliding_window_causal_mask", spy(hf.create_sliding_window_causal_mask))
-    config = _config("MistralForCausalLM", sliding_window=WINDOW)
+    config = _config("MistralForCausalLM")
     HFModel(config).context(torch.zeros(1, SEQ_LEN, config.hidden_size), _packed_positions(1))
     assert calls == [["position_ids"], ["position_ids"]]

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
 
+from nodetrain.config.constants import SUPPORTED_ARCHS
 from nodetrain.engine.pipeline import build_schedule, step_rounds
 
 WORKER = Path(__file__).resolve().parent / "parity_worker.py"
@@ -106,6 +107,8 @@ class Case:
     hf: dict = field(default_factory=dict)
     mutants: tuple[str, ...] = ()
     """Reference variants the engine must NOT match (shows the comparison can fail)."""
+    router_aux_loss: str = ""
+    """``model.router_aux_loss`` (mixtures of experts; "" = the default)."""
 
 
 # fmt: off
@@ -165,9 +168,9 @@ def hf_fields(case: Case) -> dict:
 def save_seeded_model(case: Case, model_dir: Path) -> None:
     """A seeded random model, fp32, with norms and biases moved off their 1/0 init so that decaying
     them (or not) shows in the weights."""
-    config_cls = getattr(transformers, case.arch.replace("ForCausalLM", "Config"))
+    config = transformers.AutoConfig.for_model(SUPPORTED_ARCHS[case.arch], **hf_fields(case))
     torch.manual_seed(zlib.crc32(case.id.encode()))
-    model = getattr(transformers, case.arch)(config_cls(**hf_fields(case))).float()
+    model = getattr(transformers, case.arch)(config).float()
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim < 2:
@@ -211,7 +214,12 @@ def run_reference(case: Case, model_dir: Path, inputs, labels, lengths, variant:
     model = getattr(transformers, case.arch).from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     named = list(model.named_parameters())  # a tied lm_head appears once, as the embedding
-    decay = {n for n, p in named if p.ndim >= 2 or (variant == "decay_biases" and n.endswith(".bias"))}
+    # matrices decay; norms and biases (also an expert's 2-D ``*_bias``) do not
+    decay = {
+        n
+        for n, p in named
+        if (p.ndim >= 2 and not n.endswith("bias")) or (variant == "decay_biases" and n.endswith(".bias"))
+    }
     groups = [
         {"params": [p for n, p in named if n in decay], "weight_decay": OPTIM["weight_decay"]},
         {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
@@ -228,12 +236,17 @@ def run_reference(case: Case, model_dir: Path, inputs, labels, lengths, variant:
         mask = (torch.arange(SEQ_LEN) < lengths[step].flatten()[:, None]).long()  # [N·B, T]
         if variant == "untied_grad":
             head.weight = embed.detach()
-        logits = model(input_ids=ids, attention_mask=mask).logits  # [N·B, T, V]
         valid = int((lab != IGNORE).sum())
-        loss_sum = F.cross_entropy(logits.flatten(0, 1), lab.flatten(), ignore_index=IGNORE, reduction="sum")
-        loss = loss_sum / valid
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if case.router_aux_loss:
+            loss = _backward_with_aux(model, case, inputs[step], labels[step], valid, variant)
+        else:
+            logits = model(input_ids=ids, attention_mask=mask).logits  # [N·B, T, V]
+            loss_sum = F.cross_entropy(
+                logits.flatten(0, 1), lab.flatten(), ignore_index=IGNORE, reduction="sum"
+            )
+            loss = loss_sum / valid
+            loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         lr = lr_schedule(step, STEPS)
         for g in opt.param_groups:
@@ -245,6 +258,35 @@ def run_reference(case: Case, model_dir: Path, inputs, labels, lengths, variant:
         out.tokens.append(valid)
     out.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return out
+
+
+def _backward_with_aux(model, case: Case, inputs, labels, valid: int, variant: str) -> torch.Tensor:
+    """One step's backward with the per-layer router auxiliary loss (nodetrain/model/moe.py): a
+    forward per micro-batch (inputs, labels [N, B, T]) without a padding mask (the engine has none:
+    right padding changes no valid token's logits, and every token counts in the routers' loss),
+    the token-mean cross-entropy plus ``coef / (L_moe · N) × Σ_mb Σ_l`` transformers'
+    ``load_balancing_loss_func`` of layer l's logits. ``pooled_aux``: transformers' own form (all
+    layers of a forward at once). Returns the cross-entropy alone (what the engine reports)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    c, ce_total = model.config, 0.0
+    experts, k = c.num_local_experts, c.num_experts_per_tok
+    for ids, lab in zip(inputs, labels, strict=True):
+        out = model(input_ids=ids, output_router_logits=True)
+        ce = (
+            F.cross_entropy(out.logits.flatten(0, 1), lab.flatten(), ignore_index=IGNORE, reduction="sum")
+            / valid
+        )
+        layers = out.router_logits
+        if variant == "pooled_aux":
+            aux = load_balancing_loss_func(layers, experts, k) / len(inputs)
+        else:
+            aux = sum(load_balancing_loss_func((z,), experts, k) for z in layers) / (
+                len(layers) * len(inputs)
+            )
+        (ce + c.router_aux_loss_coef * aux).backward()
+        ce_total += ce.detach()
+    return ce_total
 
 
 # ----------------------------------------------------------------------------- nodetrain run
@@ -285,6 +327,7 @@ def run_nodetrain(
         "optim.max_grad_norm": case.max_grad_norm,
         "store.dir": str(shm_dir),
         **{f"optim.{k}": v for k, v in OPTIM.items()},
+        **({"model.router_aux_loss": case.router_aux_loss} if case.router_aux_loss else {}),
     }
     spec = {
         "arch": case.arch,

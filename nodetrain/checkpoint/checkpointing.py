@@ -34,7 +34,7 @@ from tokenizers import Tokenizer
 from nodetrain.checkpoint import state as st
 from nodetrain.checkpoint.collective import all_gather_json
 from nodetrain.checkpoint.export import run_tokenizer
-from nodetrain.checkpoint.hf_import import check_model_dir, load_units
+from nodetrain.checkpoint.hf_import import check_model_dir, load_constants, load_units
 from nodetrain.checkpoint.resume import (
     check_training_state,
     choose_checkpoint,
@@ -43,6 +43,7 @@ from nodetrain.checkpoint.resume import (
     seed_rng,
     training_state_loader,
 )
+from nodetrain.checkpoint.tensors import read_index
 from nodetrain.checkpoint.writer import CheckpointWriter
 from nodetrain.config.schema import Config, grad_accum_of
 from nodetrain.data.tokenizer import vocabulary_sha256
@@ -180,11 +181,20 @@ class Checkpointing:
     def init_fn(self):
         """The ``init_from`` callable for ``Engine``: checkpoint state, HF weights, or None (random)."""
         if self.path is not None:
-            return training_state_loader(self.path, self.state, self.cfg.optim.state)
+            load = training_state_loader(self.path, self.state, self.cfg.optim.state)
+            if not any(self.model.constants):
+                return load
+            path = self.path
+
+            def load_with_constants(store, units):  # the router's bias is in the model shards only
+                load(store, units)
+                load_constants(read_index(path, "model"), self.model, units)
+
+            return load_with_constants
         if self._hf_index is not None:
 
             def load(store, units) -> None:
-                self._nonfinite += load_units(self._hf_index, store, units)
+                self._nonfinite += load_units(self._hf_index, store, units, model=self.model)
 
             return load
         return None

@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from nodetrain.checkpoint.hf_layout import Piece, import_pieces
 from nodetrain.checkpoint.tensors import TensorEntry, read_index, read_into
 from nodetrain.model import SUPPORTED_ARCHS, HFModel, Unit
 from nodetrain.store import HostStore
 
-__all__ = ["check_model_dir", "load_hf_weights", "load_units"]
+__all__ = ["check_model_dir", "load_constants", "load_hf_weights", "load_units"]
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,10 @@ def _ignored_buffers(index: dict[str, TensorEntry]) -> set[str]:
 
 
 def _check_tensors(index: dict[str, TensorEntry], model: HFModel, source: dict) -> list[str]:
-    problems, wanted = [], {p.hf_name: p for u in model.units for p in u.params}
+    # a parameter may be several checkpoint tensors (one per expert: hf_layout.py)
+    problems = []
+    wanted = {q.name: q for u in model.units for p in u.params for q in import_pieces(model, p, index)}
+    wanted.update({hf: Piece(hf, 0, tuple(t.shape)) for c in model.constants for hf, t in c.values()})
     for name, p in wanted.items():
         entry = index.get(name)
         if entry is None:
@@ -107,7 +111,7 @@ def _check_tensors(index: dict[str, TensorEntry], model: HFModel, source: dict) 
             problems.append(f"{name}: dtype {entry.dtype} in {entry.file.name} is not a float dtype")
     # A tied checkpoint may still carry lm_head.weight (a copy of the embedding); transformers ignores it.
     ignored = {"lm_head.weight"} if model.tied and source.get("tie_word_embeddings") else set()
-    buffers = _ignored_buffers(index)
+    buffers = _ignored_buffers(index) | {n for n in index if any(re.search(k, n) for k in model.ignored_keys)}
     if buffers:
         log.info(
             "skipping %d non-parameter buffer(s) transformers also ignores, e.g. %s",
@@ -172,10 +176,16 @@ def check_model_dir(
 
 
 def load_units(
-    index: dict[str, TensorEntry], store: HostStore, units: list[Unit], field: str = "master"
+    index: dict[str, TensorEntry],
+    store: HostStore,
+    units: list[Unit],
+    field: str = "master",
+    model: HFModel | None = None,
 ) -> list[str]:
     """Read every parameter of ``units`` from ``index`` into the store's ``field`` buffers (fp32),
-    converting dtype on the way; extra memory is bounded by ``tensors.CHUNK_BYTES``.
+    converting dtype on the way; extra memory is bounded by ``tensors.CHUNK_BYTES``. With ``model``,
+    a parameter is read from the checkpoint tensors it is saved as (experts one per expert:
+    hf_layout.py); without, by its own name.
 
     Returns:
         One line per tensor that holds NaN or inf (``name: k of n values are NaN/inf (file)``); empty
@@ -188,13 +198,31 @@ def load_units(
     for u in units:
         buf = store.buffer(u.index, field)
         for p in u.params:
-            dst = buf[p.offset : p.offset + p.numel]
-            entry = index[p.hf_name]
-            read_into(entry, dst)
-            if not bool(torch.isfinite(dst).all()):
-                bad = int((~torch.isfinite(dst)).sum())
-                nonfinite.append(f"{p.hf_name}: {bad} of {p.numel} values are NaN/inf ({entry.file.name})")
+            for q in import_pieces(model, p, index):
+                entry = index[q.name]
+                dst = buf[p.offset + q.offset : p.offset + q.offset + q.numel]
+                read_into(entry, dst)
+                if not bool(torch.isfinite(dst).all()):
+                    bad = int((~torch.isfinite(dst)).sum())
+                    nonfinite.append(f"{q.name}: {bad} of {q.numel} values are NaN/inf ({entry.file.name})")
+    if model is not None:
+        load_constants(index, model, units)
     return nonfinite
+
+
+def load_constants(index: dict[str, TensorEntry], model: HFModel, units: list[Unit]) -> None:
+    """Read the constants of ``units`` (DeepSeek-V3's router ``e_score_correction_bias``: buffers
+    transformers saves but never trains, held by the model, not the store; hf.py) from ``index``
+    (an HF directory, or a checkpoint's model shards at resume).
+
+    Raises:
+        KeyError: a constant missing from ``index``.
+    """
+    for u in units:
+        for local, (hf_name, value) in model.constants[u.index].items():
+            fresh = torch.empty_like(value)
+            read_into(index[hf_name], fresh.view(-1))
+            model.set_constant(u.index, local, fresh)
 
 
 def load_hf_weights(
@@ -227,7 +255,7 @@ def load_hf_weights(
             raise ValueError(
                 f"model.init_from={str(model_dir)!r} does not match the model:\n  " + "\n  ".join(problems)
             )
-    nonfinite = load_units(index, store, units)
+    nonfinite = load_units(index, store, units, model=model)
     if nonfinite:
         raise ValueError(
             f"model.init_from={str(model_dir)!r}: {len(nonfinite)} tensor(s) hold NaN or inf:\n  "

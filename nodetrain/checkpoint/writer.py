@@ -46,6 +46,7 @@ from safetensors.torch import save_file
 from nodetrain.checkpoint import state as st
 from nodetrain.checkpoint.collective import all_gather_json, broadcast_json
 from nodetrain.checkpoint.export import write_export_files
+from nodetrain.checkpoint.hf_layout import checkpoint_pieces, saved_by_name
 from nodetrain.checkpoint.state import lean_key
 from nodetrain.config.constants import DTYPES
 from nodetrain.config.disk import DiskFullError, is_disk_full
@@ -126,7 +127,10 @@ class CheckpointWriter:
         self.export_dtype = EXPORT_DTYPES[cfg.export_dtype]
         self.lean = store.layout.state == "lean"  # bf16 master weights: the bf16 export is them
         self.master_dtype = torch.bfloat16 if self.lean else torch.float32
-        self.master_prefix = "model" if self.export_dtype == self.master_dtype else "master"
+        # the export doubles as the master weights when it has their dtype and their names (resume
+        # reads them by parameter name; experts exported one per expert need their own master shards)
+        same = self.export_dtype == self.master_dtype and saved_by_name(model)
+        self.master_prefix = "model" if same else "master"
         self._fields = _LEAN_SNAPSHOT_FIELDS if self.lean else _SNAPSHOT_FIELDS
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
         self._pending: _Pending | None = None
@@ -386,10 +390,13 @@ class CheckpointWriter:
     def _write_files(self, tmp: Path, bufs: dict, steps: dict[str, float]) -> tuple[dict, float]:
         t0, manifest, n = time.perf_counter(), {}, len(self.model.units)
         for u in self.units:
-            master, named = bufs[u.index]["compute" if self.lean else "master"], {}
+            master, named, exported = bufs[u.index]["compute" if self.lean else "master"], {}, {}
             for p in u.params:
                 named[p.hf_name] = master[p.offset : p.offset + p.numel].view(p.shape)
-            model = {k: v.to(self.export_dtype) for k, v in named.items()}
+                for q in checkpoint_pieces(self.model, p):  # transformers' saved layout (hf_layout.py)
+                    exported[q.name] = named[p.hf_name].view(-1)[q.offset : q.offset + q.numel].view(q.shape)
+            model = {k: v.to(self.export_dtype) for k, v in exported.items()}
+            model.update(dict(self.model.constants[u.index].values()))  # the router's bias, fp32 (hf.py)
             self._save(model, tmp / st.shard_name("model", u.index, n), manifest)
             del model
             if self.master_prefix == "master":
@@ -424,9 +431,16 @@ class CheckpointWriter:
                     for f in LEAN_MOMENT_FIELDS:
                         weight_map[lean_key(u, f)] = st.shard_name(kind, u.index, n)
                         total += layout.numel(u.index, f) * layout.itemsize(f)
+                if kind == "model":  # constants (the router's bias): fp32, as transformers keeps them
+                    for hf_name, t in self.model.constants[u.index].values():
+                        weight_map[hf_name] = st.shard_name(kind, u.index, n)
+                        total += t.numel() * 4
                 for p in u.params:
+                    names = (
+                        [q.name for q in checkpoint_pieces(self.model, p)] if kind == "model" else [p.hf_name]
+                    )
                     for s in suffixes:
-                        weight_map[p.hf_name + s] = st.shard_name(kind, u.index, n)
+                        weight_map.update({name + s: st.shard_name(kind, u.index, n) for name in names})
                         total += p.numel * itemsize
                     if kind == "optimizer":
                         weight_map[p.hf_name + ".step"] = st.shard_name(kind, u.index, n)

@@ -84,6 +84,48 @@ HF_KEYS: dict[str, frozenset[str]] = {
     "MistralForCausalLM": _COMMON_HF_KEYS | {"head_dim", "sliding_window"},
     "Qwen2ForCausalLM": _COMMON_HF_KEYS | _QWEN_HF_KEYS,
     "Qwen3ForCausalLM": _COMMON_HF_KEYS | _QWEN_HF_KEYS | {"attention_bias", "head_dim"},
+    "Gemma3ForCausalLM": _COMMON_HF_KEYS - {"hidden_act"}
+    | set(
+        """_sliding_window_pattern attention_bias attn_logit_softcapping final_logit_softcapping
+        head_dim hidden_activation layer_types query_pre_attn_scalar sliding_window
+        use_bidirectional_attention""".split()
+    ),
+    "Phi3ForCausalLM": _COMMON_HF_KEYS
+    | {"embd_pdrop", "original_max_position_embeddings", "resid_pdrop", "sliding_window"},
+    "Olmo2ForCausalLM": _COMMON_HF_KEYS | {"attention_bias"},
+    "GraniteForCausalLM": _COMMON_HF_KEYS
+    | set(
+        """attention_bias attention_multiplier embedding_multiplier logits_scaling mlp_bias
+        residual_multiplier""".split()
+    ),
+    "SmolLM3ForCausalLM": _COMMON_HF_KEYS
+    | set(
+        """attention_bias layer_types mlp_bias no_rope_layer_interval no_rope_layers sliding_window
+        use_sliding_window""".split()
+    ),
+    "Qwen3MoeForCausalLM": _COMMON_HF_KEYS
+    | set(
+        """attention_bias decoder_sparse_step mlp_only_layers moe_intermediate_size norm_topk_prob
+        num_experts_per_tok num_local_experts output_router_logits router_aux_loss_coef sliding_window
+        use_sliding_window num_experts""".split()
+    ),
+    "MixtralForCausalLM": _COMMON_HF_KEYS
+    | set(
+        """head_dim num_experts_per_tok num_local_experts output_router_logits router_aux_loss_coef
+        router_jitter_noise sliding_window""".split()
+    ),
+    "GptOssForCausalLM": _COMMON_HF_KEYS
+    | set(
+        """attention_bias head_dim layer_types num_experts_per_tok num_local_experts output_router_logits
+        router_aux_loss_coef sliding_window swiglu_alpha swiglu_limit""".split()
+    ),
+    "DeepseekV3ForCausalLM": _COMMON_HF_KEYS
+    | set(
+        """attention_bias first_k_dense_replace head_dim kv_lora_rank moe_intermediate_size n_group
+        n_routed_experts n_shared_experts norm_topk_prob num_experts_per_tok num_nextn_predict_layers
+        output_router_logits pretraining_tp q_lora_rank qk_head_dim qk_nope_head_dim qk_rope_head_dim
+        rope_interleave routed_scaling_factor topk_group v_head_dim""".split()
+    ),
 }
 """Keys ``model.hf`` may set, per arch (the fields of the transformers 5 config class). HF config
 classes silently keep unknown kwargs, so a typo such as ``num_hidden_layer`` is refused here."""

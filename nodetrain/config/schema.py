@@ -69,7 +69,8 @@ class ModelConfig:
     name: str = MISSING
     """Short name used in logs and run names, e.g. ``llama_10m``. Required (set by the model YAML)."""
     arch: str = "LlamaForCausalLM"
-    """HF class name: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM."""
+    """HF class name, one of ``config.constants.SUPPORTED_ARCHS`` (Llama, Mistral, Qwen2/3, Gemma 3
+    text, Phi-3, OLMo-2, Granite, SmolLM3, Qwen3-MoE, Mixtral, GPT-OSS)."""
     config_path: str = ""
     """Optional HF ``config.json`` (or a directory holding one) that defines the model; empty =
     ``init_from`` when that is set. With a config from a directory, the model is exactly what
@@ -91,6 +92,12 @@ class ModelConfig:
     """HF model directory (config.json + *.safetensors) whose weights initialise the master weights;
     empty = random init (normal(0, initializer_range), norms = 1, biases = 0). Alone it also defines
     the model (see ``config_path``): ``model.init_from=<dir>`` is the whole import."""
+    router_aux_loss: str = "auto"
+    """Router auxiliary (load-balancing) loss of a mixture-of-experts model: ``auto`` = as the
+    HF config says (none when ``output_router_logits`` is false, its default; transformers'
+    pooled form when true, which is refused), ``off``, or ``per_layer`` (each MoE layer's Switch
+    Transformer loss times ``router_aux_loss_coef``, averaged over layers and micro-batches; see
+    nodetrain/model/moe.py)."""
 
 
 @dataclass
