@@ -42,6 +42,7 @@ def main(spec_path: str) -> None:
     cfg.train.dtype = "float32"
     cfg.pipeline.stages, cfg.pipeline.microbatches = world, num_mb
     cfg.data.vocab_size, cfg.store.dir = spec["hf"]["vocab_size"], spec["store_dir"]
+    cfg.data.tokenizer = spec["model_dir"]  # save_seeded_model's VOCAB-id tokenizer
     validate(cfg, world, int(os.environ["LOCAL_WORLD_SIZE"]))
     model = HFModel(build_hf_config(cfg.model))
     assert model.has_dropout, "the spec must set attention_dropout > 0"

@@ -31,7 +31,7 @@ HF = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "intermediate_size": 64,
-    "vocab_size": 256,
+    "vocab_size": 320,
     "max_position_embeddings": 32,
     "tie_word_embeddings": True,
 }

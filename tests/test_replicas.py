@@ -25,7 +25,6 @@ from test_parity import (
     ATOL_WEIGHT,
     RTOL,
     SEQ_LEN,
-    VOCAB,
     WORKER,
     Case,
     hf_fields,
@@ -80,8 +79,9 @@ def test_replica_slices_partition_the_batch() -> None:
 
 
 def _config(**overrides) -> Config:
-    model = {"name": "tiny", "hf": hf_fields(Case("x", "LlamaForCausalLM", 2, "1f1b", 1, 1, 4))}
-    base = {"model": model, "train": {"seq_len": SEQ_LEN}, "data": {"vocab_size": VOCAB}}
+    hf = {**hf_fields(Case("x", "LlamaForCausalLM", 2, "1f1b", 1, 1, 4)), "vocab_size": 320}  # a BPE's >= 257
+    model = {"name": "tiny", "hf": hf}
+    base = {"model": model, "train": {"seq_len": SEQ_LEN}, "data": {"vocab_size": 320}}
     hardware = {"hardware": OmegaConf.load(Path(__file__).parents[1] / "conf" / "hardware" / "cpu.yaml")}
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), base, hardware, overrides))
 

@@ -35,8 +35,8 @@ def _size(nbytes: float) -> str:
     """``nbytes`` as GB with one decimal, or as MB (kB) when that would print "0.0 GB" (decimal units)."""
     for unit, scale in (("GB", GB), ("MB", 1e6)):
         if nbytes >= 0.1 * scale:
-            return f"{nbytes / scale:,.1f} {unit}"
-    return f"{nbytes / 1e3:,.1f} kB"
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 1e3:.1f} kB"
 
 
 def host_problems(
