@@ -1,0 +1,75 @@
+"""Test-only fault injection: the one object through which the ``test.*`` and ``*.test_*`` knobs act.
+
+Owns: :class:`Faults`, built once from the config (:meth:`Faults.from_config`) and passed to the
+components that have a test knob, as ``Comm`` is passed its ``dist``: the copy workers
+(:meth:`Faults.before_copy`, ``stream.test_copy_delay_s``), the optimizer thread
+(:meth:`Faults.before_update`, ``optim.test_delay_s``) and the engine's NaN gradient
+(:meth:`Faults.nan_hook`, ``test.nan_*``). Production code holds :data:`NO_FAULTS`,
+whose hooks do nothing; no component reads a test knob or sleeps itself. Does not own what a slowed
+copy or update exposes (the tests say).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from nodetrain.config.schema import FaultInjectionConfig
+from nodetrain.run.faults import poison_grads
+
+__all__ = ["Faults", "NO_FAULTS"]
+
+
+@dataclass(frozen=True)
+class Faults:
+    """The test knobs of one rank (all off by default).
+
+    Attributes:
+        copy_delay_s: seconds each H2D/D2H copy job sleeps first (exposes a missing wait).
+        optim_delay_s: seconds each unit's AdamW update sleeps first (exposes a stale load).
+        test: the ``test.*`` knobs (a NaN gradient, a failing rank).
+    """
+
+    copy_delay_s: float = 0.0
+    optim_delay_s: float = 0.0
+    test: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
+
+    @classmethod
+    def from_config(cls, cfg) -> Faults:
+        """The knobs of a run config (``stream.test_copy_delay_s``, ``optim.test_delay_s``);
+        :data:`NO_FAULTS` when every one is off."""
+        faults = cls(cfg.stream.test_copy_delay_s, cfg.optim.test_delay_s, cfg.test)
+        return NO_FAULTS if faults == NO_FAULTS else faults
+
+    def before_copy(self) -> None:
+        """A copy worker, before each job's copy."""
+        if self.copy_delay_s:
+            time.sleep(self.copy_delay_s)
+
+    def before_update(self) -> None:
+        """The optimizer thread, before each unit's update."""
+        if self.optim_delay_s:
+            time.sleep(self.optim_delay_s)
+
+    def nan_hook(self, store, last_unit: int):
+        """``test.nan_rank``/``nan_step``: None when off (nothing is called), else ``poison(step, *units)``
+        (``step`` 0-based), which writes a NaN into the gradient of this stage's last unit
+        (``store.grad(last_unit)``, flat fp32) if it is among ``units``, once that gradient is final:
+        on the optimizer thread for an in-backward unit (``UnitUpdates``' ``on_final``), else on the
+        training thread after the flush; before the norm in both cases. It holds the store, not the
+        engine (an engine kept alive by its own optimizer's hook would keep the store mapped)."""
+        test = self.test
+        if test.nan_rank < 0 or test.nan_step < 0:
+            return None
+
+        def poison(step: int, *units: int) -> None:
+            if last_unit in units:
+                poison_grads(test, dist.get_rank(), step + 1, [store.grad(last_unit)])
+
+        return poison
+
+
+NO_FAULTS = Faults()
+"""Nothing injected: every hook returns at once."""
