@@ -247,6 +247,10 @@ def test_optimizer_thread_has_its_own_team_size() -> None:
     assert torch.get_num_threads() == main_threads
 
 
+TINY_VOCAB = 320
+"""The tiny engine's vocabulary: at least a byte-level BPE's 257 (data.vocab_size's lower bound)."""
+
+
 def tiny_engine_config(steps: int = 1, stream=None, **optim):
     """A one-stage config of a 2-layer, hidden-32 Llama on 8-token micro-batches (2 per step), fp32,
     one optimizer thread, ``optim`` set (for ``bench._engine.make_engine``)."""
@@ -255,13 +259,13 @@ def tiny_engine_config(steps: int = 1, stream=None, **optim):
     hf = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
           "intermediate_size": 64}  # fmt: skip
     cfg = base_config(
-        model_config("llama_10m", 256, **hf),
+        model_config("llama_10m", TINY_VOCAB, **hf),
         train={"seq_len": 8, "micro_batch_size": 1, "dtype": "float32", "steps": steps},
         pipeline={"stages": 1, "microbatches": 2},
         stream=stream or {},
         optim={"threads": 1, **optim},
     )
-    cfg.data.vocab_size = 256
+    cfg.data.vocab_size = TINY_VOCAB
     return cfg
 
 
@@ -290,7 +294,9 @@ def test_grad_norm_runs_on_the_accumulation_team(monkeypatch, optim, one_rank_wo
     engine = None
     try:
         engine, _ = make_engine(cfg, "norm-team")
-        x = torch.randint(0, 256, (engine.grad_accum * 2, 1, 8), generator=torch.Generator().manual_seed(0))
+        x = torch.randint(
+            0, TINY_VOCAB, (engine.grad_accum * 2, 1, 8), generator=torch.Generator().manual_seed(0)
+        )
         engine.train_step(0, x, x)
         engine.wait_optimizer()
     finally:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_overlap import BINDINGS, BLOCKS, CFG, UNITS, store, tiny_engine_config  # noqa: F401  (store: a fixture)
+from test_overlap import BINDINGS, BLOCKS, CFG, TINY_VOCAB, UNITS, store, tiny_engine_config  # noqa: F401  (store: a fixture)
 
 from nodetrain.config.schema import OptimConfig
 from nodetrain.engine import threads
@@ -49,7 +49,7 @@ def test_every_mode_writes_state_from_its_owner_only(mode: str, checking, one_ra
         assert engine.updates.policy.kind == mode
         gen = torch.Generator().manual_seed(0)
         for step in range(2):
-            x = torch.randint(0, 256, (engine.grad_accum * 2, 1, 8), generator=gen)
+            x = torch.randint(0, TINY_VOCAB, (engine.grad_accum * 2, 1, 8), generator=gen)
             assert not engine.train_step(step, x, x).skipped
         engine.wait_optimizer()
     finally:
