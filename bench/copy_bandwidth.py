@@ -82,7 +82,7 @@ def measure(numel: int, repeats: int, device: torch.device, store_dir: Path) -> 
     times = [_timed_s(lambda: host.copy_(grad), device) for _ in range(repeats)]
     out["d2h_pageable_gbps"] = _gbps(nbytes, times)
 
-    window = Window(store, [(Binding("w", 0, 0, (numel,)),)], [0], [0], 2, device)
+    window = Window(store, [(Binding("w", 0, 0, (numel,)),)], [0], 2, device)
     try:
         for timed in (False, True):  # an untimed step first: the pages of a run's first touch
             window.begin([])

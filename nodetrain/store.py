@@ -179,7 +179,9 @@ class HostStore:
     """One shared-memory file holding the layout's buffers, mapped without copies.
 
     Use :meth:`create` on local rank 0, :meth:`attach` on the others, then :meth:`unlink` on the
-    creator once every rank has attached.
+    creator once every rank has attached; :meth:`close` (or leaving a ``with`` block) ends this
+    process's use of it: the name goes, the pinned ranges are released, and the store lets go of
+    its mapping (the pages go once no view handed out, e.g. to a checkpoint writer, is alive).
     """
 
     def __init__(self, layout: StoreLayout, path: Path, owner: bool):
@@ -258,6 +260,24 @@ class HostStore:
     def attach(cls, layout: StoreLayout, path: str | Path) -> HostStore:
         """Map a store created by another rank of this node."""
         return cls(layout, Path(path), owner=False)
+
+    def __enter__(self) -> HostStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Unlink (the creator), unpin, and drop this object's mapping and views; idempotent. Any
+        buffer access afterwards raises ``KeyError``."""
+        self.unlink()
+        self.unpin()
+        self._views.clear()
+        self._bytes = None
+
+    @property
+    def closed(self) -> bool:
+        return self._bytes is None
 
     def unlink(self) -> None:
         """Remove the file name; the memory stays until the last rank unmaps it."""

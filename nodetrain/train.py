@@ -63,7 +63,7 @@ from nodetrain.engine.engine import Engine
 from nodetrain.engine.replicas import Topology
 from nodetrain.model import HFModel, build_hf_config, router_aux_of
 from nodetrain.plan.planner import preflight, resolve_auto
-from nodetrain.run.faults import BadSteps, Stopped, StopRequest, maybe_fail, stop_with_launcher
+from nodetrain.run.faults import BadSteps, Stopped, StopRequest, stop_with_launcher
 from nodetrain.run.jobs import REFUSALS, Job, Release, current_job, fail_fast, refusals_of
 from nodetrain.run.metrics import MetricsLogger
 from nodetrain.run.outputs import RunOutputs, check_space, check_writable, checkpoint_bytes, checkpoint_dir
@@ -284,14 +284,38 @@ def _prepare(cfg: Config, data_cfg, resume: str | None) -> tuple[str, str]:
 
 
 def _run(cfg, run_dir, resolved, job, ckpt_dir, signals, rank, world_size, local_rank, device) -> list[dict]:
-    """The run itself, while rank 0 holds the output directories (see :func:`run`)."""
+    """The run itself, while rank 0 holds the output directories (see :func:`run`): set-up, the
+    training loop, teardown."""
     topology, release = Topology.from_env(cfg.pipeline.stages), Release()
-    data_refusals = refusals_of((ValueError, OSError), DataError)  # the data's problems are the user's
+    resume, data_dir, data_cfg, train_ds, val_ds, model = _data_and_model(cfg, ckpt_dir, topology)
+    _check_fit(cfg, model, topology, ckpt_dir)
+    ckpt = _checkpointing(cfg, run_dir, resolved, model, data_dir, data_cfg.tokenizer, ckpt_dir, resume,
+                          lambda: signals.requested)  # fmt: skip
+    _tell_signals(signals, ckpt)
+    engine = Engine(cfg, model, rank=rank, world_size=world_size, local_rank=local_rank, run_id=job.id,
+                    device=device, init_from=ckpt.init_fn(), topology=topology)  # fmt: skip
+    try:
+        ckpt.check_import()  # collective: imported NaN/inf refused by name, before anything is written
+        records, metrics = _loop(cfg, job, resolved, engine, ckpt, ckpt_dir, signals, train_ds, val_ds)
+    finally:
+        engine.close()
+    store_path, newest = engine.store.path, _newest(ckpt)
+    del engine, ckpt  # the last references (ckpt's writer holds the store's views): the mapping goes now
+    release.check(store_path)
+    _finish(cfg, run_dir, rank, records, metrics, signals, newest)
+    return records
+
+
+def _data_and_model(cfg, ckpt_dir: Path, topology: Topology):
+    """The checkpoint to resume (verified, before the data it decides), the prepared data (rank 0
+    prepares; a resume keeps its tokenizer) and its splits, and the model sized to their vocabulary:
+    ``(resume, data_dir, data_cfg, train_ds, val_ds, model)``. Their problems are the user's
+    (``DataError`` refusals)."""
+    data_refusals = refusals_of((ValueError, OSError), DataError)
     with refusals_of((ValueError, OSError), DataError):
         data_cfg = run_data_config(cfg)  # model.init_from's tokenizer unless data.tokenizer is set
-    resume = _on_rank0(lambda: choose_resume(cfg, ckpt_dir))  # verified, before the data it decides
-    prepare = data_refusals(lambda: _prepare(cfg, data_cfg, resume))
-    data_dir, tokenizer = _on_rank0(prepare)
+    resume = _on_rank0(lambda: choose_resume(cfg, ckpt_dir))
+    data_dir, tokenizer = _on_rank0(data_refusals(lambda: _prepare(cfg, data_cfg, resume)))
     data_dir, data_cfg = Path(data_dir), dataclasses.replace(data_cfg, tokenizer=tokenizer)
     with refusals_of((ValueError, OSError), DataError):
         train_ds, val_ds = open_splits(data_dir, cfg, topology.num_replicas)
@@ -300,38 +324,30 @@ def _run(cfg, run_dir, resolved, job, ckpt_dir, signals, rank, world_size, local
         hf_config = build_hf_config(cfg.model, vocab_size=init_rows or train_ds.vocab_size)
         model = HFModel(hf_config, router_aux_of(cfg, hf_config, topology.num_replicas))
         check_vocab(model.config.vocab_size, train_ds, data_cfg.tokenizer, cfg.model.init_from)
-    # refuse a store the node cannot hold (nodes are alike: node 0 answers for all)
+    return resume, data_dir, data_cfg, train_ds, val_ds, model
+
+
+def _check_fit(cfg, model: HFModel, topology: Topology, ckpt_dir: Path) -> None:
+    """Refuse a store the node cannot hold (nodes are alike: node 0 answers for all) and a checkpoint
+    that does not fit, before the store exists, not at the first save after hours of training."""
     _on_rank0(lambda: preflight(cfg, model, topology.num_stages))
-    # a checkpoint must fit before the store exists, not at the first save after hours of training
     if cfg.checkpoint.enable:
         ckpt_bytes = checkpoint_bytes(model, cfg.checkpoint.export_dtype)
         _on_rank0(lambda: check_space(ckpt_dir, ckpt_bytes, "checkpoint.dir"))
-    # resume or import is checked before the store exists; checkpoints carry the run's tokenizer
-    stop = lambda: signals.requested  # noqa: E731
-    ckpt = _checkpointing(cfg, run_dir, resolved, model, data_dir, data_cfg.tokenizer, ckpt_dir, resume, stop)
-    signals.group = ckpt.group  # evaluations ask every rank on it between batches (gloo, main thread)
-    ref = weakref.ref(ckpt)  # not a strong reference: the store mapping must go with ckpt (below)
+
+
+def _tell_signals(signals: StopRequest, ckpt: Checkpointing) -> None:
+    """What a stop request needs from the checkpointing: the group an evaluation asks every rank on
+    between batches (gloo, main thread), and which checkpoint a forced stop leaves unsaved."""
+    signals.group = ckpt.group
+    ref = weakref.ref(ckpt)  # not a strong reference: the store mapping must go with ckpt (_run)
     signals.unsaved = lambda: _newest(ref()) if ref() is not None else "no checkpoint in flight"
-    engine = Engine(
-        cfg,
-        model,
-        rank=rank,
-        world_size=world_size,
-        local_rank=local_rank,
-        run_id=job.id,
-        device=device,
-        init_from=ckpt.init_fn(),
-        topology=topology,
-    )
-    try:
-        ckpt.check_import()  # collective: imported NaN/inf refused by name, before anything is written
-        records, metrics = _loop(cfg, job, resolved, engine, ckpt, ckpt_dir, signals, train_ds, val_ds)
-    finally:
-        engine.close()
-    store_path, newest = engine.store.path, _newest(ckpt)
-    del engine, ckpt  # the last references (ckpt's writer holds the store): the mapping goes now
-    release.check(store_path)
-    _on_rank0(lambda: metrics.raise_if_failed(newest))  # a full run directory: a refusal on every rank
+
+
+def _finish(cfg, run_dir: Path, rank: int, records: list[dict], metrics, signals: StopRequest, newest: str):
+    """After the store is gone: a full run directory is refused on every rank, the summary line, the
+    plots (rank 0), and a run a signal stopped before ``train.steps`` says so (``Stopped``)."""
+    _on_rank0(lambda: metrics.raise_if_failed(newest))
     log.info(
         "done: %d steps, final loss %.4f", len(records), records[-1]["loss"] if records else float("nan")
     )
@@ -340,7 +356,6 @@ def _run(cfg, run_dir, resolved, job, ckpt_dir, signals, rank, world_size, local
     if signals.requested and (not records or records[-1].get("stopped")):
         log.warning("stopped by %s: %s", signal.Signals(signals.signum).name, newest)
         raise Stopped(signals.signum)  # not finished: say so to the caller
-    return records
 
 
 def _newest(ckpt: Checkpointing) -> str:
@@ -382,7 +397,7 @@ def _steps(cfg, engine, ckpt, metrics, signals, train_ds, val_ds, num_mb, record
             return
         metrics.log({"step": 0, "val_loss": val})
     for step in range(start, cfg.train.steps):
-        maybe_fail(cfg.test, rank, step + 1)  # test-only (test.fail_*)
+        engine.faults.maybe_fail(rank, step + 1)  # test-only (test.fail_*, run/inject.py)
         x, y, pos = _step_batch(train_ds, cfg, step, num_mb)
         asked = signals.requested or metrics.failed is not None
         r = engine.train_step(step, x, y, stop=asked, position_ids=pos)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -12,6 +13,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+# Debug mode for every test and every job it launches: each write of step state checks its writer's
+# thread (nodetrain/engine/threads.py; read when that module is first imported, after this line).
+os.environ.setdefault("NODETRAIN_CHECK_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,3 +142,34 @@ def shm_dir():
 def torchrun():
     """``run_torchrun`` as a fixture: ``torchrun(nproc, script, *args, timeout_s=...) -> output``."""
     return run_torchrun
+
+
+@contextlib.contextmanager
+def single_process_world():
+    """A gloo world of one in this process (``bench._engine.init_single_process``) while inside;
+    torn down with its environment on leaving unless it was already up (later tests launch torchrun
+    with ``os.environ``)."""
+    import torch.distributed as dist
+
+    from bench._engine import init_single_process
+
+    keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    saved, was_up = {k: os.environ.get(k) for k in keys}, dist.is_initialized()
+    init_single_process()
+    try:
+        yield
+    finally:
+        if not was_up:
+            dist.destroy_process_group()
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+@pytest.fixture
+def one_rank_world():
+    """:func:`single_process_world` for one test."""
+    with single_process_world():
+        yield

@@ -2,7 +2,7 @@
 started by torchrun (gloo, CPU) from ``test_host_threads.py``. Not a test itself.
 
 Recorded per rank (``<out_dir>/order_rank<r>.json``): ``["bind"]`` when the engine calls
-``_host_threads`` (which binds the rank's threads to its GPU's NUMA node on a GPU node), ``["create"]``
+``bind_rank_threads`` (which binds the rank's threads to its GPU's NUMA node on a GPU node), ``["create"]``
 when it calls ``HostStore.create``, and ``["touch", offset, length]`` for every ``posix_fallocate`` of
 the store file (the calls that allocate its pages); plus the layout and the units the rank owns.
 
@@ -40,7 +40,7 @@ HF = {
 def _record(events: list) -> None:
     """Wrap the calls of interest so that each appends its event before it runs."""
     host_threads, fallocate, create = (
-        engine_module._host_threads,
+        engine_module.bind_rank_threads,
         os.posix_fallocate,
         HostStore.create.__func__,
     )
@@ -58,7 +58,7 @@ def _record(events: list) -> None:
         events.append(["create"])
         return create(cls, *args, **kwargs)
 
-    engine_module._host_threads = recorded_host_threads
+    engine_module.bind_rank_threads = recorded_host_threads
     os.posix_fallocate = recorded_fallocate
     HostStore.create = classmethod(recorded_create)
 

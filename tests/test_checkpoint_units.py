@@ -369,7 +369,7 @@ def test_after_step_saves_only_when_checkpoints_are_enabled(enable: bool) -> Non
     saved = []
     writer = SimpleNamespace(save=lambda step, state: saved.append(step) or 0.0, poll=lambda: None)
     ckpt = SimpleNamespace(
-        cfg=cfg, start_step=0, writer=writer, _engine=lambda: None, _run_state=lambda step: {}
+        cfg=cfg, start_step=0, writer=writer, _wait_optimizer=lambda: None, _run_state=lambda step: {}
     )
     stops = [Checkpointing.after_step(ckpt, step)[0] for step in range(1, 6)]
     stops.append(Checkpointing.after_step(ckpt, 6, save=True)[0])  # the last step, and a signal

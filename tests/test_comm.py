@@ -14,7 +14,6 @@ recorded fake ``dist`` answers "nccl" and the rank's device is ``cuda:0``; CUDA 
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 from pathlib import Path
@@ -140,20 +139,18 @@ def test_only_comm_calls_tensor_collectives() -> None:
 
 
 @pytest.fixture
-def replica_engine(monkeypatch, tmp_path):
+def replica_engine(monkeypatch, tmp_path, one_rank_world):
     """``build(**optim)``: a one-stage Engine in this process (gloo, world 1) that believes it is one
     of 2 replicas: the replica groups are stubs (``group:<kind>``) whose all-reduce is recorded
     (with the calling thread) and does nothing."""
     import torch.distributed as dist
 
     import nodetrain.engine.engine as engine_mod
-    from bench._engine import base_config, init_single_process, model_config
+    import nodetrain.engine.setup as setup_mod
+    from bench._engine import base_config, model_config
     from nodetrain.model import HFModel, build_hf_config
 
-    # the world of one must not outlive this test: later tests launch torchrun with os.environ
-    env_keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    saved, was_up = {k: os.environ.get(k) for k in env_keys}, dist.is_initialized()
-    init_single_process()
+    # the world of one (one_rank_world) must not outlive this test: later tests launch torchrun
     record: list[tuple[str, object, str]] = []
 
     class StubbedDist:
@@ -169,7 +166,7 @@ def replica_engine(monkeypatch, tmp_path):
                 dist.all_reduce(t, group=group)
 
     monkeypatch.setattr(replicas, "stage_group", lambda topo, timeout_s, kind="stage": f"group:{kind}")
-    monkeypatch.setattr(engine_mod, "node_group", lambda topo, timeout_s: None)
+    monkeypatch.setattr(setup_mod, "node_group", lambda topo, timeout_s: None)
     monkeypatch.setattr(engine_mod, "Comm", lambda device: Comm(device, dist=StubbedDist()))
     engines = []
 
@@ -197,13 +194,6 @@ def replica_engine(monkeypatch, tmp_path):
     yield build
     for eng in engines:
         eng.close()
-    if not was_up:
-        dist.destroy_process_group()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
 
 
 def test_optimizer_thread_sums_on_its_own_group(replica_engine) -> None:

@@ -40,15 +40,9 @@ from nodetrain.data.checks import check_vocab, open_splits
 from nodetrain.engine.comm import Comm
 from nodetrain.engine.pipeline import P2P
 from nodetrain.model import build_hf_config
-from nodetrain.run import faults as faults_mod
-from nodetrain.run.faults import (
-    BadSteps,
-    NonFiniteError,
-    StopRequest,
-    maybe_fail,
-    nan_injection,
-    poison_grads,
-)
+from nodetrain.run import inject
+from nodetrain.run.faults import BadSteps, NonFiniteError, StopRequest
+from nodetrain.run.inject import Faults, poison_grads
 
 TINY = [
     *TINY_RUN,
@@ -121,10 +115,11 @@ def test_bad_steps_stop_after_max_in_a_row() -> None:
 
 def test_fault_knobs_fire_only_on_their_rank_and_step() -> None:
     test = FaultInjectionConfig(fail_rank=1, fail_step=2, nan_rank=0, nan_step=3)
-    maybe_fail(test, 0, 2)
-    maybe_fail(test, 1, 3)
+    faults = Faults(test=test)
+    faults.maybe_fail(0, 2)
+    faults.maybe_fail(1, 3)
     with pytest.raises(RuntimeError, match=r"test\.fail_rank=1, test\.fail_step=2: injected failure"):
-        maybe_fail(test, 1, 2)
+        faults.maybe_fail(1, 2)
     grads = [torch.zeros(3), torch.zeros(2)]
     poison_grads(test, 0, 2, grads)
     poison_grads(test, 1, 3, grads)
@@ -135,8 +130,8 @@ def test_fault_knobs_fire_only_on_their_rank_and_step() -> None:
 
 def test_nan_injection_is_no_hook_when_off_and_poisons_the_last_unit_at_its_step(monkeypatch) -> None:
     """The engine's one NaN hook: None when ``test.nan_*`` is off (the optimizer thread calls nothing);
-    on, it poisons only the stage's last unit, only at ``nan_step`` (1-based; ``step[0]`` 0-based)."""
-    assert nan_injection(FaultInjectionConfig(), None, 7, [0]) is None
+    on, it poisons only the stage's last unit, only at ``nan_step`` (1-based; the hook's step 0-based)."""
+    assert Faults().nan_hook(None, 7) is None
 
     class Store:
         def __init__(self) -> None:
@@ -145,14 +140,13 @@ def test_nan_injection_is_no_hook_when_off_and_poisons_the_last_unit_at_its_step
         def grad(self, unit: int) -> torch.Tensor:
             return self.grads[unit]
 
-    monkeypatch.setattr(faults_mod.dist, "get_rank", lambda: 0)
-    step, store = [0], Store()
-    poison = nan_injection(FaultInjectionConfig(nan_rank=0, nan_step=2), store, 7, step)
-    poison(6, 7)  # step 1: not yet
-    step[0] = 1
-    poison(6)  # step 2, but the last unit is not among these
+    monkeypatch.setattr(inject.dist, "get_rank", lambda: 0)
+    store = Store()
+    poison = Faults(test=FaultInjectionConfig(nan_rank=0, nan_step=2)).nan_hook(store, 7)
+    poison(0, 6, 7)  # step 1: not yet
+    poison(1, 6)  # step 2, but the last unit is not among these
     assert all(torch.isfinite(g).all() for g in store.grads.values())
-    poison(7)
+    poison(1, 7)
     assert math.isnan(store.grads[7][0]) and torch.isfinite(store.grads[6]).all()
 
 

@@ -31,9 +31,11 @@ import torch
 
 import nodetrain.engine.staging as staging
 import nodetrain.engine.window as stream
+from nodetrain.engine.copy_worker import CopyWorker
 from nodetrain.engine.window import Window
 from nodetrain.model import Binding
 from nodetrain.run.breakdown import Timeline, measured_peak_flops
+from nodetrain.run.inject import Faults
 from nodetrain.store import HostStore, StoreLayout
 
 _CUDA = pytest.param(
@@ -101,7 +103,7 @@ def _stream_two_steps(
     store.unlink()
     if cuda:
         store.pin([0, 1, 2])
-    window = Window(store, bindings, [0, 1, 2], [0, 1, 2], 2, torch.device(device), delay_s=delay_s)
+    window = Window(store, bindings, [0, 1, 2], 2, torch.device(device), faults=Faults(copy_delay_s=delay_s))
     stale, grads = [], []
     try:
         if cuda:  # CUDA only: the copies' own streams, page-locked memory both ways (CPU has neither)
@@ -149,7 +151,7 @@ def test_window_copies_on_side_streams_and_stay_current(shm_dir, device: str) ->
 def test_a_missing_load_wait_would_be_caught(shm_dir, device: str, monkeypatch) -> None:
     """The check above can fail, on either device: without ``acquire``'s wait for its load, the
     slowed copy worker has not written the slot yet when compute reads it."""
-    monkeypatch.setattr(stream, "_wait", lambda fut: None)
+    monkeypatch.setattr(stream, "wait_copy", lambda fut: None)
     stale, _, _ = _stream_two_steps(shm_dir, device, delay_s=0.05)
     assert stale != []
 
@@ -168,7 +170,7 @@ def _read_slots_late(shm_dir, device: str) -> tuple[list[torch.Tensor], list[flo
     for u in range(3):
         store.compute(u).fill_(float(u + 1))
     bindings = [(Binding("w", u, 0, (numel,)),) for u in range(3)]
-    window = Window(store, bindings, [0, 1, 2], [0, 1, 2], 1, torch.device(device))
+    window = Window(store, bindings, [0, 1, 2], 1, torch.device(device))
     sequence, sums = [0, 1, 2, 0, 1, 2], []
     try:
         window.begin(sequence)
@@ -196,7 +198,7 @@ def test_slot_is_reloaded_only_after_its_reads(shm_dir, device: str) -> None:
 def test_a_missing_slot_reuse_wait_would_be_caught(shm_dir, device: str, monkeypatch) -> None:
     """The check above can fail: without the copy worker's wait for the compute queued before
     ``release()``, the next block's copy lands in the slot while the late read is still queued."""
-    monkeypatch.setattr(stream, "_wait_for_compute", lambda ready: None)
+    monkeypatch.setattr(CopyWorker, "_wait_for_compute", staticmethod(lambda ready: None))
     sums, expected = _read_slots_late(shm_dir, device)
     assert [float(s) for s in sums] != expected
 
@@ -225,7 +227,14 @@ def _offload_slowly(shm_dir, monkeypatch, device: str) -> torch.Tensor:
     monkeypatch.setattr(staging, "_copy_in", slow_copy_in)
     store = HostStore.create(StoreLayout((1 << 20,), torch.bfloat16), shm_dir, "gpu-d2h")
     store.unlink()
-    window = Window(store, [(Binding("w", 0, 0, (1024, 1024)),)], [0], [0], 2, torch.device(device), 0.002)
+    window = Window(
+        store,
+        [(Binding("w", 0, 0, (1024, 1024)),)],
+        [0],
+        2,
+        torch.device(device),
+        faults=Faults(copy_delay_s=0.002),
+    )
     try:
         store.grad(0).fill_(-1.0)  # the previous step's leftovers: the first offload overwrites them
         window.begin([])
@@ -263,7 +272,7 @@ def test_gathered_rows_are_current_and_do_not_sync_the_host(shm_dir, device: str
     vocab, dim = 64, 32
     store = HostStore.create(StoreLayout((vocab * dim,), torch.bfloat16), shm_dir, f"rows-{device}")
     store.unlink()
-    window = Window(store, [(Binding("weight", 0, 0, (vocab, dim)),)], [0], [0], 1, torch.device(device),
+    window = Window(store, [(Binding("weight", 0, 0, (vocab, dim)),)], [0], 1, torch.device(device),
                     rows=[0])  # fmt: skip
     try:
         table = torch.arange(vocab * dim, dtype=torch.float32).view(vocab, dim).to(torch.bfloat16)

@@ -23,6 +23,7 @@ from nodetrain.engine.accumulate import HostAccumulator
 from nodetrain.engine.staging import GradStaging, page_round
 from nodetrain.engine.window import Window
 from nodetrain.model import Binding
+from nodetrain.run.inject import Faults
 from nodetrain.store import HostStore, StoreLayout
 
 
@@ -73,7 +74,7 @@ def test_a_steps_accumulations_neither_fault_nor_allocate(shm_dir) -> None:
     store = HostStore.create(StoreLayout((V * D, N), torch.bfloat16), shm_dir, "accum-faults")
     store.unlink()
     bindings = [(Binding("weight", 0, 0, (V, D)),), (Binding("w", 1, 0, (N,)),)]
-    window = Window(store, bindings, [0, 1], [0, 1], 2, "cpu", rows=[0], accum_threads=2)
+    window = Window(store, bindings, [0, 1], 2, "cpu", rows=[0], accum_threads=2)
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(N, generator=gen).bfloat16() for _ in range(3)]
     rows = [(torch.randperm(V, generator=gen), torch.randn(V, D, generator=gen).bfloat16()) for _ in range(2)]
@@ -115,7 +116,7 @@ def test_a_ship_streams_through_staging_in_chunks(shm_dir, monkeypatch, dtype) -
     gets the device accumulator's fp32 sums bit for bit."""
     store = HostStore.create(StoreLayout(SHIP_NUMELS, dtype), shm_dir, "accum-ship")
     store.unlink()
-    window = Window(store, SHIP_BINDINGS, [0, 1], [0, 1], 2, "cpu", resident=[0])
+    window = Window(store, SHIP_BINDINGS, [0, 1], 2, "cpu", resident=[0])
     raw = [(r.data_ptr(), r.data_ptr() + r.numel()) for r in window._staging._raw]
     landed: list[int] = []
     copy = HostAccumulator.copy
@@ -146,7 +147,7 @@ def test_a_ship_holds_its_staging_buffer_until_landed(shm_dir) -> None:
     as its accumulator, or the offload's gradient is overwritten)."""
     store = HostStore.create(StoreLayout(SHIP_NUMELS, torch.float32), shm_dir, "accum-ship-bound")
     store.unlink()
-    window = Window(store, SHIP_BINDINGS, [0, 1], [0, 1], 1, "cpu", delay_s=0.05, resident=[0])
+    window = Window(store, SHIP_BINDINGS, [0, 1], 1, "cpu", faults=Faults(copy_delay_s=0.05), resident=[0])
     gen = torch.Generator().manual_seed(1)
     g0 = {"a": torch.randn(4000, generator=gen), "b": torch.randn(2000, generator=gen)}
     g1 = torch.randn(700, generator=gen)
@@ -243,15 +244,14 @@ def test_cuda_ship_lands_only_copied_chunks(shm_dir, monkeypatch, mutant: bool) 
 
     monkeypatch.setattr(staging, "_copy_in", slow_copy_in)
     if mutant:
-        land = Window._land
-        monkeypatch.setattr(
-            Window, "_land", lambda self, dst, first, half, event: land(self, dst, first, half, None)
+        monkeypatch.setattr(  # the chunk is landed without waiting for its copy's event
+            staging.GradStaging,
+            "_land",
+            staticmethod(lambda land, dst, first, half, event: land(dst, first, half)),
         )
     store = HostStore.create(StoreLayout((1 << 20,), torch.bfloat16), shm_dir, "gpu-ship")
     store.unlink()
-    window = Window(
-        store, [(Binding("w", 0, 0, (1024, 1024)),)], [0], [0], 2, torch.device("cuda"), resident=[0]
-    )
+    window = Window(store, [(Binding("w", 0, 0, (1024, 1024)),)], [0], 2, torch.device("cuda"), resident=[0])
     try:
         assert window._staging.pinned and window.staging_pinned_nbytes == 2 * page_round(2 << 20)
         store.grad(0).fill_(-1.0)  # the previous step's leftovers: the ship's first write overwrites them

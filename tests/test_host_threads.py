@@ -8,14 +8,18 @@ import logging
 import os
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from nodetrain.engine.engine import _host_threads
-from nodetrain.engine.host_threads import bind_threads, numa_binding, parse_cpulist, split_cores
-from nodetrain.engine.window import _CopyWorker
+from nodetrain.engine.copy_worker import CopyWorker
+from nodetrain.engine.host_threads import (
+    bind_rank_threads,
+    bind_threads,
+    numa_binding,
+    parse_cpulist,
+    split_cores,
+)
 from nodetrain.store import PAGE_BYTES, StoreLayout
 
 WORKER = Path(__file__).resolve().parent / "numa_order_worker.py"
@@ -113,7 +117,7 @@ def test_d2h_worker_has_its_own_team() -> None:
     (mutant: without ``limit_thread`` in ``stream._init_worker`` the worker reports the caller's)."""
     main = torch.get_num_threads()
     want = main + 3
-    worker = _CopyWorker("d2h", None, 0.0, "cpu", threads=want)
+    worker = CopyWorker("d2h", None, "cpu", threads=want)
     seen = []
     try:
         worker.submit(lambda: seen.append(torch.get_num_threads())).result()
@@ -125,10 +129,9 @@ def test_d2h_worker_has_its_own_team() -> None:
 
 def test_engine_logs_the_split(caplog, monkeypatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    cfg = SimpleNamespace(stream=SimpleNamespace(accum_threads=0), optim=SimpleNamespace(threads=1))
     cores = len(os.sched_getaffinity(0))
-    with caplog.at_level(logging.INFO, logger="nodetrain.engine.engine"):
-        split = _host_threads(cfg, torch.device("cpu"), 0)
+    with caplog.at_level(logging.INFO, logger="nodetrain.engine.host_threads"):
+        split = bind_rank_threads(0, 1, torch.device("cpu"), 0)  # stream.accum_threads=0, optim.threads=1
     assert split.optim_threads == 1 and split.accum_threads == max(1, cores - 1)
     text = caplog.text
     assert "not a GPU: threads not bound" in text
@@ -158,7 +161,7 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def test_each_rank_binds_before_it_first_touches_its_own_units(tmp_path, shm_dir, torchrun) -> None:
     """NUMA first touch: a 2-rank start (gloo) records, per rank, the call that binds its threads, the
     store's creation and every page allocation of the store. Each rank binds first, and allocates
-    exactly the byte range of its own units (mutants: opening the store before ``_host_threads``, or
+    exactly the byte range of its own units (mutants: opening the store before ``bind_rank_threads``, or
     local rank 0 allocating the whole file in ``create``, fail here); together they cover the store."""
     torchrun(2, WORKER, str(shm_dir), str(tmp_path), timeout_s=180)
     reports = [json.loads((tmp_path / f"order_rank{r}.json").read_text()) for r in range(2)]

@@ -19,10 +19,12 @@ import torch
 from nodetrain.config.schema import OptimConfig
 from nodetrain.engine.host_threads import limit_thread
 from nodetrain.engine.overlap import UnitUpdates
+from nodetrain.engine.policy import policy_for
 from nodetrain.engine.window import Window
 from nodetrain.model import Binding
 from nodetrain.model.hf import Unit
 from nodetrain.optim.adamw import StoreAdamW
+from nodetrain.run.inject import Faults
 from nodetrain.store import HostStore, StoreLayout
 
 # Unit 0: an "embedding" [8, 4]; units 1, 2: a [4, 4] matrix + a [4] norm; block 2 also binds
@@ -87,9 +89,14 @@ def test_per_unit_adamw_is_bitwise_one_torch_adamw(store) -> None:
             assert torch.equal(store.compute(u.index), store.master(u.index))
 
 
+def _policy(clip: bool):
+    """Deferred (clipping) or in-backward (no clipping), overlapped."""
+    return policy_for(OptimConfig(max_grad_norm=1.0 if clip else 0.0))
+
+
 def _updates(store, *, clip: bool, delay_s: float) -> UnitUpdates:
-    return UnitUpdates(StoreAdamW(store, UNITS, CFG), BINDINGS, BLOCKS, overlap=True, clip=clip, threads=1,
-                       delay_s=delay_s)  # fmt: skip
+    return UnitUpdates(StoreAdamW(store, UNITS, CFG), BINDINGS, BLOCKS, _policy(clip), threads=1,
+                       faults=Faults(optim_delay_s=delay_s))  # fmt: skip
 
 
 def _acquired(window: Window, sequence: list[int]) -> list[dict[str, torch.Tensor]]:
@@ -114,8 +121,7 @@ def test_next_forward_never_reads_a_unit_before_its_update(store, gated: bool) -
     """Clipping: updates run after the step, unit by unit (slowed to 50 ms each); the next
     forward's loads must still see every unit's updated weights. Without the gate they do not."""
     updates = _updates(store, clip=True, delay_s=0.05)
-    window = Window(store, BINDINGS, BLOCKS, BLOCKS, 2, "cpu")
-    window.gate = updates.gate if gated else (lambda block: [])
+    window = Window(store, BINDINGS, BLOCKS, 2, "cpu", gate=updates.gate if gated else (lambda block: []))
     try:
         gen = torch.Generator().manual_seed(2)
         for u, g in _grads(gen).items():
@@ -145,8 +151,9 @@ def test_next_forward_never_reads_a_unit_before_its_update(store, gated: bool) -
 def test_finish_step_waits_for_shared_units_only(store) -> None:
     """The tied embedding (unit 0) is read by another stage after the engine's barrier, so the step
     must not end before its update; the other units' updates (300 ms each here) keep running."""
-    updates = UnitUpdates(StoreAdamW(store, UNITS, CFG), BINDINGS, BLOCKS, shared_units=(0,), overlap=True,
-                          clip=True, threads=1, delay_s=0.3)  # fmt: skip
+    opt = StoreAdamW(store, UNITS, CFG)
+    updates = UnitUpdates(opt, BINDINGS, BLOCKS, _policy(clip=True), shared_units=(0,), threads=1,
+                          faults=Faults(optim_delay_s=0.3))  # fmt: skip
     try:
         for u, g in _grads(torch.Generator().manual_seed(5)).items():
             store.grad(u).copy_(g)
@@ -166,12 +173,13 @@ def test_in_backward_update_sees_the_whole_gradient(store, offloads_per_block: i
     fires after the first offload updates on a partial gradient and must differ."""
     ref_store_master = {u.index: store.master(u.index).clone() for u in UNITS}
     updates = _updates(store, clip=False, delay_s=0.0)
-    window = Window(store, BINDINGS, BLOCKS, BLOCKS, 2, "cpu", delay_s=0.002)
-    window.on_offloaded = updates.offloaded
+    window = Window(
+        store, BINDINGS, BLOCKS, 2, "cpu", on_arrival=updates.arrived, faults=Faults(copy_delay_s=0.002)
+    )
     gen = torch.Generator().manual_seed(3)
     total = {u.index: torch.zeros(u.numel) for u in UNITS}
     try:
-        updates.begin_step(lr=1e-2, offloads_per_block=offloads_per_block)
+        updates.begin_step(lr=1e-2, arrivals=list(reversed(BLOCKS)) * offloads_per_block)
         for _ in range(2):  # micro-batches, backward order
             for block in reversed(BLOCKS):
                 grads = {b.local_name: torch.randn(b.shape, generator=gen) for b in BINDINGS[block]}
@@ -202,11 +210,10 @@ def test_in_backward_update_sees_the_whole_gradient(store, offloads_per_block: i
 
 def test_in_backward_grad_norm_matches_the_flushed_gradient(store) -> None:
     updates = _updates(store, clip=False, delay_s=0.0)
-    window = Window(store, BINDINGS, BLOCKS, BLOCKS, 2, "cpu")
-    window.on_offloaded = updates.offloaded
+    window = Window(store, BINDINGS, BLOCKS, 2, "cpu", on_arrival=updates.arrived)
     gen = torch.Generator().manual_seed(4)
     try:
-        updates.begin_step(lr=1e-2, offloads_per_block=1)
+        updates.begin_step(lr=1e-2, arrivals=list(reversed(BLOCKS)))
         grads = {
             blk: {b.local_name: torch.randn(b.shape, generator=gen) for b in BINDINGS[blk]} for blk in BLOCKS
         }
@@ -240,22 +247,37 @@ def test_optimizer_thread_has_its_own_team_size() -> None:
     assert torch.get_num_threads() == main_threads
 
 
+TINY_VOCAB = 320
+"""The tiny engine's vocabulary: at least a byte-level BPE's 257 (data.vocab_size's lower bound)."""
+
+
+def tiny_engine_config(steps: int = 1, stream=None, **optim):
+    """A one-stage config of a 2-layer, hidden-32 Llama on 8-token micro-batches (2 per step), fp32,
+    one optimizer thread, ``optim`` set (for ``bench._engine.make_engine``)."""
+    from bench._engine import base_config, model_config
+
+    hf = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "intermediate_size": 64}  # fmt: skip
+    cfg = base_config(
+        model_config("llama_10m", TINY_VOCAB, **hf),
+        train={"seq_len": 8, "micro_batch_size": 1, "dtype": "float32", "steps": steps},
+        pipeline={"stages": 1, "microbatches": 2},
+        stream=stream or {},
+        optim={"threads": 1, **optim},
+    )
+    cfg.data.vocab_size = TINY_VOCAB
+    return cfg
+
+
 @pytest.mark.parametrize(
     "optim", [{"max_grad_norm": 1.0}, {"overlap": False}], ids=["deferred", "no-overlap"]
 )
-def test_grad_norm_runs_on_the_accumulation_team(monkeypatch, optim) -> None:
+def test_grad_norm_runs_on_the_accumulation_team(monkeypatch, optim, one_rank_world) -> None:
     """The norm² after the flush (deferred clipping, or no overlap) runs on the D2H worker with its
     OpenMP team of ``stream.accum_threads``, not on the training thread that torchrun leaves at
     ``OMP_NUM_THREADS=1`` (set here on this thread); its value is the float64 sum of the fp32 dots."""
-    import os
+    from bench._engine import make_engine
 
-    import torch.distributed as dist
-
-    from bench._engine import base_config, make_engine, model_config
-
-    was_up = dist.is_initialized()
-    env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                          "LOCAL_WORLD_SIZE")}  # fmt: skip
     seen: list[tuple[str, int, float, float]] = []
     grad_sq_sum = StoreAdamW.grad_sq_sum
 
@@ -266,35 +288,21 @@ def test_grad_norm_runs_on_the_accumulation_team(monkeypatch, optim) -> None:
         return got
 
     monkeypatch.setattr(StoreAdamW, "grad_sq_sum", recorded)
-    hf = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "intermediate_size": 64}  # fmt: skip
-    cfg = base_config(
-        model_config("llama_10m", 320, **hf),
-        train={"seq_len": 8, "micro_batch_size": 1, "dtype": "float32", "steps": 1},
-        pipeline={"stages": 1, "microbatches": 2},
-        stream={"accum_threads": 2},
-        optim={"threads": 1, **optim},
-    )
-    cfg.data.vocab_size = 320  # data.vocab_size >= 257 (a byte-level BPE)
+    cfg = tiny_engine_config(stream={"accum_threads": 2}, **optim)
     before = torch.get_num_threads()
     limit_thread(1)  # the training thread under torchrun
     engine = None
     try:
         engine, _ = make_engine(cfg, "norm-team")
-        x = torch.randint(0, 320, (engine.grad_accum * 2, 1, 8), generator=torch.Generator().manual_seed(0))
+        x = torch.randint(
+            0, TINY_VOCAB, (engine.grad_accum * 2, 1, 8), generator=torch.Generator().manual_seed(0)
+        )
         engine.train_step(0, x, x)
         engine.wait_optimizer()
     finally:
         if engine is not None:
             engine.close()
         limit_thread(before)
-        if not was_up:
-            dist.destroy_process_group()
-            for key, value in env.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
     assert [(name.split("_")[0], team) for name, team, _, _ in seen] == [("d2h", 2)], seen
     ((_, _, got, want),) = seen
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)

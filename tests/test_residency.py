@@ -26,6 +26,7 @@ from nodetrain.engine.residency import (
 )
 from nodetrain.engine.window import Window
 from nodetrain.model import Binding
+from nodetrain.run.inject import Faults
 from nodetrain.store import HostStore, StoreLayout
 
 UNIT_NUMELS = (32, 20, 20, 20)
@@ -131,7 +132,7 @@ def _run(window: Window, store: HostStore, sequence: list[int]) -> list[tuple[in
 @pytest.mark.parametrize("resident", [[], [1], [0, 3], [0, 1, 2, 3]], ids=str)
 def test_resident_blocks_load_once_per_sequence_and_stay_current(store, resident) -> None:
     sequence = [0, 1, 2, 3, 3, 2, 1, 0] * 2  # two micro-batches, forward then backward
-    window = Window(store, BINDINGS, BLOCKS, BLOCKS, 2, "cpu", delay_s=0.003, resident=resident)
+    window = Window(store, BINDINGS, BLOCKS, 2, "cpu", faults=Faults(copy_delay_s=0.003), resident=resident)
     gen = torch.Generator().manual_seed(len(resident))
     try:
         streamed = [b for b in BLOCKS if b not in resident]
@@ -155,8 +156,8 @@ def test_resident_blocks_load_once_per_sequence_and_stay_current(store, resident
 def test_a_resident_load_is_waited_for(store, monkeypatch) -> None:
     """The check above can fail for a resident block: without the wait its slow load is not there."""
     store.compute(1).fill_(7.0)
-    window = Window(store, BINDINGS, BLOCKS, BLOCKS, 1, "cpu", delay_s=0.05, resident=[1])
-    monkeypatch.setattr(stream, "_wait", lambda fut: None)
+    window = Window(store, BINDINGS, BLOCKS, 1, "cpu", faults=Faults(copy_delay_s=0.05), resident=[1])
+    monkeypatch.setattr(stream, "wait_copy", lambda fut: None)
     try:
         assert _run(window, store, [1, 0]) != []
     finally:
@@ -207,7 +208,7 @@ def test_resident_gradients_leave_the_device_once_per_step(store, resident, coun
     the offloaded gradients (bit for bit where one block binds the range: same order, same dtype).
     The mutant (the window not told the backwards: resident gradients offloaded at every backward,
     as before) breaks the count whenever a block is resident."""
-    window = Window(store, BINDINGS, BLOCKS, BLOCKS, 2, "cpu", delay_s=0.001, resident=resident)
+    window = Window(store, BINDINGS, BLOCKS, 2, "cpu", faults=Faults(copy_delay_s=0.001), resident=resident)
     gen = torch.Generator().manual_seed(7)
     try:
         for num_mb in (2, 4):
@@ -251,7 +252,7 @@ def test_planner_counts_the_windows_resident_bytes(store, resident) -> None:
         shape, range(4), 0, 1, b=1, t=2, m=2, g=1, schedule="1f1b", slots=2, itemsize=4, resident=resident
     )
     rows = [] if 0 in resident else [0]  # the engine's rule: a streamed embedding travels as rows
-    window = Window(store, BINDINGS, BLOCKS, BLOCKS, 2, "cpu", resident=resident, rows=rows)
+    window = Window(store, BINDINGS, BLOCKS, 2, "cpu", resident=resident, rows=rows)
     try:
         assert mem.resident_bytes == window.resident_nbytes == 8 * sum(NUMEL[b] for b in resident)
         assert mem.window_bytes == window.nbytes - window.resident_nbytes

@@ -20,6 +20,7 @@ from nodetrain.engine.linear_ce import IGNORE_INDEX
 from nodetrain.engine.stage import StageRunner
 from nodetrain.engine.window import Window
 from nodetrain.model import Binding, HFModel
+from nodetrain.run.inject import Faults
 from nodetrain.store import HostStore, StoreLayout
 
 V, D = 8, 4
@@ -40,7 +41,7 @@ def store(shm_dir):
 
 @pytest.fixture
 def window(store):
-    w = Window(store, BINDINGS, [0, 1, 2], [0, 1, 2], 2, "cpu", delay_s=0.002, rows=[0])
+    w = Window(store, BINDINGS, [0, 1, 2], 2, "cpu", faults=Faults(copy_delay_s=0.002), rows=[0])
     yield w
     w.close()
 
@@ -107,7 +108,7 @@ def _engine_grads(hf, shm_dir, ids, labels, scale: float, rows: bool):
             store.master(u.index)[p.offset : p.offset + p.numel].copy_(state[p.hf_name].reshape(-1))
         store.compute(u.index).copy_(store.master(u.index))
     blocks = range(len(model.units))
-    window = Window(store, model.bindings, blocks, blocks, 1, "cpu", rows=[0] if rows else [])
+    window = Window(store, model.bindings, blocks, 1, "cpu", rows=[0] if rows else [])
     try:
         runner = StageRunner(model, blocks, window, torch.float32)
         window.begin(runner.loads("F") + runner.loads("B"))

@@ -39,10 +39,12 @@ from test_update_in_backward import (
 )
 
 from nodetrain.config.schema import OptimConfig
-from nodetrain.engine.overlap import UnitUpdates, update_mode
+from nodetrain.engine.overlap import UnitUpdates
+from nodetrain.engine.policy import policy_for, update_mode
 from nodetrain.engine.window import Window
 from nodetrain.optim.adamw import StoreAdamW, clip_coef
 from nodetrain.plan.planner import make_plan
+from nodetrain.run.inject import Faults
 
 # ----------------------------------------------------------------------------- pure rule
 
@@ -89,13 +91,14 @@ def _one_step(store, max_norm: float, grads, scale: float | None, *, rollback: b
     coefficient of the measured norm (or ``scale``, standing in for other stages' share), or
     :meth:`UnitUpdates.rollback` for a NaN step. Returns the updates object, its AdamW, Σ grads."""
     opt = StoreAdamW(store, UNITS, CFG)
-    updates = UnitUpdates(opt, BINDINGS, BLOCKS, overlap=True, clip=True, threads=1, speculative=True,
-                          max_grad_norm=max_norm, delay_s=0.002)  # fmt: skip
-    window = Window(store, BINDINGS, BLOCKS, BLOCKS, 2, "cpu", delay_s=0.001)
-    window.on_offloaded = updates.offloaded
+    policy = policy_for(OptimConfig(max_grad_norm=max_norm, speculative=True))
+    updates = UnitUpdates(opt, BINDINGS, BLOCKS, policy, threads=1, faults=Faults(optim_delay_s=0.002))
+    window = Window(
+        store, BINDINGS, BLOCKS, 2, "cpu", on_arrival=updates.arrived, faults=Faults(copy_delay_s=0.001)
+    )
     total = {u.index: torch.zeros(u.numel) for u in UNITS}
     try:
-        updates.begin_step(LR, 1, offload_order=[2, 1, 0])
+        updates.begin_step(LR, [2, 1, 0])
         for block in (2, 1, 0):
             for b in BINDINGS[block]:
                 total[b.unit][b.offset : b.offset + b.numel] += grads[block][b.local_name].reshape(-1)
@@ -146,7 +149,7 @@ def test_speculative_step_equals_adamw_on_the_clipped_gradient(store, case: str,
     assert (coef < 1) == (case != "kept")
     counts = {u: [float(st["step"]) for st in opt._opts[u].state.values()] for u in (0, 1, 2)}
     n_rollbacks = {"kept": 0, "redo": 3, "held": 1, "mutant-no-rollback": 3}[case]
-    assert updates.take_rollbacks() == n_rollbacks
+    assert updates.take_stats()["num_rollbacks"] == n_rollbacks
     diffs = []
     for u in UNITS:
         want = _adamw_one_step(before[(u.index, "master")], total[u.index] * coef, u, LR)
@@ -168,7 +171,7 @@ def test_nan_step_rolls_back_every_speculative_update(store) -> None:  # noqa: F
     before = _snapshot(store)
     updates, opt, _ = _one_step(store, 1e9, _grads(4, nan=True), None, rollback=True)
     assert updates.nonfinite == [1]
-    assert updates.take_rollbacks() == 2
+    assert updates.take_stats()["num_rollbacks"] == 2
     for key, want in before.items():
         assert torch.equal(store.buffer(*key), want), key
     counts = {u: [float(st["step"]) for st in opt._opts[u].state.values()] for u in (0, 1, 2)}

@@ -19,17 +19,16 @@ on CUDA) and the moves of the step's data (integer tensors ``.to(device)`` / ``c
 from __future__ import annotations
 
 import itertools
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
+from conftest import single_process_world
 from transformers import masking_utils
 
-from bench._engine import base_config, init_single_process, model_config
+from bench._engine import base_config, model_config
 from bench._sync_count import SyncCounter
 from nodetrain.engine.engine import Engine
 from nodetrain.engine.linear_ce import IGNORE_INDEX
@@ -45,17 +44,8 @@ _ids = itertools.count()
 @pytest.fixture(scope="module", autouse=True)
 def world():
     """A gloo world of one in this process, gone (with its environment) after the module."""
-    keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    saved, was_up = {k: os.environ.get(k) for k in keys}, dist.is_initialized()
-    init_single_process()
-    yield
-    if not was_up:
-        dist.destroy_process_group()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with single_process_world():
+        yield
 
 
 @pytest.fixture

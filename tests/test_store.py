@@ -237,7 +237,7 @@ def test_four_ranks_map_one_store_and_keep_no_private_copy(tmp_path: Path, shm_d
         "train.seq_len": seq_len,
         "train.micro_batch_size": 1,
         "train.steps": 1,
-        "data.vocab_size": 2048,
+        "data.vocab_size": _BIG_HF["vocab_size"],  # >= 257 (a byte-level BPE); the batch is given
         "pipeline.microbatches": microbatches,
         "stream.slots": 1,
         "store.dir": str(shm_dir),

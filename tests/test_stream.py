@@ -14,9 +14,11 @@ import pytest
 import torch
 
 import nodetrain.engine.window as stream
+from nodetrain.engine.copy_worker import CopyWorker
 from nodetrain.engine.pipeline import build_schedule
 from nodetrain.engine.window import Window
 from nodetrain.model import Binding
+from nodetrain.run.inject import Faults
 from nodetrain.store import HostStore, StoreLayout
 
 # Three units: 0 = an "embedding" [8, 4] (tied: owned elsewhere), 1 and 2 = "layers" with a matrix and a
@@ -27,7 +29,7 @@ BINDINGS = [
     (Binding("a", 1, 0, (4, 4)), Binding("b", 1, 16, (4,))),
     (Binding("w", 2, 0, (4, 4)), Binding("n", 2, 16, (4,)), Binding("lm_head.weight", 0, 0, (8, 4))),
 ]
-BLOCKS, OWNED = [1, 2], [1, 2]
+BLOCKS = [1, 2]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -79,7 +81,7 @@ SEQUENCE = [1, 2, 2, 1] * 3
 @pytest.mark.parametrize("slots", [1, 2, 3])
 def test_acquire_returns_the_current_transfer_copy(make_store, slots: int, dtype: torch.dtype) -> None:
     store, gen = make_store(dtype), torch.Generator().manual_seed(slots)
-    window = Window(store, BINDINGS, BLOCKS, OWNED, slots, "cpu", delay_s=0.005)
+    window = Window(store, BINDINGS, BLOCKS, slots, "cpu", faults=Faults(copy_delay_s=0.005))
     try:
         largest = max(sum(b.numel for b in BINDINGS[i]) for i in BLOCKS)
         assert window.nbytes == slots * largest * dtype.itemsize
@@ -96,8 +98,8 @@ def test_a_missing_wait_would_be_caught(make_store, monkeypatch) -> None:
     """The check above can fail: without the wait in ``acquire`` the slow copies are not there yet."""
     store = make_store(torch.float32)
     _fill_compute(store, torch.Generator().manual_seed(0))
-    window = Window(store, BINDINGS, BLOCKS, OWNED, 2, "cpu", delay_s=0.05)
-    monkeypatch.setattr(stream, "_wait", lambda fut: None)
+    window = Window(store, BINDINGS, BLOCKS, 2, "cpu", faults=Faults(copy_delay_s=0.05))
+    monkeypatch.setattr(stream, "wait_copy", lambda fut: None)
     try:
         assert _stale_acquires(window, store, [1, 2, 2, 1]) != []
     finally:
@@ -106,7 +108,7 @@ def test_a_missing_wait_would_be_caught(make_store, monkeypatch) -> None:
 
 def test_acquire_refuses_a_block_out_of_order(make_store) -> None:
     store = make_store(torch.float32)
-    window = Window(store, BINDINGS, BLOCKS, OWNED, 2, "cpu")
+    window = Window(store, BINDINGS, BLOCKS, 2, "cpu")
     try:
         window.begin([1, 2])
         with pytest.raises(AssertionError, match="load order"):
@@ -119,7 +121,7 @@ def test_acquire_refuses_a_block_out_of_order(make_store) -> None:
 def test_offload_accumulates_into_grad_and_grad_tied(make_store, dtype: torch.dtype) -> None:
     store = make_store(dtype)
     gen = torch.Generator().manual_seed(1)
-    window = Window(store, BINDINGS, BLOCKS, OWNED, 2, "cpu", delay_s=0.005)
+    window = Window(store, BINDINGS, BLOCKS, 2, "cpu", faults=Faults(copy_delay_s=0.005))
 
     def grads(block: int) -> dict[str, torch.Tensor]:
         return {b.local_name: torch.randn(b.shape, generator=gen).to(dtype) for b in BINDINGS[block]}
@@ -143,7 +145,7 @@ def test_offload_accumulates_into_grad_and_grad_tied(make_store, dtype: torch.dt
 def test_offload_into_an_owned_tied_unit_uses_grad(make_store) -> None:
     """On a single stage the tied embedding is owned: the head's use accumulates into ``grad``."""
     store = make_store(torch.float32)
-    window = Window(store, BINDINGS, [0, 2], [0, 2], 2, "cpu")
+    window = Window(store, BINDINGS, [0, 2], 2, "cpu")
     try:
         g0 = {"weight": torch.ones(8, 4)}
         g2 = {"w": torch.zeros(4, 4), "n": torch.zeros(4), "lm_head.weight": torch.full((8, 4), 2.0)}
@@ -161,7 +163,7 @@ def test_offload_bounds_in_flight_and_flush_waits_for_all(make_store, slots: int
     """Also the staging rotation: offload ``i`` is staged in buffer ``i % slots`` while the slow D2H
     worker still holds earlier ones; a buffer rewritten before its accumulation loses a mark."""
     store, calls = make_store(torch.float32), 5
-    window = Window(store, BINDINGS, BLOCKS, OWNED, slots, "cpu", delay_s=0.1)
+    window = Window(store, BINDINGS, BLOCKS, slots, "cpu", faults=Faults(copy_delay_s=0.1))
     try:
         for i in range(calls):
             g = {"a": torch.zeros(4, 4), "b": torch.zeros(4)}
@@ -180,7 +182,7 @@ def test_first_offload_of_a_sequence_overwrites_the_accumulator(make_store) -> N
     """The optimizer does not zero gradients: the first offload into an accumulator after ``begin``
     overwrites whatever the previous step left, later ones add (exactly: fp32 += widened grad)."""
     store = make_store(torch.bfloat16)
-    window = Window(store, BINDINGS, BLOCKS, OWNED, 2, "cpu", delay_s=0.002)
+    window = Window(store, BINDINGS, BLOCKS, 2, "cpu", faults=Faults(copy_delay_s=0.002))
     gen = torch.Generator().manual_seed(7)
 
     def grads() -> dict[str, torch.Tensor]:
@@ -219,14 +221,14 @@ def test_copy_workers_select_the_rank_device_on_their_thread(monkeypatch) -> Non
         torch.cuda, "set_device", lambda d: calls.append((threading.current_thread().name, d))
     )
     for name in ("h2d", "d2h"):
-        worker = stream._CopyWorker(name, None, 0.0, torch.device("cuda", 3))
+        worker = CopyWorker(name, None, torch.device("cuda", 3))
         assert worker.submit(threading.current_thread).result() is None
         worker.shutdown()
     assert [(n.split("_")[0], d) for n, d in calls] == [
         ("h2d", torch.device("cuda", 3)),
         ("d2h", torch.device("cuda", 3)),
     ]
-    cpu = stream._CopyWorker("h2d", None, 0.0, torch.device("cpu"))
+    cpu = CopyWorker("h2d", None, torch.device("cpu"))
     cpu.submit(lambda: None).result()
     cpu.shutdown()
     assert len(calls) == 2
@@ -273,7 +275,7 @@ def test_consecutive_uses_of_a_block_share_one_load(make_store, kind, num_stages
     """H2D bytes per sequence equal the closed form from the schedule, and every use, reused or not,
     still sees the current transfer copy (a freed-too-early slot would be overwritten under it)."""
     store, gen = make_store(torch.bfloat16), torch.Generator().manual_seed(stage)
-    window = Window(store, BINDINGS, BLOCKS, OWNED, slots, "cpu", delay_s=0.002)
+    window = Window(store, BINDINGS, BLOCKS, slots, "cpu", faults=Faults(copy_delay_s=0.002))
     try:
         for m in (1, 3, 4):
             _fill_compute(store, gen)
@@ -296,9 +298,8 @@ def test_one_stage_1f1b_loads_closed_form_figures() -> None:
 def test_a_reused_load_is_not_gated_again(make_store) -> None:
     """The gate is asked once per actual load (a later non-consecutive use is gated again)."""
     store = make_store(torch.float32)
-    window = Window(store, BINDINGS, BLOCKS, OWNED, 1, "cpu")
     asked: list[int] = []
-    window.gate = lambda block: asked.append(block) or []
+    window = Window(store, BINDINGS, BLOCKS, 1, "cpu", gate=lambda block: asked.append(block) or [])
     try:
         assert _stale_acquires(window, store, [1, 2, 2, 1, 1, 2]) == []
         assert asked == [1, 2, 1, 2]

@@ -51,9 +51,12 @@ from test_parity import (
 from test_replicas import _launch_two_nodes
 
 from nodetrain.config.schema import OptimConfig
-from nodetrain.engine.overlap import UnitUpdates, final_order, update_mode
+from nodetrain.engine.overlap import UnitUpdates
+from nodetrain.engine.policy import policy_for, update_mode
+from nodetrain.engine.readiness import final_order
 from nodetrain.engine.window import Window
 from nodetrain.optim.adamw import StoreAdamW
+from nodetrain.run.inject import Faults
 
 # ----------------------------------------------------------------------------- pure rules
 
@@ -98,7 +101,7 @@ def test_nonfinite_unit_is_left_out_and_hooks_run_in_final_order(store, order: s
     wrong expected order must fail the step (the order assertion is live)."""
     calls = []
 
-    def on_final(unit: int) -> None:
+    def on_final(step: int, unit: int) -> None:
         calls.append(("final", unit, threading.current_thread().name))
 
     def grad_sum(grads: list[torch.Tensor]) -> None:
@@ -107,10 +110,11 @@ def test_nonfinite_unit_is_left_out_and_hooks_run_in_final_order(store, order: s
         calls.append(("sum", unit, threading.current_thread().name))
 
     opt = StoreAdamW(store, UNITS, CFG)
-    updates = UnitUpdates(opt, BINDINGS, BLOCKS, overlap=True, clip=False, threads=1, grad_sum=grad_sum,
-                          on_final=on_final)  # fmt: skip
-    window = Window(store, BINDINGS, BLOCKS, BLOCKS, 2, "cpu", delay_s=0.002)
-    window.on_offloaded = updates.offloaded
+    policy = policy_for(OptimConfig(max_grad_norm=0.0))
+    updates = UnitUpdates(opt, BINDINGS, BLOCKS, policy, threads=1, grad_sum=grad_sum, on_final=on_final)
+    window = Window(
+        store, BINDINGS, BLOCKS, 2, "cpu", on_arrival=updates.arrived, faults=Faults(copy_delay_s=0.002)
+    )
     before = {
         (u.index, f): store.buffer(u.index, f).clone()
         for u in UNITS
@@ -119,7 +123,8 @@ def test_nonfinite_unit_is_left_out_and_hooks_run_in_final_order(store, order: s
     gen = torch.Generator().manual_seed(7)
     total = {u.index: torch.zeros(u.numel) for u in UNITS}
     try:
-        updates.begin_step(1e-2, 1, offload_order=[2, 1, 0] if order == "schedule" else [0, 1, 2])
+        # the step's arrivals, as StepPlan gives them; the mutant expects the blocks in the wrong order
+        updates.begin_step(1e-2, [2, 1, 0] if order == "schedule" else [0, 1, 2])
         for block in (2, 1, 0):
             grads = {b.local_name: torch.randn(b.shape, generator=gen) for b in BINDINGS[block]}
             if block == 1:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import weakref
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -147,7 +146,7 @@ class Checkpointing:
             log.info("resuming from %s: model.init_from=%s is not read", self.path, cfg.model.init_from)
         self.writer: CheckpointWriter | None = None
         self._stage_blocks: list[range] = []
-        self._engine = lambda: None  # weak reference to the engine, set by attach
+        self._wait_optimizer = lambda: None  # the engine's, from attach to close
         self.wandb_run_id: str | None = self.state.get("wandb_run_id") if self.state else None
         """The wandb run this training continues (kept in ``trainer_state.json``; set by the caller)."""
 
@@ -220,9 +219,8 @@ class Checkpointing:
         a fresh start seed the RNGs from (seed, rank). Call right before anything draws random
         numbers (the first evaluation or step). Returns the first step to run (0-based)."""
         self._stage_blocks = engine.stage_blocks
-        # overlapped AdamW (overlap.py): a save reads the store only after every update is done;
-        # weak, so this object does not keep the engine (and its store mapping) alive
-        self._engine = weakref.ref(engine)
+        # overlapped AdamW (overlap.py): a save reads the store only after every update is done
+        self._wait_optimizer = engine.wait_optimizer
         self.writer = CheckpointWriter(
             self.dir,
             self.cfg.checkpoint,
@@ -237,6 +235,7 @@ class Checkpointing:
             source_dir=self.cfg.model.init_from,
             stop=self.stop,
             parent=st.identity(self.path, self.state) if self.path is not None else None,
+            before_write=engine.faults.before_write,
         )
         if self.path is not None:
             restore_steps(self.path, engine.optimizer, engine.units)
@@ -267,15 +266,15 @@ class Checkpointing:
         if not (due and c.enable):
             self.writer.poll()
             return stop and step < self.cfg.train.steps, None
-        engine = self._engine()
-        if engine is not None and hasattr(engine, "wait_optimizer"):
-            engine.wait_optimizer()
+        self._wait_optimizer()
         return stop and step < self.cfg.train.steps, self.writer.save(step, self._run_state(step))
 
     def close(self, ok: bool = True) -> None:
-        """Wait for the save in flight and commit it (``ok``); after an error only wait for it."""
+        """Wait for the save in flight and commit it (``ok``); after an error only wait for it. Lets go
+        of the engine (its optimizer's wait)."""
         if self.writer is not None:
             self.writer.close(ok)
+        self._wait_optimizer = lambda: None
 
     def _run_state(self, step: int) -> dict[str, Any]:
         o, t = self.cfg.optim, self.cfg.train

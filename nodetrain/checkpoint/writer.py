@@ -103,6 +103,8 @@ class CheckpointWriter:
             is then acknowledged in the log at once (the save is finished first).
         parent: the checkpoint this run continues (``state.identity`` of the one resumed), named as
             the first save's ``parent``; None for a fresh run.
+        before_write: called on the writer thread before each file is written (test-only fault
+            injection, ``Faults.before_write``); default nothing.
     """
 
     def __init__(
@@ -118,9 +120,11 @@ class CheckpointWriter:
         source_dir: str = "",
         stop: Callable[[], bool] | None = None,
         parent: dict | None = None,
+        before_write: Callable[[], None] | None = None,
     ):
         self.dir, self.cfg, self.model = Path(directory), cfg, model
         self.stop, self.parent = stop or (lambda: False), parent
+        self._before_write = before_write or (lambda: None)
         self.tokenizer, self.source_dir = tokenizer, source_dir
         self.store, self.units, self.optimizer, self.group = store, units, optimizer, group
         self.rank = dist.get_rank()
@@ -381,8 +385,7 @@ class CheckpointWriter:
     def _save(self, tensors: dict[str, torch.Tensor], path: Path, manifest: dict) -> None:
         if self._abandon.is_set():
             raise _Abandoned(f"{path.parent.name}: abandoned")
-        if self.cfg.test_write_delay_s:
-            time.sleep(self.cfg.test_write_delay_s)
+        self._before_write()
         save_file(tensors, str(path), metadata=_META)
         _fsync(path)
         manifest[path.name] = st.file_record(path)

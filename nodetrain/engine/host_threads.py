@@ -38,6 +38,7 @@ import torch
 
 __all__ = [
     "CoreSplit",
+    "bind_rank_threads",
     "NumaBinding",
     "bind_threads",
     "cuda_pci_bus_ids",
@@ -220,3 +221,27 @@ def bind_threads(cpus: list[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
         except ProcessLookupError:  # a thread that ended meanwhile
             pass
+
+
+def bind_rank_threads(
+    accum_threads: int, optim_threads: int, device: torch.device, local_rank: int
+) -> CoreSplit:
+    """Bind this rank's threads to its GPU's NUMA node (more than one node) and split its cores between
+    the D2H accumulation and the optimizer (host_threads.py); both logged, whatever OMP_NUM_THREADS is.
+
+    Args:
+        accum_threads, optim_threads: ``stream.accum_threads`` and ``optim.threads`` (0 = auto).
+    """
+    sharing = 0
+    if device.type == "cuda":
+        index = device.index if device.index is not None else local_rank
+        binding = numa_binding(cuda_pci_bus_ids(), index, allowed=os.sched_getaffinity(0))
+        if binding.cpus is not None:
+            bind_threads(binding.cpus)
+        sharing = binding.ranks_sharing
+        log.info("NUMA: %s", binding.reason)
+    else:
+        log.info("NUMA: device %s is not a GPU: threads not bound", device)
+    split = split_cores(fair_share_threads(sharing), accum_threads, optim_threads)
+    log.info("%s (OMP_NUM_THREADS=%s)", split.reason, os.environ.get("OMP_NUM_THREADS", "unset"))
+    return split

@@ -1,54 +1,32 @@
-"""Overlapped CPU optimizer: when each owned unit's AdamW runs, on which thread, and who waits for it.
+"""Overlapped CPU optimizer: the optimizer thread, the futures a load of a unit waits for, and the acts
+of the update policy.
 
 One step of a stage holding units u0 u1 u2 (time →), the two main modes:
 
     training thread   | F u0 | F u1 | F u2 | B u2 | B u1 | B u0 | all-reduce | next F u0 | F u1 ...
-    D2H worker        |      |      |      |  +acc u2 | +acc u1 | +acc u0 |
+    D2H worker        |      |      |      |  +acc u2 | +acc u1 | +acc u0 |       (arrival messages)
     optimizer thread  in-backward:          | AdamW u2 | AdamW u1 | AdamW u0 |    (norm² finite)
                       deferred:                                    | AdamW u0 | AdamW u1 | AdamW u2 |
     next step's load of u0 waits (gate) for u0's update only; u1's for u1's, and so on.
 
-Owns: one background optimizer thread per rank (with its own OpenMP team of ``optim.threads``),
-deciding when a unit's update is submitted, the per-unit non-finite guard of in-backward updates,
-and the futures that make a load of a unit wait for its update (DESIGN invariant 3: overlap, never
-staleness). Does not own: the AdamW arithmetic (optim/adamw.py), the loads (window.py calls
-:meth:`UnitUpdates.gate` when it issues one) or the step's all-reduce and skip decision (engine.py).
+Owns: one background optimizer thread per rank (with its own OpenMP team of ``optim.threads``), the
+step's :class:`GradReadiness` (readiness.py, on that thread: an arrival is a message from the D2H
+worker, :meth:`UnitUpdates.arrived`), carrying out what the :class:`UpdatePolicy` (policy.py)
+decides for a final unit, after the all-reduce and on a NaN/inf step, and the futures that make a
+load of a unit wait for its update (DESIGN invariant 3: overlap, never staleness). Does not own the
+AdamW arithmetic (optim/adamw.py), the loads (window.py asks :meth:`UnitUpdates.gate`) or the
+step's all-reduce and skip decision (engine.py).
 
-When a unit is updated (:func:`update_mode` decides, the engine logs its reason at start-up):
-    in-backward (``optim.overlap``, ``optim.max_grad_norm=0``, ``optim.update_in_backward``)  as
-        soon as its gradient is final, i.e. after the last offload of the step of every block
-        binding it (counted on the D2H worker), so updates run during the rest of the backward.
-        The optimizer thread then, per unit and in the order the units became final: calls the
-        ``on_final`` hook (test-only NaN injection), sums the gradient over the replicas (several
-        nodes: an all-reduce in the stage's group, which only this thread uses during the
-        backward), takes its norm², and applies AdamW only if that norm² is finite.
-    speculative (clipping, ``optim.speculative``; SuperOffload's speculation-then-validation,
-        arXiv:2509.21271)  as in-backward, with coefficient 1 and a backup of the unit first
-        (``StoreAdamW.backup_unit``). Once the all-reduce gives the clip coefficient: 1, the updates
-        stand; < 1, each speculated unit is rolled back from its backup and redone with it (on the
-        optimizer thread, in forward order, gated like a deferred update); NaN/inf, they are rolled
-        back and the step is skipped whole, as deferred. Once the stage's own norm so far exceeds
-        ``max_grad_norm`` the step surely clips: the rest of its units are held for the all-reduce.
-        Rollback is a copy (bit-exact, 12 B/param of private RAM), not AdamW's closed-form inverse,
-        whose ~1 ulp error in ``exp_avg_sq`` a small clip coefficient c magnifies by 1/c².
-    deferred (clipping, or ``optim.update_in_backward=false``)  after the step's all-reduce gives
-        the clip coefficient (and says whether the step is finite), unit by unit in the order the
-        next step's forward loads them; the forward of unit i waits only for unit i. The engine
-        sums gradients over the replicas on its training thread before that all-reduce.
-    A unit another stage also reads (the tied embedding, owned by stage 0 and bound by the last
-    stage's head) is always updated after the all-reduce (its gradient is final only after the tied
-    sum) and waited for before the step ends, so the engine's barrier publishes it.
-With ``optim.overlap=false`` every unit is updated at the end of the step on the training thread.
-
-NaN/inf semantics (issue: faults; no non-finite value ever reaches master weights or AdamW state):
-    deferred  the whole step is skipped on every stage: no unit is updated, AdamW's step counts
-        stay, gradients are dropped (engine.py).
-    speculative  as deferred: the speculative updates are rolled back (``UnitUpdates.rollback``).
-    in-backward  a unit whose gradient is NaN/inf is not updated (its accumulators are zeroed, its
-        master weights, ``exp_avg``, ``exp_avg_sq`` and step count stay) and shows in
-        :attr:`UnitUpdates.nonfinite`; the finite units of that step were already updated. The
-        step's totals are still non-finite, so the engine reports it skipped (``train.max_bad_steps``
-        counts it) and does not update the units left for after the all-reduce (the tied embedding).
+Hand-offs (engine.py's thread table): the training thread creates each step's futures (one
+"measured" and one "updated" per unit final in the backward) and sends them to the optimizer thread
+with the step's arrivals (:meth:`UnitUpdates.begin_step`); the optimizer thread resolves them. A
+unit's in-backward update becomes the one its next load waits for at :meth:`UnitUpdates.end_backward`
+(every load of the step is issued by then; within a step a unit is final only after its blocks'
+last use). For a unit final in the backward the optimizer thread, in final order: calls the
+``on_final`` hook (test-only NaN injection), sums the gradient over the replicas (an all-reduce in
+the stage's group, which only this thread uses during the backward), takes its norm², and acts on
+the policy's verdict. Rollback is a copy (bit-exact, 12 B/param of private RAM), not AdamW's
+closed-form inverse, whose ~1 ulp error in ``exp_avg_sq`` a small clip coefficient c magnifies by 1/c².
 """
 
 from __future__ import annotations
@@ -58,83 +36,31 @@ import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
-from nodetrain.config.schema import OptimConfig
 from nodetrain.engine.host_threads import limit_thread
+from nodetrain.engine.policy import Final, UpdatePolicy, update_kind, update_mode
+from nodetrain.engine.readiness import GradReadiness
+from nodetrain.engine.threads import Tally, check_writer, set_role
 from nodetrain.optim.adamw import StoreAdamW
+from nodetrain.run.inject import NO_FAULTS, Faults
 
-__all__ = ["UnitUpdates", "update_kind", "update_mode", "final_order", "update_host_bytes"]
+__all__ = ["UnitUpdates", "update_host_bytes", "update_kind", "update_mode"]  # the last two: policy.py's
 
 log = logging.getLogger(__name__)
 
 
 def _init_thread(threads: int, device: torch.device | None) -> None:
-    """The optimizer thread's set-up: its OpenMP team and, on CUDA, the rank's device and a stream of
-    its own (the cross-replica sum stages gradients through the device, replicas.py; the current
-    device and stream are per thread)."""
+    """The optimizer thread's set-up: its role, its OpenMP team and, on CUDA, the rank's device and a
+    stream of its own (the cross-replica sum stages gradients through the device, replicas.py; the
+    current device and stream are per thread)."""
+    set_role("optimizer")
     limit_thread(threads)
     if device is not None and device.type == "cuda" and torch.cuda.is_available():
         torch.cuda.set_device(device)
         torch.cuda.set_stream(torch.cuda.Stream(device))
-
-
-def update_kind(cfg: OptimConfig) -> str:
-    """Which update mode ``cfg`` runs: ``serial`` (``optim.overlap=false``), ``speculative``,
-    ``deferred``, ``in_backward`` (``plan/exposure.py`` prices each), or ``auto``: ``optim.speculative=auto``
-    where speculation applies (clipping, overlap, ``update_in_backward``), which the engine resolves
-    to speculative or deferred at start-up (``engine/update_choice.py``)."""
-    if not cfg.overlap:
-        return "serial"
-    if cfg.max_grad_norm > 0 and cfg.update_in_backward and cfg.speculative in (True, "auto"):
-        return "speculative" if cfg.speculative is True else "auto"
-    if cfg.max_grad_norm > 0 or not cfg.update_in_backward:
-        return "deferred"
-    return "in_backward"
-
-
-def update_mode(cfg: OptimConfig) -> tuple[bool, str]:
-    """Whether units are updated during the backward, and why (one line for the start-up log).
-
-    Args:
-        cfg: the optimizer config (``overlap``, ``max_grad_norm``, ``update_in_backward``,
-            ``speculative``: true or false; ``auto`` is resolved first, ``engine/update_choice.py``).
-
-    Returns:
-        (in_backward, reason).
-
-    Raises:
-        ValueError: ``optim.speculative=auto`` not yet resolved where it applies.
-    """
-    kind = update_kind(cfg)
-    if kind == "auto":
-        raise ValueError(
-            "optim.speculative=auto: resolve it to true or false first (engine/update_choice.py)"
-        )
-    if kind == "serial":
-        return False, "optim.overlap=false: every unit is updated at the step's end on the training thread"
-    if kind == "speculative":
-        return True, (
-            f"optim.max_grad_norm={cfg.max_grad_norm} with optim.speculative=true: each unit is updated "
-            "during the backward as if the step were not clipped; a step that clips has those updates "
-            "rolled back and redone with the clip coefficient, a NaN/inf step has them rolled back "
-            "(skipped whole)"
-        )
-    if cfg.max_grad_norm > 0:
-        return False, (
-            f"optim.max_grad_norm={cfg.max_grad_norm}: the clip needs the global norm, so updates run after "
-            "the step's all-reduce, overlapped with the next step's forward; a NaN/inf step is skipped whole"
-        )
-    if kind == "deferred":
-        return False, (
-            "optim.update_in_backward=false: updates run after the step's all-reduce, overlapped with the "
-            "next step's forward; a NaN/inf step is skipped whole"
-        )
-    return True, (
-        "no clipping and optim.update_in_backward=true: each unit is updated during the backward as soon "
-        "as its gradient is final; a unit with a NaN/inf gradient is left out, the finite ones applied"
-    )
 
 
 def update_host_bytes(numel: int, itemsize: int, scaled: bool) -> int:
@@ -148,23 +74,19 @@ def update_host_bytes(numel: int, itemsize: int, scaled: bool) -> int:
     return numel * (4 + 28 + 4 + itemsize + (8 if scaled else 0))
 
 
-def final_order(offload_blocks, units_of: dict[int, list[int]]) -> list[int]:
-    """The order in which units' gradients become final, given the blocks in offload order.
+@dataclass(frozen=True)
+class _Ticket:
+    """One step, as the training thread hands it to the optimizer thread (read-only once sent)."""
 
-    A unit is final at the last offload of any block binding it; units final at the same offload
-    come in ``units_of[block]`` order (as :meth:`UnitUpdates.offloaded` visits them). A pure function
-    of the schedule, so it is the same on every replica of a stage: the replicas' per-unit
-    all-reduces pair up.
-
-    Args:
-        offload_blocks: block indices in the order their gradients are offloaded in a step.
-        units_of: per block, the units whose gradients it offloads (counted ones only).
-    """
-    last: dict[int, tuple[int, int]] = {}
-    for pos, block in enumerate(offload_blocks):
-        for k, u in enumerate(units_of.get(block, ())):
-            last[u] = (pos, k)
-    return sorted(last, key=last.__getitem__)
+    step: int
+    lr: float
+    arrivals: tuple[int, ...]
+    measured: dict[int, Future] = field(default_factory=dict)
+    """Unit final in the backward -> its :class:`Final` (in final order)."""
+    updated: dict[int, Future] = field(default_factory=dict)
+    """Unit final in the backward -> done once the optimizer thread has acted on its verdict."""
+    backward_done: threading.Event = field(default_factory=threading.Event)
+    """Set by the training thread when the step's last backward is issued (counts in-backward updates)."""
 
 
 class UnitUpdates:
@@ -174,196 +96,118 @@ class UnitUpdates:
         optimizer: the stage's AdamW over the host store.
         bindings: per block, the bindings it loads (``HFModel.bindings``).
         blocks: this stage's blocks.
-        shared_units: owned units that another stage also reads (the tied embedding on stage 0).
-        overlap: run updates on the background thread (else on the caller, at the step's end).
-        clip: global-norm clipping is on (updates wait for the step's all-reduce, unless
-            ``speculative``).
+        policy: the update policy (policy.py's :func:`~nodetrain.engine.policy.policy_for`).
+        shared_units: owned units that another stage also reads (the tied embedding on stage 0):
+            always updated after the all-reduce, and waited for before the step ends.
         threads: OpenMP threads of the optimizer thread (≥ 1).
-        delay_s: test-only sleep before each update, to expose a missing wait.
-        defer: no update starts during the backward; all wait for the engine's all-reduce
-            (``optim.update_in_backward=false``: a NaN/inf step is then skipped whole).
         grad_sum: in-backward only: ``grad_sum([grad])`` sums one unit's flat fp32 gradient over
             the replicas in place (``ReplicaGradSum``); called on the optimizer thread.
-        on_final: in-backward only: ``on_final(unit)`` is called on the optimizer thread when the
+        on_final: in-backward only: ``on_final(step, unit)`` is called on the optimizer thread when the
             unit's gradient is final, before the replica sum and its norm² (test-only NaN injection).
         device: the compute device; on CUDA the optimizer thread selects it (``grad_sum`` stages
             through it).
-        speculative: with ``clip``: update in the backward as if unclipped, backing each unit up
-            first; :meth:`finish_step` rolls back and redoes them when the step clipped,
-            :meth:`rollback` when it was NaN/inf (``optim.speculative``).
-        max_grad_norm: the clip threshold (speculative only): once this stage's own norm exceeds
-            it, the step surely clips and the remaining units are held for :meth:`finish_step`.
+        faults: test-only injection (``Faults.before_update``); default none.
     """
 
-    def __init__(self, optimizer: StoreAdamW, bindings, blocks, shared_units=(), *, overlap: bool,
-                 clip: bool, threads: int, delay_s: float = 0.0, defer: bool = False, grad_sum=None,
-                 on_final=None, device: torch.device | None = None, speculative: bool = False,
-                 max_grad_norm: float = 0.0):  # fmt: skip
-        self.opt, self.overlap, self.clip, self.defer = optimizer, overlap, clip, defer
-        self.speculative = speculative and clip and overlap and not defer
-        self._max_norm = max_grad_norm
-        self._speculated: list[int] = []  # units updated as if unclipped this step (backed up first)
-        self._held: list[int] = []  # units held for finish_step: the step surely clips
-        self._stage_sq = 0.0  # Σ norm² of this step's units measured so far (a lower bound)
-        self._rollbacks = 0
-        self._dots: dict[int, list[torch.Tensor]] = {}  # speculative: each unit's fp32 Σ g² terms
+    def __init__(self, optimizer: StoreAdamW, bindings, blocks, policy: UpdatePolicy, *, shared_units=(),
+                 threads: int = 1, grad_sum=None, on_final=None, device: torch.device | None = None,
+                 faults: Faults = NO_FAULTS):  # fmt: skip
+        self.opt, self.policy, self._faults = optimizer, policy, faults
         self._owned = [u.index for u in optimizer.units]
-        self._shared = set(shared_units)
-        self._units_of = {b: sorted({x.unit for x in bindings[b]} & set(self._owned)) for b in blocks}
-        self._users = {u: [b for b in blocks if u in self._units_of[b]] for u in self._owned}
-        self._delay_s = delay_s
+        self._shared = [u for u in self._owned if u in set(shared_units)]
+        units_of = {b: sorted({x.unit for x in bindings[b]} & set(self._owned)) for b in blocks}
+        self._units_of = units_of
+        counted = [u for u in self._owned if u not in self._shared] if policy.in_backward else []
+        self._readiness = GradReadiness(units_of, counted, [u for u in self._owned if u not in counted])
         self._grad_sum, self._on_final = grad_sum, on_final
         self._pool = None
-        if overlap:
+        if policy.overlap:
             self._pool = ThreadPoolExecutor(1, "optim", initializer=_init_thread, initargs=(threads, device))
-        self._pending: dict[int, Future] = {}
-        self._measured: dict[int, Future] = {}  # in-backward unit -> its norm², once measured
-        self._remaining: dict[int, int] = {}
-        self._grad_sq: dict[int, float] = {}
-        self._order: list[int] | None = None  # the expected order of in-backward units (final_order)
-        self._num_final = 0
-        self._lr = 0.0
-        self._lock = threading.Lock()
-        self._step_id = 0
-        self._backward_done = False
-        self._in_backward_count = 0
-        self.nonfinite: list[int] = []
-        """In-backward units of the current step left out because their gradient was NaN/inf."""
-        self.busy_s = 0.0
-        """Seconds the optimizer spent updating units (overlapped or not) since the last take."""
-        self.host_bytes = 0
-        """Host bytes of the updates submitted since the last take (:func:`update_host_bytes`;
-        counted when submitted, so a step's figure does not depend on how far its overlapped
-        updates got; an in-backward unit left out for a NaN/inf gradient is still counted)."""
+        # training thread only
+        self._pending: dict[int, Future] = {}  # unit -> the update its next load waits for
+        self._ticket = _Ticket(0, 0.0, ())
+        self._rolled_back = False
+        self._trained = Tally("host_bytes", "rollbacks")
+        # optimizer thread only (armed by each step's ticket)
+        self._step: _Ticket | None = None
+        self._stage_sq = 0.0
+        self._done = Tally("busy_s", "host_bytes", "in_backward")  # added on the optimizer thread
 
-    # ---- gating ------------------------------------------------------------------------------
+    # ---- asked by others ---------------------------------------------------------------------
+
+    @property
+    def in_backward(self) -> bool:
+        """Whether units are updated during the backward (the policy's)."""
+        return self.policy.in_backward
+
+    @property
+    def speculative(self) -> bool:
+        return self.policy.kind == "speculative"
+
+    @property
+    def later_units(self) -> list[int]:
+        """Owned units the engine settles after the flush (tied sum, replica sum), updated after the
+        all-reduce: all of them, or in-backward the shared ones (``GradReadiness.settled``)."""
+        return self._readiness.settled
 
     def gate(self, block: int) -> list[Future]:
-        """Updates a load of ``block`` must wait for (called when the load is issued)."""
+        """Updates a load of ``block`` must wait for (training thread, when the load is issued)."""
         return [self._pending[u] for u in self._units_of.get(block, ()) if u in self._pending]
 
     def wait(self, units) -> None:
         """Block until the submitted updates of ``units`` are done (re-raises their errors)."""
         for u in units:
-            fut = self._pending.get(u)
-            if fut is not None:
-                fut.result()
+            for fut in (self._ticket.updated.get(u), self._pending.get(u)):
+                if fut is not None:
+                    fut.result()
 
     def wait_all(self) -> None:
         self.wait(self._owned)
 
-    # ---- one step ----------------------------------------------------------------------------
-
     @property
-    def in_backward(self) -> bool:
-        """Whether units are updated during the backward (overlap, not deferred, and no clipping or
-        speculative)."""
-        return self.overlap and not self.defer and (not self.clip or self.speculative)
+    def nonfinite(self) -> list[int]:
+        """In-backward units of the current step left out because their gradient was NaN/inf."""
+        return [u for u, f in self._finals().items() if f.action == "drop"]
 
-    @property
-    def later_units(self) -> list[int]:
-        """Owned units whose gradient the engine finalises after the flush (tied sum, replica sum)
-        and which are updated after the all-reduce: all of them, or in-backward the shared ones."""
-        return [u for u in self._owned if not self.in_backward or u in self._shared]
+    # ---- the training thread's step ------------------------------------------------------------
 
-    def begin_step(self, lr: float, offloads_per_block: int | dict[int, int], offload_order=None) -> None:
-        """Arm the final-gradient count: a unit is final after every offload of the blocks binding it.
+    def begin_step(self, lr: float, arrivals, step: int = 0) -> None:
+        """Start (0-based) step ``step`` whose gradients arrive in block order ``arrivals``
+        (``StepPlan.arrivals``: a unit is final at its last arrival); in-backward, send it to the
+        optimizer thread."""
+        check_writer("training", "the step's update futures")
+        order = self._readiness.expected_order(arrivals) if self.in_backward else []
+        ticket = _Ticket(
+            step, lr, tuple(arrivals), {u: Future() for u in order}, {u: Future() for u in order}
+        )
+        self._ticket, self._rolled_back = ticket, False
+        if self.in_backward:
+            self._pool.submit(self._arm, ticket)
 
-        Args:
-            lr: this step's learning rate.
-            offloads_per_block: offloads (arrivals in the host store) of each of this stage's blocks
-                in the step: one count for all, or block -> count (a resident block arrives once a
-                step, its device accumulator; window.py).
-            offload_order: optional, the step's blocks in offload order; the units must then become
-                final in :func:`final_order` (asserted on the optimizer thread).
-        """
-        counts = offloads_per_block
-        if isinstance(counts, int):
-            counts = dict.fromkeys(self._units_of, counts)
-        self._lr = lr
-        self._grad_sq.clear()
-        self._measured.clear()
-        self.nonfinite = []
-        self._speculated, self._held, self._stage_sq = [], [], 0.0
-        self._dots.clear()
-        self._remaining = {
-            u: sum(counts.get(b, 0) for b in self._users[u]) for u in self._owned if u not in self._shared
-        }
-        self._order = None
-        if offload_order is not None:
-            units_of = {b: [u for u in us if u in self._remaining] for b, us in self._units_of.items()}
-            self._order = final_order(offload_order, units_of)
-        self._num_final = 0
-        with self._lock:
-            self._step_id += 1
-            self._backward_done = False
-            self._in_backward_count = 0
+    def arrived(self, block: int) -> None:
+        """D2H worker: ``block``'s gradients landed in the host store. Only posts the message."""
+        if self.in_backward:
+            self._pool.submit(self._on_arrival, block)
 
-    def offloaded(self, block: int) -> None:
-        """The D2H worker accumulated one gradient of ``block``; a unit whose count reaches zero is
-        final and goes to the optimizer thread (only when :attr:`in_backward`)."""
-        if not self.in_backward:
-            return
-        for u in self._units_of[block]:
-            if u not in self._remaining:
-                continue
-            self._remaining[u] -= 1
-            if self._remaining[u] == 0:
-                self._measured[u] = Future()
-                self._pending[u] = self._pool.submit(self._finalize, u, self._lr, self._step_id)
-                with self._lock:
-                    self.host_bytes += self._update_bytes(u, 1.0)
-
-    def _finalize(self, unit: int, lr: float, step_id: int) -> None:
-        """Optimizer thread, in-backward: hook → replica sum → norm² → AdamW if finite."""
-        measured = self._measured[unit]
-        try:
-            if self._order is not None:
-                want = self._order[self._num_final]
-                assert unit == want, f"unit {unit} became final where the schedule puts unit {want}"
-                self._num_final += 1
-            if self._on_final is not None:
-                self._on_final(unit)
-            if self._grad_sum is not None:
-                self._grad_sum([self.opt.store.grad(unit)])
-            if self.speculative:  # its terms kept: the step's norm then adds them as deferred does
-                self._dots[unit] = self.opt.unit_grad_dots(unit)
-                sq = sum(float(d) for d in self._dots[unit])
-            else:
-                sq = self.opt.unit_grad_sq(unit)
-            if not math.isfinite(sq):  # left out: no NaN/inf into the master weights or AdamW's state
-                self.opt.drop_unit_grads(unit)
-                self.nonfinite.append(unit)
-            self._grad_sq[unit] = sq
-            speculate = self._speculate(unit, sq)
-        except BaseException as e:
-            measured.set_exception(e)
-            raise
-        measured.set_result(sq)
-        if speculate:
-            self._update(unit, lr, 1.0, step_id, backup=self.speculative)
-
-    def _speculate(self, unit: int, sq: float) -> bool:
-        """Whether a final unit with norm² ``sq`` is updated now (coefficient 1). Speculative, a unit
-        is held for :meth:`finish_step` once this stage's norm so far says the step clips
-        (``clip_coef`` < 1 for sure: the global norm² is at least this stage's), else recorded as
-        speculated (before the training thread can see its norm², so finish_step knows it)."""
-        if not math.isfinite(sq):
-            return False
-        if not self.speculative:
-            return True
-        self._stage_sq += sq
-        if math.sqrt(self._stage_sq) + 1e-6 > self._max_norm:
-            self._held.append(unit)
-            return False
-        self._speculated.append(unit)
-        return True
+    def end_backward(self) -> None:
+        """The step's last backward is issued: its in-backward updates become what loads wait for."""
+        check_writer("training", "the update futures loads wait for")
+        self._ticket.backward_done.set()
+        self._pending.update(self._ticket.updated)
 
     def wait_measured(self) -> None:
-        """Block until every in-backward unit's replica sum and norm² are done (after the flush, all
-        are submitted); its update may still run. Afterwards no other thread runs a collective."""
-        for fut in list(self._measured.values()):
-            fut.result()
+        """Block until every in-backward unit's replica sum and norm² are done (after the flush);
+        its update may still run. Afterwards no other thread runs a collective.
+
+        Raises:
+            AssertionError: a unit never became final, or out of the schedule's order.
+        """
+        if self.in_backward:
+            self._pool.submit(self._check_complete)  # after every arrival: fails a missing unit's futures
+        self._finals()
+
+    def _finals(self) -> dict[int, Final]:
+        return {u: fut.result() for u, fut in self._ticket.measured.items()}
 
     def grad_sq_sum(self, run=None) -> float:
         """This stage's Σ gradient² (after the flush and the tied sum), without racing the updates
@@ -378,121 +222,133 @@ class UnitUpdates:
         if not self.in_backward:
             return run(self.opt.grad_sq_sum)
         self.wait_measured()
-        missing = [u for u in self._owned if u not in self._shared and u not in self._grad_sq]
-        assert not missing, f"units {missing} never became final; offload count mismatch"
-        if self.speculative:  # the deferred sum's own fp32 terms and order: the same clip coefficient
+        finals = self._finals()
+        if self.policy.keeps_dots:  # the deferred sum's own fp32 terms and order: the same clip coefficient
+            dots = {u: f.dots for u, f in finals.items()}
             for u in self._shared:
-                self._dots[u] = run(lambda u=u: self.opt.unit_grad_dots(u))
-            return float(sum(d for u in self._owned for d in self._dots[u]))
+                dots[u] = run(lambda u=u: self.opt.unit_grad_dots(u))
+            return float(sum(d for u in self._owned for d in dots[u]))
+        sq = {u: f.sq for u, f in finals.items()}
         for u in self._shared:
-            self._grad_sq[u] = run(lambda u=u: self.opt.unit_grad_sq(u))
-        return sum(self._grad_sq[u] for u in self._owned)
-
-    def end_backward(self) -> None:
-        """The training thread finished the step's last backward (issued it, on CUDA)."""
-        with self._lock:
-            self._backward_done = True
-
-    def take_in_backward_count(self) -> int:
-        """Updates of the current step whose AdamW started before :meth:`end_backward`."""
-        with self._lock:
-            return self._in_backward_count
+            sq[u] = run(lambda u=u: self.opt.unit_grad_sq(u))
+        return sum(sq[u] for u in self._owned)
 
     def finish_step(self, lr: float, grad_scale: float, wait_all: bool = False) -> None:
-        """Submit (or, without overlap, run) the updates not yet started, in forward order; wait for
-        the shared units' updates (another stage reads them after the engine's barrier) and, with
-        ``wait_all``, for every update (the run's last step: the store is then final)."""
-        if not self.overlap:
+        """Run what the policy decides after the all-reduce (submitted in forward order; without
+        overlap, every unit here); wait for the shared units' updates (another stage reads them after
+        the engine's barrier) and, with ``wait_all``, for every update (the store is then final)."""
+        check_writer("training", "the update futures loads wait for")
+        if not self.policy.overlap:
             t0 = time.perf_counter()
             self.opt.step(lr, grad_scale)
-            self.busy_s += time.perf_counter() - t0
-            self.host_bytes += sum(self._update_bytes(u, grad_scale) for u in self._owned)
+            self._done.add("busy_s", time.perf_counter() - t0)
+            self._trained.add("host_bytes", sum(self._update_bytes(u, grad_scale) for u in self._owned))
             return
-        if self.speculative:
-            self._validate(lr, grad_scale)
-        else:
-            for u in self.later_units:
-                self._submit(u, lr, grad_scale)
+        finals = self._finals() if self.in_backward else {}
+        for u, kind in self.policy.after_allreduce(self._owned, self.later_units, finals, grad_scale):
+            self._pending[u] = self._pool.submit(self._apply, u, lr, grad_scale, kind)
+            if kind == "update":
+                self._trained.add("host_bytes", self._update_bytes(u, grad_scale))
+            else:
+                self._trained.add("rollbacks", 1)
         self.wait(self._owned if wait_all else self._shared)
 
-    def _validate(self, lr: float, grad_scale: float) -> None:
-        """Speculative: the step's coefficient is known. Submit, in forward order, the units not yet
-        updated (shared, held) and, if the step clipped (``grad_scale`` < 1), a rollback and redo of
-        every speculated unit; an unclipped step keeps the speculative updates as they are."""
-        redo = set(self._speculated) if grad_scale != 1.0 else set()
-        later = set(self.later_units) | set(self._held)
-        for u in self._owned:
-            if u in later:
-                self._submit(u, lr, grad_scale)
-            elif u in redo:
-                self._pending[u] = self._pool.submit(self._redo, u, lr, grad_scale)
-        self._rollbacks += len(redo)
-
     def rollback(self) -> list[int]:
-        """Speculative, a NaN/inf step: wait for every update, then undo the step's speculative
-        updates (master weights, AdamW state, step counts, transfer copies), so the step is skipped
-        whole. Returns the units rolled back."""
+        """A NaN/inf step: wait for every update, then undo those the policy says (speculative:
+        master weights, AdamW state, step counts, transfer copies), so the step is skipped whole.
+        Returns the units rolled back."""
+        check_writer("training", "a rollback")
         self.wait_all()
-        units = self._speculated if self.speculative else []
+        units = [] if self._rolled_back else self.policy.rolled_back(self._finals())
         for u in units:
             self.opt.rollback_unit(u)
-        self._rollbacks += len(units)
-        self._speculated = []
+        self._trained.add("rollbacks", len(units))
+        self._rolled_back = True
         return units
 
-    def take_rollbacks(self) -> int:
-        """Units rolled back (and redone, unless the step was NaN/inf) since the last take."""
-        n, self._rollbacks = self._rollbacks, 0
-        return n
-
-    def _submit(self, unit: int, lr: float, grad_scale: float) -> None:
-        assert self._pool is not None
-        self._pending[unit] = self._pool.submit(self._update, unit, lr, grad_scale, self._step_id)
-        with self._lock:
-            self.host_bytes += self._update_bytes(unit, grad_scale)
-
-    def _update(self, unit: int, lr: float, grad_scale: float, step_id: int, backup: bool = False) -> None:
-        if self._delay_s:
-            time.sleep(self._delay_s)
-        with self._lock:
-            if step_id == self._step_id and not self._backward_done:
-                self._in_backward_count += 1
-        t0 = time.perf_counter()
-        if backup:
-            self.opt.backup_unit(unit)
-        self.opt.step_unit(unit, lr, grad_scale)
-        with self._lock:
-            self.busy_s += time.perf_counter() - t0
-
-    def _redo(self, unit: int, lr: float, grad_scale: float) -> None:
-        """Optimizer thread: undo a speculative update and apply the clipped one (its gradient, the
-        unscaled sum, is still in the accumulator); step_unit refreshes the transfer copy."""
-        if self._delay_s:
-            time.sleep(self._delay_s)
-        t0 = time.perf_counter()
-        self.opt.rollback_unit(unit, refresh=False)
-        self.opt.step_unit(unit, lr, grad_scale)
-        with self._lock:
-            self.busy_s += time.perf_counter() - t0
-
-    def _update_bytes(self, unit: int, grad_scale: float) -> int:
-        store = self.opt.store
-        itemsize = torch.empty(0, dtype=store.layout.compute_dtype).element_size()
-        return update_host_bytes(store.layout.unit_numels[unit], itemsize, grad_scale != 1.0)
-
-    def take_busy_s(self) -> float:
-        with self._lock:
-            busy, self.busy_s = self.busy_s, 0.0
-        return busy
-
-    def take_host_bytes(self) -> int:
-        """Host bytes of the updates submitted since the last call."""
-        with self._lock:
-            out, self.host_bytes = self.host_bytes, 0
-        return out
+    def take_stats(self) -> dict[str, float]:
+        """Since the last take: ``optim_busy_s`` (seconds updating), ``optim_host_bytes``
+        (:func:`update_host_bytes` of the updates submitted, counted when submitted; an in-backward
+        unit left out for a NaN/inf gradient still counts), ``num_updates_in_backward`` (started
+        before :meth:`end_backward`), ``num_rollbacks`` (units rolled back, and redone unless the step
+        was NaN/inf)."""
+        done, trained = self._done.take(), self._trained.take()
+        return {
+            "optim_busy_s": done["busy_s"],
+            "optim_host_bytes": int(done["host_bytes"] + trained["host_bytes"]),
+            "num_updates_in_backward": int(done["in_backward"]),
+            "num_rollbacks": int(trained["rollbacks"]),
+        }
 
     def close(self) -> None:
         """Finish every submitted update and stop the thread."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+    # ---- the optimizer thread ------------------------------------------------------------------
+
+    def _arm(self, ticket: _Ticket) -> None:
+        check_writer("optimizer", "the optimizer thread's step")
+        self._step, self._stage_sq = ticket, 0.0
+        self._readiness.arm(ticket.arrivals)
+
+    def _on_arrival(self, block: int) -> None:
+        step = self._step
+        try:
+            for unit in self._readiness.arrived(block):
+                self._finalize(step, unit)
+        except BaseException as e:  # every future of the step still open fails with it: no wait hangs
+            self._fail(step, e)
+
+    def _finalize(self, step: _Ticket, unit: int) -> None:
+        """A unit final in the backward: hook → replica sum → norm² → the policy's verdict, acted on."""
+        if self._on_final is not None:
+            self._on_final(step.step, unit)
+        if self._grad_sum is not None:
+            self._grad_sum([self.opt.store.grad(unit)])
+        dots = self.opt.unit_grad_dots(unit) if self.policy.keeps_dots else None
+        sq = sum(float(d) for d in dots) if dots is not None else self.opt.unit_grad_sq(unit)
+        if math.isfinite(sq):
+            self._stage_sq += sq
+        action = self.policy.on_final(sq, self._stage_sq)
+        if action == "drop":  # left out: no NaN/inf into the master weights or AdamW's state
+            self.opt.drop_unit_grads(unit)
+        self._done.add("host_bytes", self._update_bytes(unit, 1.0))
+        step.measured[unit].set_result(Final(sq, dots, action))
+        if action in ("update", "speculate"):
+            self._apply(unit, step.lr, 1.0, action, step)
+        step.updated[unit].set_result(None)
+
+    def _apply(self, unit: int, lr: float, grad_scale: float, kind: str, step: _Ticket | None = None) -> None:
+        """One unit's AdamW step; ``speculate`` backs the unit up first, ``redo`` undoes its speculative
+        update first (its gradient, the unscaled sum, is still in the accumulator)."""
+        check_writer("optimizer", f"unit {unit}'s update")
+        self._faults.before_update()
+        if step is not None and not step.backward_done.is_set():
+            self._done.add("in_backward", 1)
+        t0 = time.perf_counter()
+        if kind == "speculate":
+            self.opt.backup_unit(unit)
+        elif kind == "redo":
+            self.opt.rollback_unit(unit, refresh=False)
+        self.opt.step_unit(unit, lr, grad_scale)
+        self._done.add("busy_s", time.perf_counter() - t0)
+
+    def _check_complete(self) -> None:
+        missing = self._readiness.missing()
+        if missing:
+            self._fail(
+                self._step, AssertionError(f"units {missing} never became final; offload count mismatch")
+            )
+
+    @staticmethod
+    def _fail(step: _Ticket, error: BaseException) -> None:
+        for fut in [*step.measured.values(), *step.updated.values()]:
+            if not fut.done():
+                fut.set_exception(error)
+
+    def _update_bytes(self, unit: int, grad_scale: float) -> int:
+        store = self.opt.store
+        itemsize = torch.empty(0, dtype=store.layout.compute_dtype).element_size()
+        return update_host_bytes(store.layout.unit_numels[unit], itemsize, grad_scale != 1.0)

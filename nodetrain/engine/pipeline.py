@@ -254,9 +254,11 @@ class P2P:
             for gloo, the CUDA device for NCCL).
         ranks: global rank of each stage of this pipeline (a replica, see replicas.py); default
             ``range(num_stages)`` (rank = stage).
+        timeline: receives enter its ``bubble`` phase (breakdown.py); default: not timed.
     """
 
-    def __init__(self, stage: int, num_stages: int, shape, dtype: torch.dtype, comm: Comm, ranks=None):
+    def __init__(self, stage: int, num_stages: int, shape, dtype: torch.dtype, comm: Comm, ranks=None,
+                 timeline=NULL_TIMELINE):  # fmt: skip
         self.stage, self.num_stages = stage, num_stages
         self.ranks = list(range(num_stages)) if ranks is None else list(ranks)
         self.shape, self.dtype, self.comm = tuple(shape), dtype, comm
@@ -267,8 +269,7 @@ class P2P:
         """Most counted buffers alive at once (on ``self.device``)."""
         self.peak_bytes = 0
         """Most bytes of counted buffers alive at once."""
-        self.timeline = NULL_TIMELINE
-        """Receives enter its ``bubble`` phase (set by the engine, see breakdown.py)."""
+        self.timeline = timeline
         self.wait_s = 0.0
         """Seconds spent blocked in receives (bubble + P2P) since :meth:`reset_timer`."""
 

@@ -30,6 +30,7 @@ pinned bytes are the requested ones rounded up to a page (``pinned_nbytes``). No
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import weakref
 
@@ -160,10 +161,36 @@ class GradStaging:
         half = wide.numel() // 2
         return wide[:half], wide[half : 2 * half]
 
-    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy ``src`` (device) into ``dst``, a view of a buffer (from :meth:`halves`), on the
-        caller's current stream, asynchronously on CUDA (the caller records the event)."""
-        _copy_in(dst, src)
+    def ship(self, jobs, halves, ready, land) -> None:
+        """D2H worker: copy each (target, first, device fp32 range) of ``jobs`` through ``halves``
+        (:meth:`halves` of a free buffer), landing each chunk with ``land(target chunk, first, half)``.
+
+        Chunk k goes to half ``k % 2`` on the D2H stream (CUDA: asynchronous, after the event
+        ``ready`` of the accumulator's last add) and is landed while chunk k + 1's copy runs; a half
+        is rewritten only after its previous chunk was landed. On CPU the copies are synchronous,
+        same order."""
+        stream, size = self.stream, halves[0].numel()
+        if stream is not None:
+            stream.wait_event(ready)  # a device-side wait: this thread does not block on compute
+        chunks = [(d[lo : lo + size], first, s[lo : lo + size])
+                  for d, first, s in jobs for lo in range(0, s.numel(), size)]  # fmt: skip
+        landing = None
+        for k, (dst, first, src) in enumerate(chunks):
+            half = halves[k % 2][: src.numel()]
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                _copy_in(half, src)
+                event = stream.record_event() if stream is not None else None
+            if landing is not None:
+                self._land(land, *landing)
+            landing = (dst, first, half, event)
+        if landing is not None:
+            self._land(land, *landing)
+
+    @staticmethod
+    def _land(land, dst: torch.Tensor, first: bool, half: torch.Tensor, event) -> None:
+        if event is not None:
+            event.synchronize()  # the chunk's copy (CUDA)
+        land(dst, first, half)
 
     def close(self) -> None:
         """Release the page-locks (CUDA); idempotent. The buffers must not be in use."""

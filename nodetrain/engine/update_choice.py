@@ -209,11 +209,20 @@ def choose_update_mode(
     deferred = step_time(shape, stage_blocks, update_mode="deferred", **kw)
     spec = step_time(shape, stage_blocks, update_mode="speculative", **kw)
     chosen = choose_speculative(deferred.step_s, spec.step_s, got.fits)
+    memory = (backup, headroom, available)
+    return UpdateChoice(chosen, _line(got, split, kw["flops_per_s"], hw.name, deferred, spec, memory, chosen))
+
+
+def _line(got: _Shared, split: CoreSplit, flops_per_s: float, hw_name: str, deferred, spec, memory,
+          chosen: bool) -> str:  # fmt: skip
+    """The start-up line: the measured rate, both modes' exposed optimizer and step, the backups'
+    fit in RAM (``memory``: backup, headroom and available bytes), and the choice."""
+    backup, headroom, available = memory
     x, ms = spec.exposure, 1e3
-    line = (
+    return (
         f"optim.speculative=auto: AdamW {min(got.rates) / 1e9:.1f} GB/s on {split.optim_threads} "
-        f"thread(s) (measured, slowest rank), compute {kw['flops_per_s'] / 1e12:.3g} TFLOP/s (lowest peak × "
-        f"hardware={hw.name}'s matmul_efficiency); optimizer the next step waits for: deferred "
+        f"thread(s) (measured, slowest rank), compute {flops_per_s / 1e12:.3g} TFLOP/s (lowest peak × "
+        f"hardware={hw_name}'s matmul_efficiency); optimizer the next step waits for: deferred "
         f"{deferred.optimizer_exposed_s * ms:,.1f} ms, speculative {spec.optimizer_exposed_s * ms:,.1f} ms "
         f"({x.speculative_s * ms:,.1f} unclipped, {x.speculative_clipped_s * ms:,.1f} clipped, "
         f"{CLIP_FRACTION:.0%} of steps assumed to clip); step {deferred.step_s * ms:,.1f} vs "
@@ -221,4 +230,3 @@ def choose_update_mode(
         f"{'fit' if got.fits else 'do not fit'} in the available RAM ({available / 1e9:.1f} GB here) "
         f"→ {'speculative' if chosen else 'deferred'} updates"
     )
-    return UpdateChoice(chosen, line)

@@ -14,7 +14,8 @@ sequence, the D2H offload of gradients into the host store's fp32 accumulators, 
 and busy seconds of both directions. Each direction runs on its own copy worker thread; on CUDA
 each worker issues its copies on its own CUDA stream, ordered against the compute stream with
 events. On CPU the "device" buffers are separate tensors and the workers copy asynchronously, so
-the protocol below is exercised for real (``delay_s`` slows the workers to expose a missing wait).
+the protocol below is exercised for real (tests slow the workers, ``Faults.before_copy``, to expose
+a missing wait).
 Gradients leave the device through host staging buffers, one per slot (staging.py: page-locked
 on CUDA, copied on a D2H stream of their own; the D2H worker waits for the copy, then accumulates).
 
@@ -57,108 +58,23 @@ the sequence (O(V × D) once per step, not per micro-batch), on the same D2H wor
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
 from nodetrain.engine.accumulate import HostAccumulator
-from nodetrain.engine.host_threads import limit_thread
+from nodetrain.engine.copy_worker import CopyWorker, wait_copy
 from nodetrain.engine.staging import GradStaging
+from nodetrain.engine.threads import check_writer
 from nodetrain.model import Binding
 from nodetrain.run.breakdown import NULL_TIMELINE
+from nodetrain.run.inject import NO_FAULTS, Faults
 from nodetrain.store import HostStore
 
-__all__ = ["Window", "arrival_order"]
-
-
-def arrival_order(backwards: list[int], resident) -> list[int]:
-    """Blocks in the order their gradients reach the host store in a step: a streamed block at every
-    backward, a resident one once, at its last backward (its device accumulator is shipped then).
-
-    Args:
-        backwards: block indices in the order their backwards offload (the engine's offload sequence).
-        resident: the resident blocks.
-    """
-    resident = set(resident)
-    last = {b: k for k, b in enumerate(backwards) if b in resident}
-    return [b for k, b in enumerate(backwards) if b not in last or last[b] == k]
-
-
-class _CopyWorker:
-    """One copy direction: a single thread (in-order), plus a CUDA stream when ``stream`` is given.
-
-    A job first waits for its gate (host futures), then, with a stream, for the compute queued
-    before it was submitted, and runs to completion before the next (``busy_s`` counts only the
-    copy). Without a stream a job runs as it is (the D2H jobs wait for their own copy's event).
-    On a CUDA ``device`` the thread first selects it: a thread's current device starts as GPU 0,
-    and a CUDA call there (an event wait, a stream context) would create a context on GPU 0 in
-    every rank's process. With ``threads`` the thread first sets its OpenMP team to that many
-    (``host_threads.limit_thread``: the D2H worker's accumulation adds run on a team of their own)."""
-
-    def __init__(self, name: str, stream: torch.cuda.Stream | None, delay_s: float, device=None,
-                 threads: int = 0):  # fmt: skip
-        device = torch.device(device) if device is not None else None
-        cuda = device if device is not None and device.type == "cuda" else None
-        self._pool = ThreadPoolExecutor(1, name, initializer=_init_worker, initargs=(cuda, threads))
-        self._stream = stream
-        self._delay_s = delay_s
-        self.busy_s = 0.0
-        """Seconds spent copying since the last :meth:`take_busy_s`."""
-
-    def submit(self, fn, gate: list[Future] = ()) -> Future:
-        ready = None
-        if self._stream is not None:  # the copy may start only after compute queued so far
-            ready = torch.cuda.current_stream().record_event()
-        return self._pool.submit(self._run, fn, ready, gate)
-
-    def _run(self, fn, ready, gate):
-        for fut in gate:
-            fut.result()
-        if self._delay_s:
-            time.sleep(self._delay_s)
-        if self._stream is None:
-            t0 = time.perf_counter()
-            fn()
-            self.busy_s += time.perf_counter() - t0
-            return None
-        _wait_for_compute(ready)
-        t0 = time.perf_counter()
-        with torch.cuda.stream(self._stream):
-            fn()
-            done = self._stream.record_event()
-        done.synchronize()  # measured to completion; the consumer's wait is then free
-        self.busy_s += time.perf_counter() - t0
-        return done
-
-    def call(self, fn):
-        """Run ``fn()`` on the worker thread after the jobs queued so far; returns its result."""
-        return self._pool.submit(fn).result()
-
-    def take_busy_s(self) -> float:
-        busy, self.busy_s = self.busy_s, 0.0
-        return busy
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
-
-
-def _init_worker(device: torch.device | None, threads: int) -> None:
-    """A copy worker's set-up: the rank's CUDA device (if any), then its OpenMP team (if given)."""
-    if device is not None:
-        torch.cuda.set_device(device)
-    if threads:
-        limit_thread(threads)
-
-
-def _wait_for_compute(ready: torch.cuda.Event) -> None:
-    """The slot-reuse wait: block the copy worker until the compute queued before its job was
-    submitted (the kernels still reading the slot the copy overwrites) has finished. A hook point:
-    tests/test_gpu.py removes it to show that its check catches a missing wait."""
-    ready.synchronize()
+__all__ = ["Window"]
 
 
 def _rows_to_device(table: torch.Tensor, index: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -174,12 +90,6 @@ def _rows_to_device(table: torch.Tensor, index: torch.Tensor, device: torch.devi
     return host.to(device, non_blocking=True)
 
 
-def _wait(fut: Future) -> None:
-    done = fut.result()  # re-raises a worker's exception here
-    if done is not None:
-        torch.cuda.current_stream().wait_event(done)
-
-
 class Window:
     """``slots`` device buffers through which a stage's blocks stream, plus resident blocks.
 
@@ -187,16 +97,21 @@ class Window:
         store: the host store (source of ``compute`` copies, target of gradients).
         bindings: per block index, the parameters it binds (see ``HFModel.bindings``).
         blocks: block indices of this stage (only these are ever loaded).
-        owned_units: units whose optimizer runs on this stage; a binding to any other unit (the
-            tied embedding on the last stage) accumulates into that unit's ``grad_tied``.
         slots: number of device buffers (≥ 1).
         device: compute device.
-        delay_s: test-only sleep before each copy.
+        owned_units: units whose optimizer runs on this stage (default: the stage's own, unit i of
+            block i); a binding to any other unit (the tied embedding on the last stage) accumulates
+            into that unit's ``grad_tied``.
         resident: blocks held in buffers of their own for the whole sequence.
         rows: blocks of a single [V, D] binding (the embedding) that travel as the rows a
             micro-batch uses (:meth:`gather_rows`, :meth:`offload_rows`), never through a slot.
         accum_threads: OpenMP team of the D2H worker, which adds the offloaded gradients into the
             host store (``stream.accum_threads``, split by ``host_threads.split_cores``); 0 = torch's.
+        gate: ``gate(block) -> list[Future]``, the updates a load of ``block`` waits for (called on
+            the training thread when the load is issued; ``UnitUpdates.gate``); default none.
+        on_arrival: ``on_arrival(block)``, called on the D2H worker once a block's gradients are in
+            the host store; it must only post a message (``UnitUpdates.arrived``); default none.
+        timeline: where the waits are timed (breakdown.py); faults: test-only injection.
 
     Memory: ``slots × max streamed block numel × compute itemsize`` bytes (row blocks are not
     streamed: their gathered rows and row gradients are per micro-batch) plus each resident block's
@@ -205,13 +120,11 @@ class Window:
     compute itemsize`` bytes of host staging (``staging_nbytes``; page-locked on CUDA, in whole
     pages: ``staging_pinned_nbytes``) and the D2H worker's fp32 scratch of ``accum_threads ×
     accumulate.CHUNK_PER_THREAD`` elements.
-
-    Hooks (set by the engine): ``gate(block) -> list[Future]``; ``on_offloaded(block)``, called on
-    the D2H worker after a block's gradients are accumulated; ``timeline``.
     """
 
-    def __init__(self, store: HostStore, bindings, blocks, owned_units, slots: int, device, delay_s=0.0,
-                 resident=(), rows=(), accum_threads: int = 0):  # fmt: skip
+    def __init__(self, store: HostStore, bindings, blocks, slots: int, device, *, owned_units=None,
+                 resident=(), rows=(), accum_threads: int = 0, gate=None, on_arrival=None,
+                 timeline=NULL_TIMELINE, faults: Faults = NO_FAULTS):  # fmt: skip
         self.store, self.bindings, self.device = store, bindings, torch.device(device)
         dtype = store.layout.compute_dtype
         self.resident = sorted(set(resident))
@@ -230,19 +143,18 @@ class Window:
         self._backwards_left: dict[int, int] = {}  # resident block -> backwards left in this sequence
         self._acc_started: set[int] = set()  # resident blocks whose accumulator was written since begin()
         self._views = {i: self._slot_views(bindings[i]) for i in blocks}
-        self._grad_targets = {i: self._grad_views(bindings[i], set(owned_units)) for i in blocks}
+        owned = set(blocks if owned_units is None else owned_units)
+        self._grad_targets = {i: self._grad_views(bindings[i], owned) for i in blocks}
         self._check_targets()
         self._written: set[int] = set()  # data_ptr of accumulators offloaded into since begin()
         h2d_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._h2d = _CopyWorker("h2d", h2d_stream, delay_s, self.device)
+        self._h2d = CopyWorker("h2d", h2d_stream, self.device, faults=faults)
         # copies on the staging's stream; the accumulation adds on a team of accum_threads
-        self._d2h = _CopyWorker("d2h", None, delay_s, self.device, accum_threads)
+        self._d2h = CopyWorker("d2h", None, self.device, accum_threads, faults)
         self._staging = GradStaging(slots, max(self._numel(i) for i in blocks), dtype, self.device)
         self._accum = HostAccumulator()  # used on the D2H worker only (its scratch, its team)
         self._num_offloads = 0
-        self.gate = None
-        self.on_offloaded = None
-        self.timeline = NULL_TIMELINE
+        self._gate, self._on_arrival, self.timeline = gate, on_arrival, timeline
         self._seq: list[int] = []
         self._loads: dict[int, tuple[Future, list[Future]]] = {}  # position -> (load, its gate)
         self._slot_at: dict[int, torch.Tensor] = {}  # position -> buffer of a streamed load
@@ -314,6 +226,7 @@ class Window:
                 listed here accumulates on the device and is shipped at its last one. A resident
                 block not listed offloads each backward through staging, as a streamed one does.
         """
+        check_writer("training", "the window's sequence")
         assert not self._loads, "previous sequence not drained"
         self._seq, self.stall_s = list(sequence), 0.0
         self._written.clear()
@@ -362,7 +275,7 @@ class Window:
             for dst, src in pieces:
                 dst.copy_(src, non_blocking=True)
 
-        gate = self.gate(block) if self.gate is not None else []
+        gate = self._gate(block) if self._gate is not None else []
         return self._h2d.submit(copy, gate), gate
 
     def acquire(self, block: int) -> dict[str, torch.Tensor]:
@@ -383,7 +296,7 @@ class Window:
                     f.result()
         t0 = time.perf_counter()
         with self.timeline.phase("stall"):
-            _wait(load)
+            wait_copy(load)
         self.stall_s += time.perf_counter() - t0
         views = self._views[block]
         return {name: buf[pos : pos + math.prod(shape)].view(shape) for name, pos, shape in views}
@@ -408,13 +321,16 @@ class Window:
         if block in self._backwards_left:
             self._accumulate_on_device(block, grads)
             return
+        check_writer("training", "the window's sequence")
         self._free_staging()
         targets = self._grad_targets[block]
         jobs = []
-        for name in grads:
+        for name, g in grads.items():
             dst = targets[name]
-            jobs.append((dst, dst.data_ptr() not in self._written))
+            first = dst.data_ptr() not in self._written
+            jobs.append((dst, first))
             self._written.add(dst.data_ptr())
+            self.accum_host_bytes += dst.numel() * (g.element_size() + (4 if first else 8))
         self.d2h_bytes += sum(g.numel() * g.element_size() for g in grads.values())
         staged = self._staging.issue(self._num_offloads % len(self._staging), list(grads.values()))
         self._num_offloads += 1
@@ -425,9 +341,8 @@ class Window:
                     self._accum.copy(dst, src)
                 else:  # fp32 += compute dtype, widened chunk by chunk (accumulate.py)
                     self._accum.add(dst, src)
-                self.accum_host_bytes += dst.numel() * (src.element_size() + (4 if first else 8))
-            if self.on_offloaded is not None:
-                self.on_offloaded(block)
+            if self._on_arrival is not None:
+                self._on_arrival(block)
 
         self._offloads.append(self._d2h.submit(accumulate))
 
@@ -453,13 +368,15 @@ class Window:
         It takes the next staging buffer of the rotation and counts as an offload in flight, so a
         later offload's copy waits for it (``_free_staging``); it need not wait itself: its buffer is
         written only inside its job, after the buffer's previous job on the in-order D2H worker.
-        It streams the accumulator through the buffer's two halves in chunks (:meth:`_ship_chunks`)."""
+        It streams the accumulator through the buffer's two halves in chunks (``GradStaging.ship``)."""
         acc, targets = self._grad_acc[block], self._grad_targets[block]
         jobs = []
         for name, pos, shape in self._views[block]:
             dst = targets[name]
-            jobs.append((dst, dst.data_ptr() not in self._written, acc[pos : pos + math.prod(shape)]))
+            first = dst.data_ptr() not in self._written
+            jobs.append((dst, first, acc[pos : pos + math.prod(shape)]))
             self._written.add(dst.data_ptr())
+            self.accum_host_bytes += dst.numel() * (8 if first else 12)
         self.d2h_bytes += acc.numel() * acc.element_size()
         cuda = self.device.type == "cuda"
         ready = torch.cuda.current_stream(self.device).record_event() if cuda else None
@@ -467,45 +384,18 @@ class Window:
         self._num_offloads += 1
 
         def ship():
-            self._ship_chunks(jobs, halves, ready)
-            if self.on_offloaded is not None:
-                self.on_offloaded(block)
+            self._staging.ship(jobs, halves, ready, self._land)
+            if self._on_arrival is not None:
+                self._on_arrival(block)
 
         self._offloads.append(self._d2h.submit(ship))
 
-    def _ship_chunks(self, jobs, halves, ready) -> None:
-        """D2H worker: copy each (target, first, device fp32 range) through the staging halves.
-
-        Chunk k goes to half ``k % 2`` on the staging's D2H stream (CUDA: asynchronous, after the
-        event ``ready`` of the accumulator's last add) and is landed in the store (copied, or added
-        into a target shared with another block) while chunk k + 1's copy runs; a half is rewritten
-        only after its previous chunk was landed. On CPU the copies are synchronous, same order."""
-        stream, size = self._staging.stream, halves[0].numel()
-        if stream is not None:
-            stream.wait_event(ready)  # a device-side wait: this thread does not block on compute
-        chunks = [(d[lo : lo + size], first, s[lo : lo + size])
-                  for d, first, s in jobs for lo in range(0, s.numel(), size)]  # fmt: skip
-        landing = None
-        for k, (dst, first, src) in enumerate(chunks):
-            half = halves[k % 2][: src.numel()]
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                self._staging.copy_in(half, src)
-                event = stream.record_event() if stream is not None else None
-            if landing is not None:
-                self._land(*landing)
-            landing = (dst, first, half, event)
-        if landing is not None:
-            self._land(*landing)
-
-    def _land(self, dst: torch.Tensor, first: bool, half: torch.Tensor, event) -> None:
-        """Wait for a ship chunk's copy (CUDA), then write it into its fp32 target."""
-        if event is not None:
-            event.synchronize()
+    def _land(self, dst: torch.Tensor, first: bool, half: torch.Tensor) -> None:
+        """D2H worker: write a landed ship chunk into its fp32 target."""
         if first:
             self._accum.copy(dst, half)
         else:  # a target shared with another block (the tied embedding of one stage)
             self._accum.add(dst, half)
-        self.accum_host_bytes += dst.numel() * (8 if first else 12)
 
     def _free_staging(self) -> None:
         """Bound gradient memory in flight: wait until a staging buffer is free."""
@@ -527,7 +417,7 @@ class Window:
             [U, D] compute dtype on the device.
         """
         (b,) = self.bindings[block]
-        gate = self.gate(block) if self.gate is not None else []
+        gate = self._gate(block) if self._gate is not None else []
         with self.timeline.phase("optim"):
             for f in gate:
                 f.result()
@@ -556,6 +446,9 @@ class Window:
         first = dst.data_ptr() not in self._written
         self._written.add(dst.data_ptr())
         self.d2h_bytes += grad_rows.numel() * grad_rows.element_size()
+        # host bytes: the zeroing pass (4 B per element of [V, D]) once, then per row element the
+        # staged gradient read and the accumulator's read and write
+        self.accum_host_bytes += dst.numel() * 4 * first + grad_rows.numel() * (grad_rows.element_size() + 8)
         staged = self._staging.issue(self._num_offloads % len(self._staging), [grad_rows])
         self._num_offloads += 1
         shape = grad_rows.shape  # not the device tensor: its memory goes back once the copy landed
@@ -565,11 +458,8 @@ class Window:
             if first:
                 dst.zero_()
             self._accum.index_add(dst, index, src.view(shape))
-            # host bytes: the zeroing pass (4 B per element of [V, D]) once, then per row element the
-            # staged gradient read and the accumulator's read and write
-            self.accum_host_bytes += dst.numel() * 4 * first + src.numel() * (src.element_size() + 8)
-            if self.on_offloaded is not None:
-                self.on_offloaded(block)
+            if self._on_arrival is not None:
+                self._on_arrival(block)
 
         self._offloads.append(self._d2h.submit(accumulate))
 

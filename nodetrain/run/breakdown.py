@@ -236,6 +236,7 @@ class StepBreakdown:
             into every record.
         num_stages: stages per pipeline (P); the world is P × replicas, rank = replica · P + stage
             (replicas.py). Default: the whole world is one pipeline.
+        timeline: the timeline the stage's components time their phases on (default: a new one).
     """
 
     def __init__(
@@ -245,8 +246,9 @@ class StepBreakdown:
         peak_flops: float,
         static: dict[str, float],
         num_stages: int | None = None,
+        timeline: Timeline | None = None,
     ):
-        self.timeline = Timeline(device)
+        self.timeline = timeline or Timeline(device)
         self.flops_per_token = flops_per_step_token
         self.peak_flops = peak_flops
         self.static = dict(static)

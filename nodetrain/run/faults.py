@@ -1,4 +1,4 @@
-"""What a run does when something goes wrong: signals, non-finite steps, and test-only fault injection.
+"""What a run does when something goes wrong: signals, non-finite steps, failures.
 
 Owns:
     :class:`StopRequest`  SIGINT/SIGTERM in every phase of a run. During set-up (data preparation,
@@ -11,15 +11,14 @@ Owns:
         than ``FORCE_AFTER_S`` after the first ends the rank at once, saying what was not saved.
     :class:`BadSteps`  counts steps whose loss or gradient norm was NaN/inf (the engine skipped
         their update on every stage) and ends the run after ``train.max_bad_steps`` in a row.
-    :func:`maybe_fail`, :func:`poison_grads`, :func:`nan_injection`  the ``test.*`` knobs
-        (config.FaultInjectionConfig): fail or hang a rank at a step, put a NaN into a rank's gradient.
     :func:`record_failure`  the failing rank's traceback into torchrun's error file, so torchrun's
         summary names it as the root cause.
     :func:`stop_with_launcher`  a rank whose torchrun launcher dies (``kill -9``) gets SIGTERM from
         the kernel and stops as on any SIGTERM, instead of training on unsupervised.
 
 Does not own: the exit of the other ranks when one fails (torchrun's agent terminates them; every
-collective and receive is bounded by ``dist.timeout_s``, train.py), or the store's removal (store.py).
+collective and receive is bounded by ``dist.timeout_s``, train.py), the store's removal (store.py),
+or the test-only faults (run/inject.py).
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import contextlib
 import ctypes
 import json
 import logging
-import math
 import os
 import re
 import signal
@@ -38,11 +36,7 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
 from nodetrain.checkpoint.collective import all_gather_json
-from nodetrain.config.schema import FaultInjectionConfig
 
 __all__ = [
     "FORCE_AFTER_S",
@@ -50,9 +44,6 @@ __all__ = [
     "NonFiniteError",
     "StopRequest",
     "Stopped",
-    "maybe_fail",
-    "nan_injection",
-    "poison_grads",
 ]
 __all__ += ["record_failure", "stop_with_launcher"]
 
@@ -184,47 +175,6 @@ class BadSteps:
                 "of those steps were updated); fix: lower optim.lr, use optim.max_grad_norm > 0, "
                 "train.dtype=bfloat16 instead of float16, or check the data"
             )
-
-
-def maybe_fail(test: FaultInjectionConfig, rank: int, step: int) -> None:
-    """Test-only: fail (or hang) here when ``rank`` and the 1-based ``step`` are the configured ones.
-
-    Raises:
-        RuntimeError: ``test.fail_mode=raise`` on the configured rank and step.
-    """
-    if rank != test.fail_rank or step != test.fail_step:
-        return
-    if test.fail_mode == "hang":  # the classic hang: ranks waiting in different collectives
-        log.error("test.fail_mode=hang: rank %d enters a barrier no other rank joins at step %d", rank, step)
-        dist.barrier()  # fails after dist.timeout_s, as the other ranks' waits do
-    raise RuntimeError(f"test.fail_rank={rank}, test.fail_step={step}: injected failure")
-
-
-def poison_grads(test: FaultInjectionConfig, rank: int, step: int, grads: list[torch.Tensor]) -> None:
-    """Test-only: write NaN into the first element of the last of ``grads`` (the flat fp32 gradient
-    accumulators of this rank's units, in the host store) when ``rank`` and the 1-based ``step`` are
-    ``test.nan_rank`` and ``test.nan_step``."""
-    if rank == test.nan_rank and step == test.nan_step and grads:
-        log.warning("test.nan_step=%d: NaN written into rank %d's gradient", step, rank)
-        grads[-1][0] = math.nan
-
-
-def nan_injection(test: FaultInjectionConfig, store, last_unit: int, step: list[int]):
-    """Test-only NaN injection (``test.nan_rank``/``nan_step``), the engine's one hook for it: None when
-    off (the optimizer thread then calls nothing), else ``poison(*units)``, which writes a NaN into the
-    gradient of this stage's last unit (``store.grad(last_unit)``, flat fp32) if it is among ``units``,
-    once that gradient is final: from the optimizer thread for an in-backward unit
-    (``UnitUpdates.on_final``), else after the flush; before the norm in both cases. ``step[0]`` is
-    the 0-based step being run. A closure, not an Engine method: the optimizer holding a bound method
-    would keep the engine, and with it the store's mapping, alive after the job drops it (jobs.Release)."""
-    if test.nan_rank < 0 or test.nan_step < 0:
-        return None
-
-    def poison(*units: int) -> None:
-        if last_unit in units:
-            poison_grads(test, dist.get_rank(), step[0] + 1, [store.grad(last_unit)])
-
-    return poison
 
 
 _PEER_FAILED = re.compile(r"(closed|reset) by peer|Broken pipe|Connection refused|remote process exited")
