@@ -102,7 +102,8 @@ def _stage_grads(model: HFModel, store: HostStore, cuts: list[int], ids, labels,
     edges = [0, *cuts, len(model.units)]
     ranges = [range(a, b) for a, b in itertools.pairwise(edges)]
     windows = [
-        Window(store, model.bindings, r, r, 1, "cpu", rows=[0] if rows and 0 in r else []) for r in ranges
+        Window(store, model.bindings, r, 1, "cpu", owned_units=r, rows=[0] if rows and 0 in r else [])
+        for r in ranges
     ]
     scale, total = 1.0 / int((labels != IGNORE_INDEX).sum()), 0.0
     try:
