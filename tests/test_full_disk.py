@@ -9,7 +9,6 @@ is not available, and a file-size rlimit gives EFBIG, not ENOSPC.
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections import namedtuple
 from pathlib import Path
@@ -31,16 +30,11 @@ from nodetrain.store import HostStore, StoreLayout
 
 HF = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
       "intermediate_size": 64, "vocab_size": 128, "max_position_embeddings": 64}  # fmt: skip
-_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 @pytest.fixture
-def writer(tmp_path: Path, shm_dir: Path):
+def writer(tmp_path: Path, shm_dir: Path, one_rank_world):
     """A CheckpointWriter of a tiny model's whole store, rank 0 of a world of one (gloo)."""
-    from bench._engine import init_single_process
-
-    saved, was_up = {k: os.environ.get(k) for k in _ENV}, dist.is_initialized()
-    init_single_process()
     model = HFModel(build_hf_config(ModelConfig(name="t", hf=HF)))
     store = HostStore.create(
         StoreLayout(tuple(u.numel for u in model.units), torch.bfloat16), shm_dir, "disk"
@@ -62,13 +56,6 @@ def writer(tmp_path: Path, shm_dir: Path):
     (tmp_path / "ckpts").mkdir()
     yield w
     w.close(ok=False)
-    if not was_up:
-        dist.destroy_process_group()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
 
 
 def _state(step: int) -> dict:
