@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the tests' job launcher (conftest.py)
 from conftest import job_env, torchrun_cmd  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from nodetrain.config.schema import register_configs, to_typed  # noqa: E402
+from nodetrain.config.registry import register_configs, to_typed  # noqa: E402
 from nodetrain.plan.planner import Plan, make_plan  # noqa: E402
 
 __all__ = ["GB", "MB", "measure", "plan", "err"]

@@ -34,7 +34,8 @@ from hydra import compose, initialize_config_dir
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nodetrain.config.schema import grad_accum_of, register_configs, to_typed, validate  # noqa: E402
+from nodetrain.config.registry import register_configs, to_typed  # noqa: E402
+from nodetrain.config.schema import grad_accum_of, validate  # noqa: E402
 from nodetrain.engine.engine import Engine  # noqa: E402
 from nodetrain.plan.planner import model_of  # noqa: E402
 

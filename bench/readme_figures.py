@@ -236,7 +236,8 @@ def plan_output(command: str) -> str:
     from hydra.core.global_hydra import GlobalHydra
     from rich.console import Console
 
-    from nodetrain.config.schema import CONFIG_DIR, ConfigError, register_configs, to_typed
+    from nodetrain.config.registry import register_configs, to_typed
+    from nodetrain.config.schema import CONFIG_DIR, ConfigError
     from nodetrain.plan.planner import make_plan
     from nodetrain.plan.report import render
 

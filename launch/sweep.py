@@ -27,7 +27,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from nodetrain.config.schema import register_configs, to_typed
+from nodetrain.config.registry import register_configs, to_typed
 from nodetrain.run.jobs import swept_name
 
 __all__ = ["torchrun_command", "quote"]

@@ -48,7 +48,8 @@ from nodetrain.checkpoint import Checkpointing
 from nodetrain.checkpoint.checkpointing import choose_resume
 from nodetrain.checkpoint.state import CheckpointError, config_hash, read_state, step_dir_name, verify_import
 from nodetrain.config.checks import DataError, no_effect
-from nodetrain.config.schema import CONFIG_DIR, Config, grad_accum_of, register_configs, to_typed, validate
+from nodetrain.config.registry import register_configs, to_typed
+from nodetrain.config.schema import CONFIG_DIR, Config, grad_accum_of, validate
 from nodetrain.data import datasets as data
 from nodetrain.data.checks import (
     check_init_vocab,

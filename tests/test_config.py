@@ -18,14 +18,13 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 from nodetrain.config.checks import _FIELD_CHECKS, float_fields, no_effect
+from nodetrain.config.registry import register_configs, to_typed
 from nodetrain.config.schema import (
     HF_KEYS,
     SUPPORTED_ARCHS,
     Config,
     ConfigError,
     grad_accum_of,
-    register_configs,
-    to_typed,
     validate,
 )
 from nodetrain.model import build_hf_config
@@ -363,7 +362,7 @@ def test_rank_resolvers(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (node.rank, node.sub) == (3, None)
 
 
-_PRINT_ID = "from nodetrain.config.schema import run_id; print(run_id())"
+_PRINT_ID = "from nodetrain.config.registry import run_id; print(run_id())"
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -412,7 +411,8 @@ def test_run_id_of_plain_processes_differ() -> None:
 _APP = """
 import logging, os, sys
 import hydra
-from nodetrain.config.schema import register_configs, to_typed, validate
+from nodetrain.config.schema import validate
+from nodetrain.config.registry import register_configs, to_typed
 
 register_configs()
 

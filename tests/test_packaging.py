@@ -30,7 +30,8 @@ def test_wheel_ships_conf_and_the_installed_package_composes_from_it(tmp_path: P
     zipfile.ZipFile(wheel).extractall(site)  # what pip install puts in site-packages
     probe = (
         "from hydra import compose, initialize_config_dir\n"
-        "from nodetrain.config.schema import CONFIG_DIR, register_configs, to_typed, validate\n"
+        "from nodetrain.config.schema import CONFIG_DIR, validate\n"
+        "from nodetrain.config.registry import register_configs, to_typed\n"
         "register_configs()\n"
         "with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base='1.3'):\n"
         "    cfg = to_typed(compose('config'))\n"

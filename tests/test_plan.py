@@ -19,13 +19,12 @@ import pytest
 from conftest import SONNET
 from hydra import compose, initialize_config_dir
 
+from nodetrain.config.registry import register_configs, to_typed
 from nodetrain.config.schema import (
     Config,
     ConfigError,
     HardwareConfig,
     ModelConfig,
-    register_configs,
-    to_typed,
 )
 from nodetrain.plan.planner import host_problems, make_plan
 

@@ -1,27 +1,22 @@
-"""The one config schema: dataclasses registered with Hydra's ConfigStore, and their conversion.
+"""The one config schema: the dataclasses Hydra's ConfigStore holds as ``base_config``.
 
-Owns: field names, types, defaults and units; the Hydra registration and resolvers (``run_id``);
-turning the composed DictConfig into the typed ``Config`` once at the entry point; derived values
-(``grad_accum_of``). Does not own: the start-up checks (nodetrain/config/checks.py; ``validate``,
-``ConfigError``, ``HF_KEYS`` and ``SUPPORTED_ARCHS`` are re-exported here), reading YAML (Hydra
-does), or anything that needs torch.distributed.
+Owns: field names, types, defaults and units; derived values (``grad_accum_of``). The hardware
+profile and planner groups live in nodetrain/config/hardware.py; the registration, the resolvers
+(``run_id``) and ``to_typed`` in nodetrain/config/registry.py. Does not own: the start-up checks
+(nodetrain/config/checks.py; ``validate``, ``ConfigError``, ``HF_KEYS`` and ``SUPPORTED_ARCHS`` are
+re-exported here), reading YAML (Hydra does), or anything that needs torch.distributed.
 """
 
 from __future__ import annotations
 
-import os
-import re
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import psutil
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue
+from omegaconf import MISSING
 
-from nodetrain.config.checks import HF_KEYS, SUPPORTED_ARCHS, ConfigError, check_unknown_keys, validate
+from nodetrain.config.checks import HF_KEYS, SUPPORTED_ARCHS, ConfigError, validate
+from nodetrain.config.hardware import HardwareConfig, PlanConfig
 
 __all__ = [
     "CONFIG_DIR",
@@ -43,9 +38,6 @@ __all__ = [
     "FaultInjectionConfig",
     "TrainConfig",
     "grad_accum_of",
-    "register_configs",
-    "run_id",
-    "to_typed",
     "validate",
 ]
 
@@ -362,76 +354,6 @@ class LoggingConfig:
 
 
 @dataclass
-class HardwareConfig:
-    """One node's hardware, for the planner (``conf/hardware/``); GB = 1e9 bytes. Every YAML names the
-    source of each number in ``source``."""
-
-    name: str = MISSING
-    """Profile name, e.g. ``h100_sxm``."""
-    peak_flops: float = MISSING
-    """Dense bf16 peak of one device (one GPU; on a CPU profile the whole CPU), FLOP/s."""
-    matmul_efficiency: float = 0.6
-    """Fraction of ``peak_flops`` (``fp32_flops`` in fp32) the model's matmuls reach (an assumption the
-    planner prints), (0, 1]."""
-    fp32_flops: float = 0.0
-    """Dense fp32 matmul FLOP/s of one device (on a CPU profile the whole CPU) at torch's default
-    precision (no TF32 on CUDA), priced when ``train.dtype=float32``; 0 = ``peak_flops``."""
-    attention_flops: float = 0.0
-    """FLOP/s of causal attention (SDPA, forward and backward) of one device in bf16/fp16, counted as
-    the planner counts it (4·n·T·H·Q per forward; ``bench/cpu_profile.py``); 0 = at the matmuls' rate."""
-    fp32_attention_flops: float = 0.0
-    """``attention_flops`` in fp32; 0 = at the fp32 matmuls' rate."""
-    device_memory_bandwidth_gbps: float = 0.0
-    """What one device's elementwise kernels (norms, activations, softmax) stream at, GB/s: a GPU's
-    memory bandwidth; on a CPU profile one core's rate on activations (``bench/cpu_profile.py``), 0 =
-    ``core_memory_bandwidth_gbps``. 0 on a GPU profile: elementwise work not priced."""
-    layer_overhead_s: float = 0.0
-    """Seconds per decoder layer and micro-batch (forward, recompute, backward) that do not shrink
-    with the layer: Python, autograd, kernel dispatch (``bench/cpu_profile.py``, on a CPU profile).
-    0 on GPU profiles: the host issues kernels ahead of the device, which hides it."""
-    device_memory_gb: float = MISSING
-    """Memory of one GPU, GB; 0 on a CPU profile (the "device" window then lives in host memory)."""
-    host_link_gbps: float = MISSING
-    """Host↔device bandwidth of one device, per direction, GB/s (PCIe; a memcpy on a CPU profile)."""
-    host_memory_gb: float = MISSING
-    """Host RAM of the node, GB."""
-    host_memory_bandwidth_gbps: float = MISSING
-    """Host memory bandwidth of the node (all sockets), GB/s; bounds the CPU optimizer."""
-    cores: int = MISSING
-    """CPU cores of the node (≥ 1); each rank gets cores / ranks, split between the gradient
-    accumulation and the optimizer as the engine splits them (``host_threads.split_cores``)."""
-    core_memory_bandwidth_gbps: float = 10.0
-    """What one core's stream of loads and stores reaches, GB/s (a one-thread STREAM triad,
-    ``bench/cpu_profile.py --threads 1``); a team of k threads reaches k × this, at most the rank's
-    share of ``host_memory_bandwidth_gbps``."""
-    gpus_per_node: int = MISSING
-    """GPUs of the node; 0 = no accelerator (stages are CPU processes)."""
-    device_names: list[str] = field(default_factory=list)
-    """``torch.cuda.get_device_name()`` of the profile's GPU (case-insensitive, exact): a run on such
-    a GPU measures MFU against this profile's ``peak_flops`` (see ``breakdown.select_peak_flops``)."""
-    source: str = ""
-    """Where each number comes from (datasheet names/URLs, or the measuring script)."""
-
-
-@dataclass
-class PlanConfig:
-    """Planner settings (``python -m nodetrain.plan``) and the training start-up memory check."""
-
-    rank_overhead_gb: float = 0.5
-    """Host RAM per rank beyond the host store, the window and the D2H staging buffers (interpreter,
-    torch, transformers, gloo, kept heap), GB. Measured per CPU rank by ``bench/plan_accuracy.py``:
-    0.28-0.29 GB; the default leaves room for a CUDA rank's context (raise it if that is larger)."""
-    device_reserve_gb: float = 2.0
-    """Device memory the planner keeps free (CUDA context, allocator slack), GB."""
-    overlap_optimizer: bool = True
-    """Plan with the CPU optimizer overlapped with device work (False: added after each step)."""
-    train_tokens: float = 0.0
-    """Tokens to train for; 0 = 20 × parameters (Chinchilla, arXiv:2203.15556)."""
-    days: float = 0.0
-    """When > 0, also report the nodes needed to train ``train_tokens`` within this many days."""
-
-
-@dataclass
 class CheckpointConfig:
     """When and where training state is saved, and what a run resumes from (``nodetrain/checkpoint/``).
 
@@ -498,84 +420,6 @@ class Config:
     seed: int = 1234
     """Seeds the random init, the data order (sampling is a pure function of seed and step) and each
     rank's RNGs (dropout) at step 0."""
-
-
-# ----------------------------------------------------------------------------- Hydra registration
-
-
-def _start_time(pid: int) -> str:
-    """Creation time of process ``pid`` as ``YYYY-mm-dd_HH-MM-SS`` (local time)."""
-    return datetime.fromtimestamp(psutil.Process(pid).create_time()).strftime("%Y-%m-%d_%H-%M-%S")
-
-
-_UNSAFE = re.compile(r"[^-\w.]")
-
-
-def run_id() -> str:
-    """A run id that every rank of one torchrun launch on a node computes identically, race-free.
-
-    Hydra's ``${now:}`` is resolved by each rank at its own instant and can straddle a second; the
-    start time of the shared parent (the torchrun agent) cannot.
-
-    Returns:
-        ``$NODETRAIN_RUN_ID`` when set (the multi-node launchers set it once for every node, whose
-        torchrun agents start at different instants); else ``<parent start>_<TORCHELASTIC_RUN_ID>``
-        when torchrun set a rendezvous id (not ``none``); else ``<parent start>_p<ppid>`` under
-        torchrun (``LOCAL_RANK`` set); else, for a plain ``python`` process, ``<own start>_p<pid>``.
-    """
-    if given := os.environ.get("NODETRAIN_RUN_ID", ""):
-        return _UNSAFE.sub("_", given)
-    rdzv_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    if rdzv_id and rdzv_id.lower() != "none":
-        return f"{_start_time(os.getppid())}_{_UNSAFE.sub('_', rdzv_id)}"
-    pid = os.getppid() if "LOCAL_RANK" in os.environ else os.getpid()
-    return f"{_start_time(pid)}_p{pid}"
-
-
-def _rank() -> int:
-    """Global rank from the ``RANK`` env var torchrun sets; 0 outside torchrun."""
-    return int(os.environ.get("RANK", "0"))
-
-
-def _rank0_only(value: Any) -> Any:
-    """``value`` on global rank 0, ``None`` elsewhere (``hydra.output_subdir: null`` = no snapshot)."""
-    return value if _rank() == 0 else None
-
-
-def _rank0_else(on_rank0: Any, elsewhere: Any) -> Any:
-    """``on_rank0`` on global rank 0, ``elsewhere`` on the other ranks (e.g. the console log level)."""
-    return on_rank0 if _rank() == 0 else elsewhere
-
-
-def register_configs() -> None:
-    """Store ``Config`` in Hydra's ConfigStore as ``base_config`` and register the resolvers.
-
-    Call once before ``@hydra.main`` or ``compose`` runs; calling again is harmless. Resolvers:
-    ``${nt_run_id:}`` (see ``run_id``), ``${nt_rank:}`` (global rank), ``${nt_rank0_only:x}``
-    (``x`` on rank 0, null elsewhere) and ``${nt_rank0_else:x,y}`` (``x`` on rank 0, ``y`` elsewhere).
-    """
-    ConfigStore.instance().store(name="base_config", node=Config)
-    OmegaConf.register_new_resolver("nt_run_id", run_id, replace=True)
-    OmegaConf.register_new_resolver("nt_rank", _rank, replace=True)
-    OmegaConf.register_new_resolver("nt_rank0_only", _rank0_only, replace=True)
-    OmegaConf.register_new_resolver("nt_rank0_else", _rank0_else, replace=True)
-
-
-def to_typed(dict_config: DictConfig) -> Config:
-    """Convert the composed config to the typed ``Config`` (once, at the entry point).
-
-    Raises:
-        ConfigError: a mandatory value (``???``) was never set (e.g. ``model.name``), or a key that
-            is not in the schema was forced in with ``+key=value``.
-    """
-    try:
-        cfg = OmegaConf.to_object(dict_config)
-    except MissingMandatoryValue as e:
-        key = getattr(e, "full_key", "?")
-        raise ConfigError(f"{key}=???: missing value; set it in a YAML or on the command line") from e
-    assert isinstance(cfg, Config), f"expected a Config, got {type(cfg).__name__}"
-    check_unknown_keys(cfg)
-    return cfg
 
 
 def grad_accum_of(cfg: Config, num_replicas: int = 1) -> int:

@@ -9,7 +9,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from nodetrain.config.schema import CONFIG_DIR, ConfigError, register_configs, to_typed
+from nodetrain.config.registry import register_configs, to_typed
+from nodetrain.config.schema import CONFIG_DIR, ConfigError
 from nodetrain.plan.planner import make_plan
 from nodetrain.plan.report import render
 
