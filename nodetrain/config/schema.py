@@ -215,6 +215,10 @@ class StreamConfig:
     store's fp32 accumulators; 0 = auto: the rank's core share (cores of its GPU's NUMA node, or of
     the node, over the ranks sharing them) minus ``optim.threads`` (auto: half, rounded up). Logged at
     start-up, independent of the ``OMP_NUM_THREADS=1`` torchrun sets."""
+    offload_activations: bool = False
+    """Send each block's saved input of an in-flight micro-batch D2H after its forward and bring it
+    back H2D before its backward, prefetched like weights: device memory then holds the saved inputs
+    of about two micro-batches instead of every micro-batch in flight. Exact either way."""
 
 
 @dataclass
@@ -288,6 +292,16 @@ class StoreConfig:
     """At start-up, remove store files in ``dir`` whose creator process is dead (a run killed with
     ``kill -9`` before every rank had mapped its store), logging path, size and pid; False = only
     report them. A store whose creator is alive is never touched."""
+    tier: str = "ram"
+    """Where the fields only the optimizer touches live (``full``: fp32 master, ``exp_avg``,
+    ``exp_avg_sq``; ``lean``: the quantized moments and their absmax): ``ram`` = in the host store;
+    ``nvme`` = in files under ``tier_dir`` (one set per node), read ahead of each unit's update and
+    written back behind it through ``tier_buffers`` host buffers. Exact either way."""
+    tier_dir: str = ""
+    """Directory of the tier's files with ``tier=nvme`` (a local NVMe filesystem); required then."""
+    tier_buffers: int = 4
+    """Host buffers (each holds one unit's tier fields) the optimizer thread reads ahead into and
+    writes back from with ``tier=nvme``, ≥ 2."""
 
 
 @dataclass
