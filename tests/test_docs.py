@@ -167,6 +167,7 @@ def test_no_text_says_the_design_lives_outside_the_repository() -> None:
 # --- module paths in docstrings and comments --------------------------------------------------
 
 _PATH = re.compile(r"(?<![\w/.<*-])((?:[\w-]+/)*[A-Za-z_]\w*\.py)\b")
+_PAGE = re.compile(r"(?<![\w/.-])(docs/[\w-]+\.md|bench/RESULTS\.md)")
 _PY_NAMES = {p.name for d in ("nodetrain", "bench", "tests", "launch") for p in (ROOT / d).rglob("*.py")}
 
 
@@ -196,6 +197,10 @@ def _resolves(ref: str, where: Path) -> bool:
     return any((base / ref).is_file() for base in bases)
 
 
+def _page_exists(ref: str) -> bool:
+    return (ROOT / ref).is_file() or Path(ref).name in PENDING
+
+
 def _prose(path: Path):
     """(line, text) of every string and comment of a Python file."""
     for tok in tokenize.generate_tokens(io.StringIO(path.read_text(encoding="utf-8")).readline):
@@ -204,8 +209,8 @@ def _prose(path: Path):
 
 
 def missing_modules(paths) -> list[str]:
-    """``file:line: ref`` for each module path named in the strings/comments (``.py``) or code spans
-    (``.md``) of ``paths`` that does not exist."""
+    """``file:line: ref`` for each module path (or docs/ page) named in the strings/comments (``.py``)
+    or code spans (``.md``) of ``paths`` that does not exist."""
     bad = []
     for path in paths:
         if path.suffix == ".py":
@@ -214,8 +219,9 @@ def missing_modules(paths) -> list[str]:
             text = path.read_text(encoding="utf-8")
             chunks = ((text[: m.start()].count("\n") + 1, m[1]) for m in re.finditer(r"`([^`\n]+)`", text))
         for line, chunk in chunks:
-            refs = [m[1] for m in _PATH.finditer(chunk)]
-            bad += [f"{_rel(path)}:{line}: {ref}" for ref in refs if not _resolves(ref, path)]
+            refs = [m[1] for m in _PATH.finditer(chunk) if not _resolves(m[1], path)]
+            refs += [m[1] for m in _PAGE.finditer(chunk) if not _page_exists(m[1])]
+            bad += [f"{_rel(path)}:{line}: {ref}" for ref in refs]
     return bad
 
 
@@ -229,12 +235,15 @@ def test_no_page_names_a_missing_module() -> None:
 
 def test_a_renamed_module_is_reported(tmp_path) -> None:
     probe = tmp_path / "probe.py"
-    text = '"""Reads stream.py; see nodetrain/engine/stream.py and engine/window.py."""\n# optim.py\n'
+    text = (
+        '"""Reads stream.py; see nodetrain/engine/stream.py and engine/window.py."""\n# optim.py, docs/x.md\n'
+    )
     probe.write_text(text)
     assert missing_modules([probe]) == [
         "probe.py:1: stream.py",
         "probe.py:1: nodetrain/engine/stream.py",
         "probe.py:2: optim.py",
+        "probe.py:2: docs/x.md",
     ]
 
 
