@@ -252,9 +252,10 @@ def main() -> None:
         f"store.dir={store_dir}",
         "optim.warmup_steps=2",
     ]
-    if args.dry_run:  # a small real text (this repo's README) tokenizes in a second
+    if args.dry_run:  # a small real text (this repo's README and docs/) tokenizes in seconds
         corpus = args.out / "corpus.txt"
-        shutil.copyfile(ROOT / "README.md", corpus)
+        pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # ~110 KB of text
+        corpus.write_text("\n".join(p.read_text(encoding="utf-8") for p in pages), encoding="utf-8")
         common += [f"model.hf.{k}={v}" for k, v in DRY_RUN_HF.items()]
         common += [f"data.source={corpus}", "data.vocab_size=300"]
     elif args.peak_flops:

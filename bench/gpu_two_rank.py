@@ -3,7 +3,7 @@
     python bench/gpu_two_rank.py --out results/             # on the GPU machine (bench/gpu_check.sh)
     python bench/gpu_two_rank.py --out /tmp/r --dry-run     # CPU: the same two launches on gloo
 
-Trains a tiny Llama (hidden 64, 2 layers; this repo's README as the corpus) in fp32 with 1F1B,
+Trains a tiny Llama (hidden 64, 2 layers; this repo's README and docs/ as the corpus) in fp32 with 1F1B,
 4 micro-batches, for 5 steps, twice from the same seed and data: ``torchrun --nproc_per_node 1``
 (the default backend: NCCL on a GPU, so the step's all-reduce runs on the device) and
 ``torchrun --nproc_per_node 2 dist.backend=gloo``: two stages sharing the one GPU. NCCL refuses
@@ -57,7 +57,8 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     corpus = args.out / "corpus.txt"
-    shutil.copyfile(ROOT / "README.md", corpus)
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # ~110 KB of text
+    corpus.write_text("\n".join(p.read_text(encoding="utf-8") for p in pages), encoding="utf-8")
     store_dir = tempfile.mkdtemp(prefix="nt-two-rank-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     common = [*TINY, f"data.source={corpus}", f"data.dir={args.out / 'data'}", f"store.dir={store_dir}"]
     t0 = time.monotonic()

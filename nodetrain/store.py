@@ -5,7 +5,7 @@ accumulator, AdamW ``exp_avg`` / ``exp_avg_sq``, the compute-dtype transfer copy
 tied embedding a second gradient accumulator for its use on another stage), creating the file
 once per node, mapping it in every rank, page-locking (CUDA) only the transfer copies a rank
 loads, and removing it on every exit path.
-Does not own: what the numbers mean (optim.py, model/).
+Does not own: what the numbers mean (optim/, model/).
 
 Lifecycle: local rank 0 removes stores of dead runs and creates ``nodetrain-<run id>-<pid>.store``
 at its full size without allocating its pages, the other ranks map it, each rank allocates the

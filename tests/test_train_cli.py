@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TINY_RUN, torchrun_cmd
+from test_docs import undocumented_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [*TINY_RUN, "train.eval_batches=1"]
@@ -49,6 +50,7 @@ def test_two_ranks_one_run_dir_with_metrics_logs_and_wandb(tmp_path, corpus):
         assert {"mfu", "tflops", "compute_s", "h2d_gbps", "stage0/stall_s", "stage1/bubble_s"} <= r.keys()
         assert r["tokens"] == 2 * 2 * 16  # micro-batches × micro-batch size × seq_len, no padding
     assert records[0]["step"] == 0 and "val_loss" in records[0]
+    assert undocumented_metrics({k for r in records for k in r}) == [], "fields docs/metrics.md lacks"
     assert "val_loss" in steps[1] and "val_loss" in steps[2]
     assert (run / "rank0.log").is_file() and (run / "rank1.log").is_file()
     assert "stage 1/2" in (run / "rank1.log").read_text()

@@ -102,7 +102,7 @@ class Checkpointing:
         model: the run's model.
         data_dir: the prepared dataset, whose tokenizer every checkpoint carries (None: no tokenizer).
         tokenizer_dir: the tokenizer directory the run uses (``data.tokenizer``, or ``model.init_from``'s
-            by default; see ``data_checks.run_data_config``): its special tokens and chat template.
+            by default; see ``nodetrain.data.checks.run_data_config``): its special tokens and chat template.
         ckpt_dir: where checkpoints are read and written (default ``checkpoint.dir``, else
             ``<run_dir>/checkpoints``; outputs.py finds another run's for ``resume=auto``).
         resume_path: the checkpoint to resume (:func:`choose_resume` on rank 0, the same on every

@@ -2,7 +2,7 @@
 
 transformers 5 holds a mixture of experts' weights stacked in the module (``experts.gate_up_proj``
 [E, 2I, D], ``experts.down_proj`` [E, D, I]), but its checkpoints — the hub's, and what its own
-``save_pretrained`` writes (``conversion_mapping.py`` reverts the fusion on save, 5.17 to 5.24
+``save_pretrained`` writes (``transformers/conversion_mapping.py`` reverts the fusion on save, 5.17 to 5.24
 alike) — hold one tensor per expert and projection, under transformers 4's module names:
 
     Qwen3-MoE, DeepSeek-V3  mlp.experts.<e>.gate_proj.weight [I, D], .up_proj.weight [I, D],

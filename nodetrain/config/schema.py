@@ -267,7 +267,7 @@ class OptimConfig:
     speculates only if that is 2% faster and the backups fit the node's available RAM; one log line
     gives the figures and the choice (engine/update_choice.py). Ignored without clipping. Off by
     default: the model predicts deferred updates expose less on the default job and on the 3B
-    streamed benchmark (README, "The optimizer"); exact either way."""
+    streamed benchmark (docs/optimizer.md); exact either way."""
     threads: int = 0
     """CPU threads (an OpenMP team) for the AdamW update; 0 = auto: half the rank's core share,
     rounded up (the rest goes to ``stream.accum_threads``; see nodetrain/engine/host_threads.py)."""
@@ -372,7 +372,7 @@ class CheckpointConfig:
     """When and where training state is saved, and what a run resumes from (``nodetrain/checkpoint/``).
 
     A checkpoint ``<dir>/step-N/`` is a Hugging Face model directory (``from_pretrained`` loads it)
-    plus the fp32 resume state and ``trainer_state.json``; see the README's "Checkpoints and resume".
+    plus the fp32 resume state and ``trainer_state.json``; see docs/checkpoints.md.
     """
 
     enable: bool = True

@@ -14,11 +14,8 @@ a conversation are the assistant's (chat.py).
     train = RecordsDataset.open(rows_dir, "train")             # every rank
     x, y, pos = train.batch(seed, step, num_rows)              # [num_rows, T] each
 
-BOS and EOS, one rule: a document is tokenized once into what a model sees at inference. A text (or
-prompt + completion, one text) gets one BOS where the tokenizer's single-sequence encoding has one
-(``data.add_bos`` true/false forces it) and one EOS at the end (the one its post-processor appends,
-else its eos), none in between; a conversation is exactly ``apply_chat_template(tokenize=True)``:
-the template writes its own BOS and turn terminators.
+BOS and EOS: a document is tokenized once into what a model sees at inference (the rule in full:
+docs/checkpoints.md, "Fine-tuning on chat or instruction data").
 """
 
 from __future__ import annotations

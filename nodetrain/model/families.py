@@ -20,10 +20,7 @@ Everything inside a decoder layer (extra norms, q/k norms, fused projections, at
 per-layer sliding windows, NoPE layers, experts and routers) is transformers' own module, bound
 per call. Does not own: units, templates and compute (hf.py), the router auxiliary loss (moe.py).
 
-Known differences from transformers' own models, both on packed rows (position ids restarting per
-document): GPT-OSS builds its masks without position ids, so transformers' model attends across
-documents where nodetrain's never does; DeepSeek-V3's attention fails inside transformers (sdpa) on
-packed position ids in 5.24, in nodetrain as in transformers.
+Known differences from transformers' own models on packed rows (GPT-OSS, DeepSeek-V3): docs/models.md.
 """
 
 from __future__ import annotations

@@ -21,11 +21,8 @@ routers outside the layer: the load-balancing loss, chosen by ``model.router_aux
   of the micro-batch counts (the engine has no padding mask: transformers' value without
   ``attention_mask``). The reported loss is the cross-entropy alone.
 
-Why the pooled form is refused: transformers' ``load_balancing_loss_func`` concatenates the router
-logits of *all* layers of one forward, ``E · Σ_e F_e · P̄_e`` with F and P̄ averaged over every
-layer, so each layer's gradient needs the assignment counts of the layers of other stages (and
-of later layers, before its own backward); it is also taken per forward over the whole batch.
-nodetrain computes neither exactly, so it says so rather than train another objective.
+The pooled form is refused: each layer's gradient would need the router counts of other stages'
+layers (the reason in full: docs/models.md).
 
 Shapes: N = tokens of a micro-batch (B × T), E = routed experts, k = experts per token.
 """

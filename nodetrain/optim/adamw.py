@@ -176,7 +176,7 @@ class StoreAdamW:
         chunk is still in cache. The kernel *divides* gradients by its ``grad_scale``, so it gets
         ``1 / grad_scale`` (≤ 1 ulp from multiplying; none when ``grad_scale`` is a power of two), and
         writes the scaled gradient back, as ``g.mul_(grad_scale)`` did. The gradient accumulator is
-        otherwise left as is: the next step's first offload into it overwrites it (stream.py).
+        otherwise left as is: the next step's first offload into it overwrites it (engine/window.py).
 
         Args:
             unit: an owned unit's index.
