@@ -108,7 +108,7 @@ def _stream_two_steps(
     try:
         if cuda:  # CUDA only: the copies' own streams, page-locked memory both ways (CPU has neither)
             compute = torch.cuda.current_stream()
-            assert window._h2d._stream is not None and window._h2d._stream != compute
+            assert window.h2d._stream is not None and window.h2d._stream != compute
             assert window._staging.stream is not None and window._staging.stream != compute
             assert window._staging.pinned and store.compute(0).is_pinned()
         sequence = [0, 1, 2, 2, 1, 0]
