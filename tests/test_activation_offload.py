@@ -6,9 +6,11 @@ each job: a backward that did not wait for its inputs' prefetch would read unfil
 
 * a run with the offload equals the run without it bit for bit: every step's loss and gradient
   norm, every unit's gradient in the host store after every step and the master weights after the
-  last, for GPipe (two rounds of micro-batches: the backward order spans rounds) and 1F1B;
+  last, for GPipe (two rounds of micro-batches: the backward order spans rounds) and 1F1B (where
+  each prefetch is queued behind the weight loads of its backward's first blocks, so only its own
+  wait orders it: without it the recompute reads a tensor the copy is still writing);
 * the bytes it moves each way per step are every saved input of every micro-batch once (closed
-  form: micro-batches × ``saved_per_microbatch`` × B·T·D·4);
+  form: micro-batches × (2 layer inputs + the head's input gradient) × B·T·D·4);
 * the saved inputs alive on the device at once (``saved_peak_bytes``: weak references to each saved
   tensor, from the forward that makes it, or the prefetch that brings it back, until it is freed)
   are M micro-batches' worth without the offload (GPipe: M in flight) and at most two with it,
@@ -27,11 +29,12 @@ import torch
 from conftest import single_process_world
 
 from bench._engine import base_config, model_config
-from nodetrain.engine.activations import saved_per_microbatch
 from nodetrain.engine.engine import Engine
 from nodetrain.model import HFModel, build_hf_config
 
 V, T, B, D = 256, 8, 2, 32
+SAVED = 3
+"""Tensors a forward saves per micro-batch: the 2 layers' inputs and the head's input gradient."""
 HF = {"hidden_size": D, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
       "intermediate_size": 64, "attention_dropout": 0.1}  # fmt: skip
 STEPS = 3
@@ -89,8 +92,8 @@ def test_offload_is_bit_exact(shm_dir, schedule: str, accum: int, m: int) -> Non
             assert torch.equal(ga[name], gb[name]), name
     for name in off["master"]:
         assert torch.equal(off["master"][name], on["master"][name]), name
-    # every saved input (2 layer inputs and the head's input gradient) left and came back once
-    per_step = n * saved_per_microbatch(range(4), True) * B * T * D * 4
+    # every saved input left and came back once
+    per_step = n * SAVED * B * T * D * 4
     for r in on["steps"]:
         assert r.breakdown["stage0/act_d2h_bytes"] == r.breakdown["stage0/act_h2d_bytes"] == per_step
 
@@ -102,7 +105,7 @@ def _saved_peak(shm_dir, m: int, offload: bool) -> int:
 
 
 def test_saved_inputs_on_the_device_stay_within_two_microbatches(shm_dir) -> None:
-    per_mb = saved_per_microbatch(range(4), True) * B * T * D * 4  # 3 tensors of [B, T, D] fp32
+    per_mb = SAVED * B * T * D * 4  # [B, T, D] fp32 each
     for m in (2, 6):
         assert _saved_peak(shm_dir, m, offload=False) == m * per_mb  # GPipe: all M in flight
         assert per_mb <= _saved_peak(shm_dir, m, offload=True) <= 2 * per_mb
