@@ -12,7 +12,8 @@
 # Steps (all always run; each one's figures go into RESULTS_DIR/check.json):
 # 1. gpu_tests: `pytest -m gpu` (the CUDA cases of tests/test_gpu.py, whose CPU cases run in the
 #    suite: CUDA parity in fp32, side-stream copies, a slot reloaded only after its reads with no
-#    host sync before release(), the D2H staging wait, CUDA timeline), ≤ 150 s, log and JUnit XML;
+#    host sync before release(), the D2H staging wait, saved inputs' round trip through pinned host
+#    buffers (stream.offload_activations), CUDA timeline), ≤ 150 s, log and JUnit XML;
 # 2. copy_bandwidth: bench/copy_bandwidth.py, H2D from the page-locked store and D2H through the
 #    pinned staging, next to pageable copies, ≤ 60 s;
 # 3. two_rank: bench/gpu_two_rank.py, 2 ranks (two stages) sharing the one GPU with

@@ -8,7 +8,8 @@ an independent reference. One spec (JSON) describes the run:
      "model_dir": "<save_pretrained dir>" | null (random init),
      "batch_file": "<safetensors with inputs, labels: int64 [steps, N, B, T]>",
      "out_dir": "<dir>", "run_id": "<names the store file>", "memory_report": false,
-     "device": "cpu" | "cuda", "export_state": false}
+     "device": "cpu" | "cuda", "export_state": false, "export_grads": false,
+     "variants": {"<name>": {...overrides on top of "overrides"}, ...} | absent}
 
 Writes, under ``out_dir``:
     weights_rank<r>.safetensors  the fp32 master weights of the units rank r owns, by HF name
@@ -20,7 +21,13 @@ Writes, under ``out_dir``:
     state_rank<r>.safetensors    with ``export_state``: AdamW's ``<HF name>.exp_avg`` and
                                  ``<HF name>.exp_avg_sq`` of the units rank r owns;
     steps.json                   (rank 0) per step: loss, grad_norm, lr, tokens, skipped, and the
-                                 step's breakdown of every stage (see nodetrain/run/breakdown.py).
+                                 step's breakdown of every stage (see nodetrain/run/breakdown.py);
+    grads_rank<r>.safetensors    with ``export_grads``: ``<step>.<unit name>``, each unit's flat
+                                 fp32 gradient in the host store after that step.
+
+With ``variants`` each named variant trains a fresh engine in turn (the same process group, the
+store's name suffixed) and writes those files under ``out_dir/<name>/``; the global RNG is seeded
+before each run's first step, so runs with dropout draw the same numbers.
 
     python -m torch.distributed.run --nproc_per_node 2 --master_port 29511 tests/parity_worker.py spec.json
 
@@ -104,12 +111,22 @@ def _store_mapping(store_dir: str) -> dict | None:
 
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    out = Path(spec["out_dir"])
     device = torch.device("cpu")
     if spec.get("device") == "cuda":  # gpu-marked tests: NCCL, one GPU per rank
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    variants = spec.get("variants") or {"": {}}
+    for name, overrides in variants.items():  # one engine after the other, in this process group
+        out = Path(spec["out_dir"]) / name
+        out.mkdir(exist_ok=True)
+        run_id = f"{spec['run_id']}-{name}" if name else spec["run_id"]
+        _run({**spec, "overrides": {**spec["overrides"], **overrides}, "run_id": run_id}, out, device)
+    dist.destroy_process_group()
+
+
+def _run(spec: dict, out: Path, device: torch.device) -> None:
+    """Train the engine ``spec`` describes and write its files under ``out`` (module docstring)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # nothing here should depend on it; fixed anyway
     cfg = _config(spec)
@@ -142,9 +159,13 @@ def main(spec_path: str) -> None:
         init_from=init_from,
         topology=Topology.from_env(cfg.pipeline.stages),
     )
-    steps = []
+    steps, grads = [], {}
+    torch.manual_seed(0)  # dropout's random numbers: the same for every variant (start-up may draw)
     for step in range(cfg.train.steps):
         r = engine.train_step(step, inputs[step], labels[step])
+        if spec.get("export_grads"):
+            engine.wait_optimizer()
+            grads.update({f"{step}.{u.name}": engine.store.grad(u.index).clone() for u in engine.units})
         steps.append(
             {
                 "loss": r.loss,
@@ -175,6 +196,8 @@ def main(spec_path: str) -> None:
                 bound = engine.store.master(b.unit)[b.offset : b.offset + b.numel]
                 weights["lm_head.weight"] = bound.view(b.shape).clone()
     save_file(weights, str(out / f"weights_rank{rank}.safetensors"))
+    if spec.get("export_grads"):
+        save_file(grads, str(out / f"grads_rank{rank}.safetensors"))
     report = {
         "units": [u.name for u in engine.units],
         "resident": [model.units[i].name for i in engine.window.resident],
@@ -199,7 +222,6 @@ def main(spec_path: str) -> None:
         (out / "steps.json").write_text(json.dumps(steps))
     dist.barrier()  # keep every rank's mapping alive until all have measured
     engine.close()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

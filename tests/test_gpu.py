@@ -15,6 +15,8 @@ CPU meaning (side streams, page-locked memory) is guarded by the device. What is
   accumulate stale staging contents, and the companion test shows that it does);
 - a slot is reloaded only after the compute reading it finished, with no host sync before
   ``release()`` (a GPU sleep delays the reads; the companion test removes the wait and sees it fail);
+- saved block inputs go to host buffers (page-locked, D2H after the compute making them) and come
+  back exact through the H2D worker (a missing prefetch wait reads unfilled memory, its companion);
 - the timeline attributes a host-side wait to its phase and the phases sum to the step;
 - the measured matmul peak is a plausible figure for the device.
 The companions that remove the slot-reuse and D2H event waits run on CUDA only: on CPU, compute has
@@ -29,8 +31,10 @@ import time
 import pytest
 import torch
 
+import nodetrain.engine.activations as activations
 import nodetrain.engine.staging as staging
 import nodetrain.engine.window as stream
+from nodetrain.engine.activations import SavedOffload
 from nodetrain.engine.copy_worker import CopyWorker
 from nodetrain.engine.window import Window
 from nodetrain.model import Binding
@@ -108,7 +112,7 @@ def _stream_two_steps(
     try:
         if cuda:  # CUDA only: the copies' own streams, page-locked memory both ways (CPU has neither)
             compute = torch.cuda.current_stream()
-            assert window._h2d._stream is not None and window._h2d._stream != compute
+            assert window.h2d._stream is not None and window.h2d._stream != compute
             assert window._staging.stream is not None and window._staging.stream != compute
             assert window._staging.pinned and store.compute(0).is_pinned()
         sequence = [0, 1, 2, 2, 1, 0]
@@ -263,6 +267,46 @@ def test_a_missing_d2h_wait_would_be_caught(shm_dir, monkeypatch, device: str) -
     monkeypatch.setattr(staging.Staged, "wait", lambda self: self._views)
     got = _offload_slowly(shm_dir, monkeypatch, device)
     assert not torch.equal(got, torch.full_like(got, OFFLOADS * (OFFLOADS + 1) / 2))
+
+
+def _saved_round_trip(device: str, delay_s: float = COPY_DELAY_S) -> list[bool]:
+    """Three micro-batches of two saved inputs ([2, 8, 32] bf16 of value 10·mb + k, made by compute
+    queued behind a GPU sleep on CUDA, so the D2H must wait for it and the freed input's memory
+    must not be handed out before its copy ran) through ``SavedOffload`` (activations.py): put, done,
+    then taken in order with the H2D worker slowed by ``delay_s``. Returns, per taken tensor,
+    whether it holds what was put (read right after ``take``)."""
+    cuda, ok = device == "cuda", []
+    h2d = CopyWorker(
+        "h2d", torch.cuda.Stream() if cuda else None, device, faults=Faults(copy_delay_s=delay_s)
+    )
+    saved = SavedOffload(6, 2 * 8 * 32, torch.bfloat16, device, [0, 1, 2], h2d)
+    try:
+        if cuda:  # page-locked host buffers, copies on side streams
+            assert saved._staging.pinned and saved._staging.stream != torch.cuda.current_stream()
+        for mb in range(3):
+            for k in range(2):
+                _gpu_sleep(device)
+                saved.put(mb, torch.zeros(2, 8, 32, dtype=torch.bfloat16, device=device) + (10 * mb + k))
+            saved.done(mb)
+        for mb in range(3):
+            ok += [bool(torch.all(t == 10 * mb + k).item()) for k, t in enumerate(saved.take(mb))]
+    finally:
+        h2d.shutdown()
+        saved.close()
+    return ok
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_saved_inputs_come_back_exact(device: str) -> None:
+    assert _saved_round_trip(device) == [True] * 6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_missing_prefetch_wait_would_be_caught(device: str, monkeypatch) -> None:
+    """The check above can fail: without ``take``'s wait for the prefetch, the slowed H2D worker
+    has not filled the device tensors when they are read."""
+    monkeypatch.setattr(activations, "wait_copy", lambda fut: None)
+    assert _saved_round_trip(device, delay_s=0.05) != [True] * 6
 
 
 @pytest.mark.parametrize("device", DEVICES)

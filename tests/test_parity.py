@@ -305,6 +305,15 @@ class Run:
 def run_nodetrain(
     case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs, labels, torchrun, device: str = "cpu"
 ) -> Run:
+    out_dir = tmp / "out"
+    spec_file = write_spec(case, tmp, shm_dir, model_dir, inputs, labels, device=device)
+    torchrun(case.stages, WORKER, str(spec_file), timeout_s=150)
+    return read_run(case, out_dir)
+
+
+def write_spec(case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs, labels, **extra) -> Path:
+    """The batch file and parity_worker.py's spec for ``case`` under ``tmp`` (output in ``tmp/out``);
+    ``extra`` goes into the spec as is (``device``, ``variants``, ``export_grads``)."""
     batch_file, out_dir = tmp / "batch.safetensors", tmp / "out"
     out_dir.mkdir()
     save_file({"inputs": inputs, "labels": labels}, str(batch_file))
@@ -337,11 +346,16 @@ def run_nodetrain(
         "batch_file": str(batch_file),
         "out_dir": str(out_dir),
         "run_id": f"parity-{case.id}",
-        "device": device,
+        "device": "cpu",
+        **extra,
     }
     spec_file = tmp / "spec.json"
     spec_file.write_text(json.dumps(spec))
-    torchrun(case.stages, WORKER, str(spec_file), timeout_s=150)
+    return spec_file
+
+
+def read_run(case: Case, out_dir: Path) -> Run:
+    """What parity_worker.py wrote under ``out_dir`` for ``case``."""
     weights, units, resident = {}, [], []
     for rank in range(case.stages):
         part = load_file(str(out_dir / f"weights_rank{rank}.safetensors"))
@@ -477,3 +491,55 @@ def check_parity(case: Case, tmp_path: Path, shm_dir: Path, torchrun, device: st
         names = [n for n in wrong.weights if variant != "decay_biases" or n.endswith(".bias")]
         gap = _max_diff({n: run.weights[n] for n in names}, {n: wrong.weights[n] for n in names})
         assert gap > 100 * ATOL_WEIGHT, f"{variant}: the engine is within {gap:.2e} of a wrong reference"
+
+
+# ----------------------------------------------------------------------------- activation offload
+
+OFFLOAD_CASE = Case("llama-2stage-dropout-offload", "LlamaForCausalLM", 2, "1f1b", 2, 1, 4, delay_s=0.003,
+                    hf={"attention_dropout": 0.1})  # fmt: skip
+"""Attention dropout (each recompute replays its forward's random numbers), a slowed H2D worker
+(a backward that did not wait for its inputs' prefetch would read unfilled memory)."""
+
+
+def test_activation_offload_is_bit_exact_on_two_stages(tmp_path: Path, shm_dir: Path, torchrun) -> None:
+    """``stream.offload_activations`` (issue 23) on two stages, GPipe and 1F1B, in one launch of four
+    engines one after the other: with the offload every step's loss and gradient norm, every unit's
+    gradient after every step and the final master weights equal the run without it bit for bit
+    (no reference model: dropout); and each stage moved every saved input once each way per step
+    (each layer's input, on the last stage also the head's input gradient: [B, T, D] fp32 each)."""
+    case, model_dir = OFFLOAD_CASE, tmp_path / "hf"
+    save_seeded_model(case, model_dir)
+    inputs, labels, _ = make_batches(case)
+    variants = {
+        f"{sched}-{'on' if on else 'off'}": {"pipeline.schedule": sched, "stream.offload_activations": on}
+        for sched in ("gpipe", "1f1b")
+        for on in (False, True)
+    }
+    spec = write_spec(case, tmp_path, shm_dir, model_dir, inputs, labels, variants=variants,
+                      export_grads=True)  # fmt: skip
+    torchrun(case.stages, WORKER, str(spec), timeout_s=240)
+    runs = {name: read_run(case, tmp_path / "out" / name) for name in variants}
+    grads = {
+        name: {k: v for r in range(case.stages) for k, v in
+               load_file(str(tmp_path / "out" / name / f"grads_rank{r}.safetensors")).items()}
+        for name in variants
+    }  # fmt: skip
+    hidden = HF_BASE["hidden_size"]
+    saved_bytes = MICRO_BATCH * SEQ_LEN * hidden * 4
+    for schedule in ("gpipe", "1f1b"):
+        off, on = runs[f"{schedule}-off"], runs[f"{schedule}-on"]
+        for a, b in zip(off.steps, on.steps, strict=True):
+            assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), schedule
+        assert sorted(grads[f"{schedule}-off"]) == sorted(grads[f"{schedule}-on"])
+        assert len(grads[f"{schedule}-on"]) == STEPS * (2 + HF_BASE["num_hidden_layers"])  # every unit
+        for k, g in grads[f"{schedule}-off"].items():
+            assert torch.equal(g, grads[f"{schedule}-on"][k]), (schedule, k)
+        for k, w in off.weights.items():
+            assert torch.equal(w, on.weights[k]), (schedule, k)
+        for s, names in enumerate(on.units):
+            saved = sum(n.startswith("layers.") for n in names) + (s == case.stages - 1)
+            want = case.grad_accum * case.microbatches * saved * saved_bytes
+            for a, b in zip(off.steps, on.steps, strict=True):
+                assert a["breakdown"][f"stage{s}/act_d2h_bytes"] == 0
+                assert b["breakdown"][f"stage{s}/act_d2h_bytes"] == want, (schedule, s)
+                assert b["breakdown"][f"stage{s}/act_h2d_bytes"] == want, (schedule, s)

@@ -21,7 +21,8 @@ Threads of a rank, what each alone writes, and the hand-offs between them (DESIG
                final in the backward) and the futures loads    update jobs after the all-reduce (the
                wait for (_pending); settled units' gradients   optimizer's queue), each a Future
                (tied sum, replica sum, NaN drop of a skip)
-    h2d        device slots and resident buffers (the copies)  each load's Future (+ CUDA event)
+    h2d        device slots, resident buffers, saved inputs    each load's and prefetch's Future (+ CUDA
+               brought back (the copies, activations.py)       event)
     d2h        store.grad(u) of every unit not yet final       each offload's Future; an arrival
                (the accumulation), its scratch                 message per block (UnitUpdates.arrived)
     optimizer  GradReadiness (the arrival counts, the stage's  resolves the ticket's futures (Final,
@@ -61,6 +62,7 @@ import torch.distributed as dist
 
 from nodetrain.config.constants import DTYPES
 from nodetrain.config.schema import Config, grad_accum_of
+from nodetrain.engine.activations import saved_offload
 from nodetrain.engine.comm import Comm
 from nodetrain.engine.host_threads import bind_rank_threads
 from nodetrain.engine.overlap import UnitUpdates
@@ -179,8 +181,9 @@ class Engine:
         self.window = self._make_window(resident)
         self._loads = self.plan.window_loads(self.window.rows)  # the window's load sequence of a step
         self._arrivals = self.plan.arrivals(self.window.resident)  # a resident block's: once, at its last
-        self.runner = StageRunner(model, self.blocks, self.window, self.dtype)
         shape = (cfg.train.micro_batch_size, cfg.train.seq_len, model.config.hidden_size)
+        offload = saved_offload(cfg.stream, self.plan, self.blocks, self._is_last, self.window, shape)
+        self.runner = StageRunner(model, self.blocks, self.window, self.dtype, offload)
         self.p2p = P2P(topo.stage, topo.num_stages, shape, self.dtype, self.comm, topo.pipeline_ranks,
                        timeline=self.timeline)  # fmt: skip
         self.breakdown = self._make_breakdown()
@@ -381,7 +384,7 @@ class Engine:
 
     def _busy(self, cpu0: float) -> dict:
         """The step's busy seconds and bytes of every component (breakdown.py's record)."""
-        busy = {**self.window.take_stats(), **self.updates.take_stats()}
+        busy = {**self.window.take_stats(), **self.updates.take_stats(), **self.runner.take_stats()}
         busy["p2p_peak_bytes"] = self.p2p.peak_bytes  # live P2P buffers' high-water mark (costs.stage_memory)
         busy["cpu_s"] = time.process_time() - cpu0
         return busy

@@ -2,7 +2,8 @@
 
 Owns: running the stage's blocks in order (forward, no autograd graph kept) and in reverse
 (backward: recompute each block from its saved input, then take gradients of its input and
-weights), the saved inputs of in-flight micro-batches, the token-weighted loss on the last
+weights), the saved inputs of in-flight micro-batches (on the device, or waiting in host RAM:
+activations.py, ``stream.offload_activations``), the token-weighted loss on the last
 stage, and which blocks each action loads and offloads (:meth:`StageRunner.loads`). Does not own:
 the window mechanics (window.py) or the order of micro-batches (pipeline.py).
 
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nodetrain.engine.activations import LiveBytes, Offloaded, SavedOffload
 from nodetrain.engine.linear_ce import IGNORE_INDEX, linear_cross_entropy
 from nodetrain.engine.step_batch import to_device
 from nodetrain.engine.window import Window
@@ -87,9 +89,12 @@ class StageRunner:
         blocks: this stage's block indices.
         window: the streaming window over exactly these blocks.
         compute_dtype: dtype of activations and device math.
+        offload: where the saved inputs wait between a micro-batch's forward and its backward
+            (``stream.offload_activations``, activations.py); None: on the device.
     """
 
-    def __init__(self, model: HFModel, blocks: range, window: Window, compute_dtype: torch.dtype):
+    def __init__(self, model: HFModel, blocks: range, window: Window, compute_dtype: torch.dtype,
+                 offload: SavedOffload | None = None):  # fmt: skip
         self.model, self.blocks, self.window = model, list(blocks), window
         self.dtype = compute_dtype
         self.is_first = self.blocks[0] == 0
@@ -99,6 +104,9 @@ class StageRunner:
         self._rows = set(window.rows)  # the embedding, gathered by rows
         self._padding_idx = getattr(model.templates[0], "padding_idx", None)
         self._saved: dict[int, tuple[list, torch.Tensor | None]] = {}  # mb -> (inputs, d loss/d head in)
+        self._offload = offload
+        self.live = offload.live if offload is not None else LiveBytes()
+        """The saved inputs alive on the device (their high-water mark: ``saved_peak_bytes``)."""
 
     def loads(self, kind: str) -> list[int]:
         """Blocks a training action of ``kind`` ("F" or "B") loads through the window, in order
@@ -178,12 +186,41 @@ class StageRunner:
                     break
                 if ctx is None and block != 0:
                     ctx = self.model.context(x, position_ids, packed)
-                saved.append((x, self._rng_state()))
+                saved.append((self._save(mb, x) if keep else x, self._rng_state()))
                 x = self.model.forward_block(block, params, x, ctx)
                 self.window.release()
         if keep:
-            self._saved[mb] = (saved, grad_h)
+            self._saved[mb] = (saved, None if grad_h is None else self._save(mb, grad_h))
+            if self._offload is not None:
+                self._offload.done(mb)
         return x
+
+    def _save(self, mb: int, t: torch.Tensor):
+        """A tensor the backward needs (a block's input, the head's input gradient): kept on the
+        device, or put in host RAM (token ids stay: they are the step's, on the device anyway)."""
+        if not t.is_floating_point():
+            return t
+        self.live.note(t)  # alive until put lets it go, or until its backward
+        return t if self._offload is None else self._offload.put(mb, t)
+
+    def _restore(self, mb: int) -> tuple[list, torch.Tensor | None]:
+        """Micro-batch ``mb``'s saved (input, RNG state) per block and head input gradient, on the device."""
+        saved, grad_h = self._saved.pop(mb)
+        if self._offload is None:
+            return saved, grad_h
+        back = self._offload.take(mb)
+        saved = [(back[x.k] if isinstance(x, Offloaded) else x, rng) for x, rng in saved]
+        return saved, back[grad_h.k] if isinstance(grad_h, Offloaded) else grad_h
+
+    def take_stats(self) -> dict[str, float]:
+        """The step's saved-input figures (``SavedOffload.take_stats``; without offload only the
+        device high-water mark, the rest 0), reset for the next step."""
+        if self._offload is not None:
+            return self._offload.take_stats()
+        out = {"act_d2h_bytes": 0, "act_h2d_bytes": 0, "act_stall_s": 0.0, "saved_host_bytes": 0}
+        out["saved_peak_bytes"] = self.live.peak_bytes
+        self.live.reset_peak()
+        return out
 
     def _head_forward(self, block, params, h, labels, train: bool, loss_scale: float):
         """The head's loss (and, training, its gradients: weights offloaded, input's returned)."""
@@ -218,7 +255,7 @@ class StageRunner:
         Returns:
             gradient of the stage input [B, T, D], or None on the first stage.
         """
-        saved, grad_h = self._saved.pop(mb)
+        saved, grad_h = self._restore(mb)
         if self.is_last:
             grad_out = grad_h
         ctx = None

@@ -3,9 +3,10 @@
 Owns: the host buffers a block's gradients land in on their way from the device to the host store's
 fp32 accumulators, the D2H CUDA stream their copies run on, and the event that tells the D2H worker
 a copy has landed. A resident block's fp32 accumulator is shipped through a buffer too, as two
-halves (``halves``, window.py). Does not own: which buffer is free (``Window.offload`` bounds the
-offloads and ships in flight to the number of buffers, so buffer ``n % num_buffers`` is reused only
-after job ``n - num_buffers`` was accumulated) nor the accumulation itself (accumulate.py).
+halves (``halves``, window.py); activations.py stages the saved block inputs of in-flight
+micro-batches through a set of its own. Does not own: which buffer is free (``Window.offload``
+bounds the offloads and ships in flight to the number of buffers, so buffer ``n % num_buffers`` is
+reused only after job ``n - num_buffers`` was accumulated) nor the accumulation itself (accumulate.py).
 
 Why: a device→host copy into pageable memory goes through the driver's own bounce buffer and
 blocks the issuing thread (a few GB/s); into page-locked memory it is a DMA that runs on its
@@ -196,7 +197,7 @@ class GradStaging:
         """Release the page-locks (CUDA); idempotent. The buffers must not be in use."""
         self._release()
 
-    def issue(self, index: int, grads: list[torch.Tensor]) -> Staged:
+    def issue(self, index: int, grads: list[torch.Tensor], hold: bool = True) -> Staged:
         """Copy ``grads`` into buffer ``index``, asynchronously on CUDA.
 
         The buffer must be free: its previous :class:`Staged` was waited for and its views consumed.
@@ -206,6 +207,9 @@ class GradStaging:
             grads: gradients (compute dtype, on the compute device; any shape), whose total numel
                 fits a buffer. On CUDA they may still be being computed: the copy is ordered after
                 the work queued on the current stream.
+            hold: keep the sources alive until :meth:`Staged.wait`; False: keep no reference, each
+                source is marked used on the D2H stream (``record_stream``), so the caching allocator
+                hands its memory out again only after the copy (saved inputs, activations.py).
 
         Returns:
             the in-flight copy; its :meth:`Staged.wait` gives one flat view per gradient, in order.
@@ -226,4 +230,7 @@ class GradStaging:
             for dst, src in zip(views, grads, strict=True):
                 _copy_in(dst, src)
             event = self.stream.record_event()
-        return Staged(views, tuple(grads), event)
+        if not hold:
+            for g in grads:
+                g.record_stream(self.stream)
+        return Staged(views, tuple(grads) if hold else (), event)

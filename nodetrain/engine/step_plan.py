@@ -79,6 +79,12 @@ class StepPlan:
         return arrival_order(list(self.offloads), resident)
 
     @property
+    def backward_microbatches(self) -> tuple[int, ...]:
+        """The step's micro-batches (numbered across its rounds) in the order of their backwards."""
+        per_round = sum(a.kind == "F" for a in self.actions)
+        return tuple(r * per_round + a.mb for r in range(self.rounds) for a in self.actions if a.kind == "B")
+
+    @property
     def backwards(self) -> Counter:
         """Block -> its offloads (backwards) in the step (``Window.begin``'s count)."""
         return Counter(self.offloads)

@@ -148,7 +148,8 @@ class Window:
         self._check_targets()
         self._written: set[int] = set()  # data_ptr of accumulators offloaded into since begin()
         h2d_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._h2d = CopyWorker("h2d", h2d_stream, self.device, faults=faults)
+        self.h2d = CopyWorker("h2d", h2d_stream, self.device, faults=faults)
+        """The H2D copy worker: the loads, and the saved inputs' prefetch (activations.py), in order."""
         # copies on the staging's stream; the accumulation adds on a team of accum_threads
         self._d2h = CopyWorker("d2h", None, self.device, accum_threads, faults)
         self._staging = GradStaging(slots, max(self._numel(i) for i in blocks), dtype, self.device)
@@ -276,7 +277,7 @@ class Window:
                 dst.copy_(src, non_blocking=True)
 
         gate = self._gate(block) if self._gate is not None else []
-        return self._h2d.submit(copy, gate), gate
+        return self.h2d.submit(copy, gate), gate
 
     def acquire(self, block: int) -> dict[str, torch.Tensor]:
         """Wait for the next load (which must be ``block``) and return its parameter views.
@@ -478,7 +479,7 @@ class Window:
             "h2d_bytes": self.h2d_bytes,
             "d2h_bytes": self.d2h_bytes,
             "accum_host_bytes": self.accum_host_bytes,
-            "h2d_busy_s": self._h2d.take_busy_s(),
+            "h2d_busy_s": self.h2d.take_busy_s(),
             "d2h_busy_s": self._d2h.take_busy_s(),
         }
         self.h2d_bytes = self.d2h_bytes = self.accum_host_bytes = 0
@@ -493,6 +494,6 @@ class Window:
         return self._d2h.call(fn)
 
     def close(self) -> None:
-        self._h2d.shutdown()
+        self.h2d.shutdown()
         self._d2h.shutdown()
         self._staging.close()

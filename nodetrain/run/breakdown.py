@@ -270,10 +270,13 @@ class StepBreakdown:
                 ``num_updates_in_backward``: unit updates that started before the backward ended;
                 ``num_rollbacks``: speculative unit updates rolled back (``optim.speculative``).
                 ``p2p_peak_bytes``: the step's high-water mark of live P2P buffers (bytes).
+                ``saved_peak_bytes``: that of the saved block inputs on the device; with
+                ``stream.offload_activations`` ``act_d2h_bytes``/``act_h2d_bytes`` they moved (the
+                latter on the H2D worker: in ``h2d_gbps``), ``saved_host_bytes`` their host buffers.
         """
         flops = self.flops_per_token * tokens
         rec = {"step_s": step_s, **phases, "other_s": step_s - sum(phases.values()), **busy}
-        rec["h2d_gbps"] = _rate(busy["h2d_bytes"], busy["h2d_busy_s"]) / 1e9
+        rec["h2d_gbps"] = _rate(busy["h2d_bytes"] + busy.get("act_h2d_bytes", 0), busy["h2d_busy_s"]) / 1e9
         rec["d2h_gbps"] = _rate(busy["d2h_bytes"], busy["d2h_busy_s"]) / 1e9
         rec["flops"] = flops
         rec["peak_flops"] = self.peak_flops
@@ -337,9 +340,9 @@ def combine_stages(records: list[dict], num_stages: int | None = None) -> dict:
         out[key] = total(key) / n
     for key in ("h2d_bytes", "d2h_bytes", "h2d_busy_s", "d2h_busy_s", "optim_busy_s", "cpu_s", "flops"):
         out[key] = total(key)
-    for key in ("accum_host_bytes", "optim_host_bytes"):  # host DRAM bytes of the node's gradient path
-        out[key] = sum(r.get(key, 0) for r in records)
-    out["h2d_gbps"] = _rate(out["h2d_bytes"], out["h2d_busy_s"]) / 1e9
+    for key in ("accum_host_bytes", "optim_host_bytes", "act_d2h_bytes", "act_h2d_bytes"):
+        out[key] = sum(r.get(key, 0) for r in records)  # host DRAM of the gradient path; saved inputs
+    out["h2d_gbps"] = _rate(out["h2d_bytes"] + out["act_h2d_bytes"], out["h2d_busy_s"]) / 1e9
     out["d2h_gbps"] = _rate(out["d2h_bytes"], out["d2h_busy_s"]) / 1e9
     out["tflops"] = _rate(out["flops"], step_s) / 1e12
     out["mfu"] = _rate(out["flops"], step_s * total("peak_flops"))
