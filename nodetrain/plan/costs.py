@@ -32,6 +32,7 @@ __all__ = [
     "GRAD_ACC_ITEMSIZE",
     "resident_bytes_per_param",
     "layer_saved_per_token",
+    "saved_per_micro_batch",
     "optimizer_bytes_per_param",
     "speculative_backup_bytes",
     "StageTraffic",
@@ -307,13 +308,7 @@ def stage_memory(
     recompute + backward with the gradients queued for D2H. The peaks of the parts are added,
     though they need not coincide (a bound, not a trace).
 
-    Gradients queued for D2H: on a GPU up to ``slots`` earlier blocks' (``Window.offload``'s bound;
-    the planner takes the bound, since a D2H-bound stage reaches it); on the CPU none (measured by
-    ``bench/plan_accuracy.py``: the copy worker drains each block's gradients before the next
-    block's recompute peaks). A CPU copy worker starved of cores (a machine running more threads
-    than it has) can still hold up to ``slots`` blocks' gradients at that peak, which the planner
-    does not count. ``bench/plan_accuracy.py`` on 2 cores (2026-12-01, one run): every stage of its
-    three configurations predicted 0.7-10.3% above the measured peak growth, every window exact.
+    Gradients queued for D2H: :func:`_queued_bytes`.
 
     Args:
         shape: the model; blocks: this stage's block indices (from ``partition``).
@@ -328,6 +323,56 @@ def stage_memory(
     Raises:
         ValueError: unknown schedule.
     """
+    n, e, d = b * t, itemsize, shape.hidden
+    largest = max(shape.load_numels[i] for i in blocks)
+    rows, streamed, offloaded = _streamed(shape, blocks, resident, n)
+    in_flight, buffers = _schedule_peaks(schedule, num_stages, stage, m, g)
+    queued = _queued_bytes(on_cpu, slots, offloaded, e)
+    return StageMemory(
+        stage=stage,
+        blocks=blocks,
+        window_bytes=slots * streamed * e,
+        staging_bytes=slots * largest * e,
+        saved_bytes=in_flight * saved_per_micro_batch(shape, blocks, n, e),
+        p2p_bytes=buffers * n * d * e,
+        transient_bytes=_transient_peak(shape, blocks, n, e, on_cpu, rows) + queued,
+        resident_bytes=sum(shape.load_numels[i] for i in resident) * resident_bytes_per_param(e),
+        in_flight=in_flight,
+        p2p_buffers=buffers,
+    )
+
+
+def _streamed(shape: ModelShape, blocks: range, resident, n: int) -> tuple[bool, int, int]:
+    """(stage 0's embedding is gathered by rows, the largest slotted block's load, the most elements
+    one offload queues) for a stage owning ``blocks`` with ``resident`` kept on the device."""
+    rows = 0 in blocks and 0 not in resident  # a streamed embedding is gathered by rows, not slotted
+    slotted = [i for i in blocks if i not in resident and not (rows and i == 0)]
+    streamed = max((shape.load_numels[i] for i in slotted), default=0)
+    return rows, streamed, max(streamed, min(n, shape.vocab) * shape.hidden if rows else 0)
+
+
+def _queued_bytes(on_cpu: bool, slots: int, offloaded: int, e: int) -> int:
+    """Device bytes of gradients queued for D2H at a block's backward peak.
+
+    Gradients queued for D2H: on a GPU up to ``slots`` earlier blocks' (``Window.offload``'s bound;
+    the planner takes the bound, since a D2H-bound stage reaches it); on the CPU none (measured by
+    ``bench/plan_accuracy.py``: the copy worker drains each block's gradients before the next
+    block's recompute peaks). A CPU copy worker starved of cores (a machine running more threads
+    than it has) can still hold up to ``slots`` blocks' gradients at that peak, which the planner
+    does not count. ``bench/plan_accuracy.py`` on 2 cores (2026-12-01, one run): every stage of its
+    three configurations predicted 0.7-10.3% above the measured peak growth, every window exact.
+    """
+    return 0 if on_cpu else slots * offloaded * e
+
+
+def saved_per_micro_batch(shape: ModelShape, blocks: range, n: int, e: int) -> int:
+    """Bytes of the block inputs a stage saves per micro-batch of ``n`` tokens: n·D·e per block, the
+    embedding its int64 ids (8·n)."""
+    return sum(n * 8 if i == 0 else n * shape.hidden * e for i in blocks)
+
+
+def _schedule_peaks(schedule: str, num_stages: int, stage: int, m: int, g: int) -> tuple[int, int]:
+    """(micro-batches in flight, P2P buffers alive) at the peak of ``stage`` on the step's schedule."""
     from nodetrain.engine.pipeline import (  # pure; imported here: costs stays light
         build_schedule,
         in_flight_peak,
@@ -335,35 +380,18 @@ def stage_memory(
         step_rounds,
     )
 
-    n, e, d = b * t, itemsize, shape.hidden
-    largest = max(shape.load_numels[i] for i in blocks)
-    rows = 0 in blocks and 0 not in resident  # a streamed embedding is gathered by rows, not slotted
-    slotted = [i for i in blocks if i not in resident and not (rows and i == 0)]
-    streamed = max((shape.load_numels[i] for i in slotted), default=0)
-    offloaded = max(streamed, min(n, shape.vocab) * d if rows else 0)  # the most one offload queues
-    peaks = [
+    rounds, per_round = step_rounds(schedule, g, m)
+    actions = build_schedule(schedule, num_stages, stage, per_round)
+    return in_flight_peak(actions), p2p_live_peak(actions, rounds, stage, num_stages)
+
+
+def _transient_peak(shape: ModelShape, blocks: range, n: int, e: int, on_cpu: bool, rows: bool) -> int:
+    """The largest recompute + backward peak of the stage's blocks (a streamed embedding's by rows)."""
+    return max(
         _rows_backward_bytes(shape, n, e, on_cpu)
         if rows and i == 0
         else _block_peak_bytes(shape, i, n, e, on_cpu)
         for i in blocks
-    ]
-    rounds, per_round = step_rounds(schedule, g, m)
-    actions = build_schedule(schedule, num_stages, stage, per_round)
-    in_flight = in_flight_peak(actions)
-    buffers = p2p_live_peak(actions, rounds, stage, num_stages)
-    per_mb = sum(n * 8 if i == 0 else n * d * e for i in blocks)  # the embedding saves its int64 ids
-    queued = 0 if on_cpu else slots * offloaded * e
-    return StageMemory(
-        stage=stage,
-        blocks=blocks,
-        window_bytes=slots * streamed * e,
-        staging_bytes=slots * largest * e,
-        saved_bytes=in_flight * per_mb,
-        p2p_bytes=buffers * n * d * e,
-        transient_bytes=max(peaks) + queued,
-        resident_bytes=sum(shape.load_numels[i] for i in resident) * resident_bytes_per_param(e),
-        in_flight=in_flight,
-        p2p_buffers=buffers,
     )
 
 

@@ -288,6 +288,18 @@ def _candidates(cfg: Config, num_stages: int, nodes: int) -> list[tuple[int, int
     return [(x, y) for x in sizes for y in counts]
 
 
+def _scored(cfg: Config, shape: ModelShape, num_stages: int, nodes: int) -> list[tuple]:
+    """(tokens/s, micro-batch size, micro-batches, step time) of every candidate that fits."""
+    scored = []
+    for b, m in _candidates(cfg, num_stages, nodes):
+        trial = _with_batch(cfg, b, m)
+        node = _node(trial, shape, num_stages)
+        if node.fits(b):
+            t = priced_step(trial, node, b, node.resident(trial, b))
+            scored.append((t.tokens / t.step_s, b, m, t))
+    return scored
+
+
 def resolve_auto(
     cfg: Config, model: HFModel | None = None, num_stages: int = 0, nodes: int = 1
 ) -> tuple[Config, list[str]]:
@@ -324,13 +336,7 @@ def resolve_auto(
         return cfg, lines
     num_stages = num_stages or cfg.pipeline.stages or max(1, cfg.hardware.gpus_per_node)
     shape = shape_of(model if model is not None else model_of(cfg))
-    scored = []
-    for b, m in _candidates(cfg, num_stages, nodes):
-        trial = _with_batch(cfg, b, m)
-        node = _node(trial, shape, num_stages)
-        if node.fits(b):
-            t = priced_step(trial, node, b, node.resident(trial, b))
-            scored.append((t.tokens / t.step_s, b, m, t))
+    scored = _scored(cfg, shape, num_stages, nodes)
     if not scored:
         keys = " and ".join(
             k for k, a in (("train.micro_batch_size", b_auto), ("pipeline.microbatches", m_auto)) if a
