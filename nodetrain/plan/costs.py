@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nodetrain.model import HFModel
+from nodetrain.plan.shape import ModelShape, shape_of
 from nodetrain.store import StoreLayout
 
 __all__ = [
@@ -39,58 +39,6 @@ __all__ = [
     "load_sequence",
     "stage_traffic",
 ]
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the arithmetic needs of a model; built from the HF adapter by ``shape_of``."""
-
-    unit_numels: tuple[int, ...]
-    """Elements of each unit in the host store (0 = embed, 1..L = layers, L+1 = head)."""
-    load_numels: tuple[int, ...]
-    """Elements each block binds, i.e. one H2D load and one D2H gradient offload (the tied head
-    binds the embedding too)."""
-    largest_tensors: tuple[int, ...]
-    """Elements of the largest tensor each block binds."""
-    costs: tuple[int, ...]
-    """Parameters each block multiplies per token (``HFModel.block_cost``; 0 for the embedding)."""
-    tied: bool
-    hidden: int
-    intermediate: int
-    vocab: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    qk_norm: bool
-    """Qwen3's per-head RMSNorm on q and k."""
-
-    @property
-    def num_params(self) -> int:
-        return sum(self.unit_numels)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.unit_numels) - 2
-
-
-def shape_of(model: HFModel) -> ModelShape:
-    """The ``ModelShape`` of an HF adapter (its templates live on the meta device: nothing allocated)."""
-    c = model.config
-    heads = c.num_attention_heads
-    return ModelShape(
-        unit_numels=tuple(u.numel for u in model.units),
-        load_numels=tuple(sum(b.numel for b in bs) for bs in model.bindings),
-        largest_tensors=tuple(max(b.numel for b in bs) for bs in model.bindings),
-        costs=tuple(model.block_cost(i) for i in range(len(model.units))),
-        tied=model.tied,
-        hidden=c.hidden_size,
-        intermediate=c.intermediate_size,
-        vocab=c.vocab_size,
-        heads=heads,
-        kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-        qk_norm=c.architectures[0] == "Qwen3ForCausalLM",
-    )
 
 
 def store_layout(shape: ModelShape, compute_dtype: torch.dtype, state: str = "full") -> StoreLayout:
@@ -170,7 +118,7 @@ class StageMemory:
         return self.window_bytes + self.resident_bytes + self.activation_bytes
 
 
-def layer_saved_per_token(shape: ModelShape, e: int) -> int:
+def layer_saved_per_token(shape: ModelShape, e: int, block: int | None = None) -> int:
     """Bytes per token that autograd saves while recomputing one decoder layer (transformers 5's
     Llama/Qwen3 ``DecoderLayer`` with SDPA; no T×T matrix), plus its output and incoming gradient.
 
@@ -182,21 +130,29 @@ def layer_saved_per_token(shape: ModelShape, e: int) -> int:
     4·D + 2·D·e (its input, the residual sum, is new in every dtype); the SwiGLU MLP keeps gate,
     act(gate), up and their product, 4·F·e. The recomputed output and the gradient arriving for
     it are 2·D·e more.
+    A mixture of experts' layer (``block``'s :meth:`ModelShape.routed` k of E) runs k·F_e + the shared
+    experts' widths (:meth:`ModelShape.width`) and adds its router's fp32 logits and probabilities
+    8·E, the top-k weights and ids 12·k, and the k gathered copies of the input and the experts'
+    outputs 2·k·D·e: an estimate from transformers' MoE forward, not measured as the dense layer is.
     """
-    d, f, q = shape.hidden, shape.intermediate, shape.head_dim
+    d, f, q = shape.hidden, shape.width(block), shape.head_dim
     h, k = shape.heads, shape.kv_heads
     norm_in = (4 * d if e < 4 else 0) + 2 * d * e
     attention = (h + 2 * k) * q * e + 2 * h * q * e + 4 * h
     attention += (h + k) * q * (4 + e) if shape.qk_norm else 0
-    return norm_in + attention + (4 * d + 2 * d * e) + 4 * f * e + 2 * d * e
+    top, experts = shape.routed(block)
+    routing = 8 * experts + 12 * top + 2 * top * d * e
+    return norm_in + attention + (4 * d + 2 * d * e) + 4 * f * e + 2 * d * e + routing
 
 
-def _layer_backward_peak(shape: ModelShape, n: int, e: int, grads: int) -> int:
+def _layer_backward_peak(shape: ModelShape, n: int, e: int, grads: int, block: int | None = None) -> int:
     """Peak bytes of recomputing one decoder layer for ``n`` tokens and taking its gradients.
 
     Autograd runs the MLP's backward first (``down_proj``, the SwiGLU product, ``up_proj``, the
     SiLU, ``gate_proj``: reverse creation order) and frees each node's saved tensors once it ran,
-    while the weight gradients (F·D·e each) accumulate. With S the saved bytes
+    while the weight gradients (F·D·e each) accumulate (a mixture of experts: F the width a token runs
+    through, :meth:`ModelShape.width`, F·D its matrix over all experts, :meth:`ModelShape.mlp_weight`).
+    With S the saved bytes
     (:func:`layer_saved_per_token` × n) the live bytes at each node are:
 
     - ``down_proj``: S + n·F·e (gradient of its input) + F·D·e;
@@ -215,9 +171,9 @@ def _layer_backward_peak(shape: ModelShape, n: int, e: int, grads: int) -> int:
     Checked against the resident peak of one layer's recompute + backward (``VmHWM`` with a pinned
     mmap threshold) on the three configurations of ``bench/plan_accuracy.py``: 3–4% above it.
     """
-    d, f, q, h, k = shape.hidden, shape.intermediate, shape.head_dim, shape.heads, shape.kv_heads
-    saved = n * layer_saved_per_token(shape, e)
-    w = d * f * e
+    d, f, q, h, k = shape.hidden, shape.width(block), shape.head_dim, shape.heads, shape.kv_heads
+    saved = n * layer_saved_per_token(shape, e, block)
+    w = shape.mlp_weight(block) * e
     norm_in = (4 * d if e < 4 else 0) + 2 * d * e
     attention = (h + 2 * k) * q * e + h * q * e + 4 * h + ((h + k) * q * (4 + e) if shape.qk_norm else 0)
     sdpa = n * (norm_in + attention + 3 * d * e + h * q * e + (h + 2 * k) * q * e) + 3 * w + d * h * q * e
@@ -264,7 +220,7 @@ def _block_peak_bytes(shape: ModelShape, block: int, n: int, e: int, on_cpu: boo
     grads = shape.load_numels[block] * e
     convert = 4 * shape.largest_tensors[block] if on_cpu and e < 4 else 0
     if 0 < block < last:
-        return max(_layer_backward_peak(shape, n, e, grads), convert)
+        return max(_layer_backward_peak(shape, n, e, grads, block), convert)
     if block == last:
         return max(_head_peak_bytes(shape, n, e, shape.load_numels[block]), convert)
     return max(grads, convert)  # a dense embedding only scatters: no activations to recompute

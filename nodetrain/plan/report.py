@@ -47,8 +47,10 @@ def _header(plan: Plan) -> str:
     cfg, hw, s = plan.cfg, plan.cfg.hardware, plan.shape
     devices = f"{hw.gpus_per_node} GPU(s)" if hw.gpus_per_node else "CPU only"
     t, per_round = plan.time, cfg.train.micro_batch_size * cfg.train.seq_len * cfg.pipeline.microbatches
+    active = f", {s.active_params / 1e9:,.3f}B active" if any(k for k, _ in s.routing) else ""
+    params = f"{s.num_params / 1e9:,.3f}B parameters{active}"
     return (
-        f"[bold]nodetrain plan[/]: model [bold]{cfg.model.name}[/] ({s.num_params / 1e9:,.3f}B parameters, "
+        f"[bold]nodetrain plan[/]: model [bold]{cfg.model.name}[/] ({params}, "
         f"{s.num_layers} layers) on [bold]{hw.name}[/] ({devices}, {hw.host_memory_gb:,.0f} GB host RAM)\n"
         f"batch: {cfg.train.micro_batch_size} × {cfg.train.seq_len} tokens × {cfg.pipeline.microbatches} "
         f"micro-batches × {t.tokens // per_round} round(s) = {t.tokens:,} tokens/step; {plan.num_stages} "
