@@ -253,6 +253,7 @@ def stage_memory(
     itemsize: int,
     on_cpu: bool = False,
     resident=(),
+    offload_activations: bool = False,
 ) -> StageMemory:
     """Peak device bytes of ``stage`` (owning ``blocks``) for micro-batches of ``b × t`` tokens.
 
@@ -265,7 +266,6 @@ def stage_memory(
     though they need not coincide (a bound, not a trace).
 
     Gradients queued for D2H: :func:`_queued_bytes`.
-
     Args:
         shape: the model; blocks: this stage's block indices (from ``partition``).
         b, t, m, g: micro-batch size, sequence length, micro-batches per round, rounds per step.
@@ -275,6 +275,7 @@ def stage_memory(
             ``load × (e + 4)`` bytes each; their gradients accumulate on the device, none queue. A
             streamed embedding (stage 0's block 0, not resident) is gathered by rows: never in a slot,
             its backward :func:`_rows_backward_bytes`, its offload the used rows (≤ min(n, V) × D).
+        offload_activations: only :data:`OFFLOADED_IN_FLIGHT` micro-batches' saved inputs on the device.
 
     Raises:
         ValueError: unknown schedule.
@@ -283,13 +284,14 @@ def stage_memory(
     largest = max(shape.load_numels[i] for i in blocks)
     rows, streamed, offloaded = _streamed(shape, blocks, resident, n)
     in_flight, buffers = _schedule_peaks(schedule, num_stages, stage, m, g)
+    on_device = min(in_flight, OFFLOADED_IN_FLIGHT) if offload_activations else in_flight
     queued = _queued_bytes(on_cpu, slots, offloaded, e)
     return StageMemory(
         stage=stage,
         blocks=blocks,
         window_bytes=slots * streamed * e,
         staging_bytes=slots * largest * e,
-        saved_bytes=in_flight * saved_per_micro_batch(shape, blocks, n, e),
+        saved_bytes=on_device * saved_per_micro_batch(shape, blocks, n, e),
         p2p_bytes=buffers * n * d * e,
         transient_bytes=_transient_peak(shape, blocks, n, e, on_cpu, rows) + queued,
         resident_bytes=sum(shape.load_numels[i] for i in resident) * resident_bytes_per_param(e),
@@ -319,6 +321,11 @@ def _queued_bytes(on_cpu: bool, slots: int, offloaded: int, e: int) -> int:
     three configurations predicted 0.7-10.3% above the measured peak growth, every window exact.
     """
     return 0 if on_cpu else slots * offloaded * e
+
+
+OFFLOADED_IN_FLIGHT = 2
+"""Micro-batches whose saved block inputs stay on the device with ``stream.offload_activations``: the
+one in its forward or backward and the one prefetched back H2D for the next backward."""
 
 
 def saved_per_micro_batch(shape: ModelShape, blocks: range, n: int, e: int) -> int:
@@ -384,11 +391,15 @@ class StageTraffic:
     the staged gradients, reads and writes of the accumulators; not the DMA itself)."""
     optimizer_bytes: int
     """Host DRAM bytes of the CPU AdamW over the stage's units (``optimizer_bytes_per_param``)."""
+    tier_bytes: int = 0
+    """NVMe bytes of the stage's tier fields per step (``store.tier=nvme``): each read and written once,
+    through host DRAM."""
 
     @property
     def host_bytes(self) -> int:
-        """Everything through host DRAM: the DMA reads (H2D) and writes (D2H) plus the host's passes."""
-        return self.h2d_bytes + self.d2h_bytes + self.accum_bytes + self.optimizer_bytes
+        """Everything through host DRAM: the DMA reads (H2D) and writes (D2H), the host's passes and the
+        tier's NVMe reads and writes."""
+        return self.h2d_bytes + self.d2h_bytes + self.accum_bytes + self.optimizer_bytes + self.tier_bytes
 
 
 def load_sequence(shape: ModelShape, blocks: range, actions, resident=frozenset()) -> list[int]:
@@ -426,7 +437,14 @@ def _embed_sparse(block: int) -> bool:
 
 
 def stage_traffic(
-    shape: ModelShape, blocks: range, actions, *, n: int, itemsize: int, resident=frozenset()
+    shape: ModelShape,
+    blocks: range,
+    actions,
+    *,
+    n: int,
+    itemsize: int,
+    resident=frozenset(),
+    offload_activations: bool = False,
 ) -> StageTraffic:
     """Bytes one stage moves per step (see :func:`load_sequence` for which loads happen).
 
@@ -437,6 +455,9 @@ def stage_traffic(
     its fp32 gradient once per step, copied into the accumulator (read 4 + write 4). Stage 0's
     embedding gathers only the n used rows (n·D·e in) and offloads an n-row gradient (n·D·e
     and the 8-byte ids out) that is scatter-added into an accumulator zeroed once per step.
+
+    With ``offload_activations`` every micro-batch's saved block inputs
+    (:func:`saved_per_micro_batch`) go D2H after its forward and come back H2D before its backward.
 
     Args:
         n: tokens per micro-batch (B·T); itemsize: compute-dtype bytes (e); the rest as
@@ -460,6 +481,8 @@ def stage_traffic(
         else:
             d2h += num_mb * p * e
             accum += num_mb * p * e + 4 * p + (num_mb - 1) * 8 * p
+    saved = num_mb * saved_per_micro_batch(shape, blocks, n, e) if offload_activations else 0
+    h2d, d2h = h2d + saved, d2h + saved
     owned = sum(shape.unit_numels[i] for i in blocks)
     opt = owned * optimizer_bytes_per_param(e)
     return StageTraffic(len(seq) + len(resident), h2d, d2h, accum, opt)

@@ -51,6 +51,7 @@ from nodetrain.plan.exposure import (
     exposed_s,
     pipeline_times,
 )
+from nodetrain.plan.tier import tier_optimizer_rate
 
 __all__ = [
     "speculative_bytes_per_param",
@@ -83,6 +84,10 @@ class HostRates:
     """The D2H worker's OpenMP team (``host_threads.split_cores``)."""
     optim_threads: int
     """The optimizer thread's OpenMP team."""
+    nvme_read_bytes_per_s: float = 0.0
+    """The node's NVMe drives together, sequential read (``store.tier=nvme``; shared by its ranks)."""
+    nvme_write_bytes_per_s: float = 0.0
+    """The node's NVMe drives together, sequential write."""
 
     def rate(self, threads: int) -> tuple[float, str]:
         """Bytes/s of a team of ``threads`` on one rank, and what bounds it: its cores, or its share
@@ -172,8 +177,9 @@ class _Stages:
 
 
 def _stages(
-    shape, stage_blocks, *, b, t, m, g, itemsize, compute, rates, schedule, resident, shared_cores=0
-) -> _Stages:
+    shape, stage_blocks, *, b, t, m, g, itemsize, compute, rates, schedule, resident, shared_cores=0,
+    offload=False, tier=0.0,
+) -> _Stages:  # fmt: skip
     from nodetrain.engine.pipeline import (  # pure; imported here: step_time stays light
         build_schedule,
         step_rounds,
@@ -186,7 +192,10 @@ def _stages(
     share = max(1, shared_cores // s)  # a stage's threads share its cores (one each at least)
     for k, blocks in enumerate(stage_blocks):
         actions = build_schedule(schedule, s, k, per_round) * rounds  # the engine's rounds
-        x = stage_traffic(shape, blocks, actions, n=n, itemsize=itemsize, resident=resident[k])
+        x = stage_traffic(
+            shape, blocks, actions, n=n, itemsize=itemsize, resident=resident[k], offload_activations=offload
+        )
+        x = replace(x, tier_bytes=int(2 * tier * sum(shape.unit_numels[i] for i in blocks)))
         parts = tuple(g * m * p for p in stage_compute(shape, blocks, n, t, itemsize, compute))
         link = rates.link_bytes_per_s
         out.actions.append(actions)
@@ -255,8 +264,21 @@ def _unit_timings(
     return stages, step_end, [stage[0][0] for stage in times]
 
 
-def _optim_rates(rates: HostRates, num_stages: int, measured) -> list[float]:
-    return list(measured) if measured else [rates.rate(rates.optim_threads)[0]] * num_stages
+def _optim_rates(rates: HostRates, shape, stage_blocks, itemsize: int, measured, tier: float):
+    """(per stage its optimizer thread's host bytes/s, what bounds the slowest): its AdamW's (measured,
+    else ``rates.rate``), or with ``tier`` bytes/param on NVMe (read and written once a step, at the
+    rank's share of the drives) :func:`~nodetrain.plan.tier.tier_optimizer_rate` of both."""
+    adamw, bound = rates.rate(rates.optim_threads)
+    out = list(measured) if measured else [adamw] * len(stage_blocks)
+    if tier <= 0:
+        return out, bound
+    read, write = rates.nvme_read_bytes_per_s / rates.ranks, rates.nvme_write_bytes_per_s / rates.ranks
+    owned = [sum(shape.unit_numels[i] for i in blocks) for blocks in stage_blocks]
+    with_tier = [
+        tier_optimizer_rate(r, p * optimizer_bytes_per_param(itemsize), p * tier, read, write)
+        for r, p in zip(out, owned, strict=True)
+    ]
+    return with_tier, "NVMe tier" if any(x < r for x, r in zip(with_tier, out, strict=True)) else bound
 
 
 def _exposure(shape, stage_blocks, st: _Stages, kw: dict, resident, optim_rates):
@@ -289,10 +311,11 @@ def step_time(
     elementwise_bytes_per_s: float = 0.0,
     layer_overhead_s: float = 0.0,
     shared_cores: int = 0,
+    tier_bytes_per_param: float = 0.0,
+    offload_activations: bool = False,
 ) -> StepTime:
-    """Step time when the window overlaps H2D, compute, D2H and the host accumulation on each stage.
-
-    The model is the module's ("The step").
+    """Step time when the window overlaps H2D, compute, D2H and the host accumulation on each stage
+    (the module's model, "The step").
 
     Args:
         flops_per_s: achieved matmul FLOP/s of one stage's device; rates: the host side;
@@ -304,27 +327,28 @@ def step_time(
         attention_flops_per_s, elementwise_bytes_per_s, layer_overhead_s: as :class:`ComputeRates`
             (0: attention at ``flops_per_s``, elementwise work and overheads not priced);
         shared_cores: the node's cores when the stages compute on them (a CPU profile; the rates
-            above are then one core's), else 0.
+            above are then one core's), else 0;
+        tier_bytes_per_param: NVMe bytes/param read + written once a step (:func:`_optim_rates`; 0: none);
+        offload_activations: ``stream.offload_activations`` (``costs.stage_traffic``).
 
     Raises:
         ValueError: an unknown ``update_mode``.
     """
     if update_mode not in MODES[:4]:
         raise ValueError(f"update_mode={update_mode!r}: use one of {MODES[:4]}")
-    s = len(stage_blocks)
-    resident = resident or [frozenset()] * s
-    compute_rates = ComputeRates(
-        flops_per_s, attention_flops_per_s, elementwise_bytes_per_s, layer_overhead_s
-    )
-    kw = dict(b=b, t=t, m=m, g=g, itemsize=itemsize, compute=compute_rates, rates=rates)
-    st = _stages(shape, stage_blocks, **kw, schedule=schedule, resident=resident, shared_cores=shared_cores)
-    optim_rates = _optim_rates(rates, s, optim_bytes_per_s)
-    traffic = st.traffic
-    if update_mode == "speculative":
-        traffic = _speculative_traffic(shape, stage_blocks, traffic, clip_fraction)
-    exposure, pipeline = _exposure(shape, stage_blocks, st, kw, resident, optim_rates)
+    resident = resident or [frozenset()] * len(stage_blocks)
+    compute = ComputeRates(flops_per_s, attention_flops_per_s, elementwise_bytes_per_s, layer_overhead_s)
+    kw = dict(b=b, t=t, m=m, g=g, itemsize=itemsize, compute=compute, rates=rates)
+    st = _stages(
+        shape, stage_blocks, **kw, schedule=schedule, resident=resident, shared_cores=shared_cores,
+        offload=offload_activations, tier=tier_bytes_per_param,
+    )  # fmt: skip
+    optim = _optim_rates(rates, shape, stage_blocks, itemsize, optim_bytes_per_s, tier_bytes_per_param)
+    spec = update_mode == "speculative"
+    traffic = _speculative_traffic(shape, stage_blocks, st.traffic, clip_fraction) if spec else st.traffic
+    exposure, pipeline = _exposure(shape, stage_blocks, st, kw, resident, optim[0])
     floors = _floors(
-        st, traffic, rates, optim_rates, exposure.of(update_mode, clip_fraction), pipeline, shared_cores
+        st, traffic, rates, optim, exposure.of(update_mode, clip_fraction), pipeline, shared_cores
     )
     return _result(shape, st, tuple(traffic), floors, exposure, update_mode, tokens=g * m * b * t, t=t)
 
@@ -344,12 +368,11 @@ class _Floors:
     bottleneck: str
 
 
-def _floors(
-    st: _Stages, traffic, rates: HostRates, optim_rates, exposed: float, pipeline: float, shared_cores
-):
+def _floors(st: _Stages, traffic, rates: HostRates, optim, exposed: float, pipeline: float, shared_cores):
     """The step: the pipeline plus the optimizer's ``exposed`` seconds, at least the node's DRAM floor
     (in the exposed seconds every stage's optimizer runs, all released by then, and little else),
-    the slowest optimizer and the shared cores' floor."""
+    the slowest optimizer and the shared cores' floor; ``optim``: :func:`_optim_rates`'s."""
+    optim_rates, optim_bound = optim
     core_s, cores_s = _shared_cores(st, traffic, rates.core_bytes_per_s, shared_cores)
     compute, h2d, d2h, accum = (max(p[j] for p in st.seconds) for j in range(4))
     optimizer = max(x.optimizer_bytes / r for x, r in zip(traffic, optim_rates, strict=True))
@@ -364,7 +387,6 @@ def _floors(
         "host accumulation": accum,
         "pipeline bubble": pipeline - max(st.busy),
     }
-    _, optim_bound = rates.rate(rates.optim_threads)
     bottleneck = _bottleneck(
         parts, exposed, optim_bound, step=step, pipeline=pipeline, dram=dram, cores_s=cores_s
     )
@@ -420,7 +442,7 @@ def _bottleneck(
     its exposed seconds exceed them; host DRAM or the shared cores when their floor sets the step."""
     out = max(parts, key=parts.get)
     if exposed > max(parts.values()):
-        out = "optimizer cores" if optim_bound == "cores" else "host DRAM"
+        out = {"cores": "optimizer cores", "NVMe tier": "NVMe tier"}.get(optim_bound, "host DRAM")
     if dram >= step and dram > pipeline + exposed:
         out = "host DRAM"
     if cores_s >= step and cores_s > max(pipeline + exposed, dram):
