@@ -77,24 +77,28 @@ def _figures():
 
 
 def test_every_quoted_planner_figure_is_what_its_shown_command_prints() -> None:
-    """README truths: each planner figure the README quotes (text blocks after the command, and the
-    figures in prose, bench/readme_figures.py) is what its command, shown in the README, prints now.
-    After a planner change: ``python bench/readme_figures.py --write`` and read the diff."""
+    """README truths: each planner figure README.md and docs/planner.md quote (text blocks after the
+    command, and the figures in prose, bench/readme_figures.py) is what its command, shown in the same
+    document, prints now. After a planner change: ``python bench/readme_figures.py --write`` and read
+    the diff."""
     figures = _figures()
-    found, problems = figures.findings((ROOT / "README.md").read_text())
-    assert not problems, problems
-    stale = [f"{f.where}: README {f.now!r}, planner {f.want!r}" for f in found if f.now != f.want]
-    assert not stale, "stale planner figures; run python bench/readme_figures.py --write:\n" + "\n".join(
-        stale
-    )
-    assert len(found) > 40
+    total = 0
+    for doc, path in figures.DOCS.items():
+        found, problems = figures.findings(path.read_text(), doc)
+        assert not problems, problems
+        stale = [f"{doc} {f.where}: {f.now!r}, planner {f.want!r}" for f in found if f.now != f.want]
+        assert not stale, "stale planner figures; run python bench/readme_figures.py --write:\n" + "\n".join(
+            stale
+        )
+        total += len(found)
+    assert total > 40
 
 
 def test_a_stale_planner_figure_is_found_and_rewritten(tmp_path, monkeypatch) -> None:
     """The check is not vacuous: an old figure in a text block and one in prose are both reported,
     and --write puts the planner's figures back."""
     figures = _figures()
-    text = (ROOT / "README.md").read_text()
+    text = figures.PLANNER_DOC.read_text()
     tps = figures._find(figures._TPS, figures.plan_output(figures._70B_BUDGET))
     old = text.replace(f"throughput: {tps} tokens/s", "throughput: 7,049 tokens/s", 1)
     old = old.replace(
@@ -103,11 +107,11 @@ def test_a_stale_planner_figure_is_found_and_rewritten(tmp_path, monkeypatch) ->
         1,
     )
     assert old.count("7,049") == 1 + text.count("7,049") and "accumulation-bound: 457 " in old
-    stale = {(f.now, f.want) for f in figures.findings(old)[0] if f.now != f.want}
+    stale = {(f.now, f.want) for f in figures.findings(old, "docs/planner.md")[0] if f.now != f.want}
     assert any("7,049" in now and tps in want for now, want in stale), stale
     assert ("457", figures._find(figures._TPS, figures.plan_output(figures._70B_1T))) in stale
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "planner.md"
     readme.write_text(old)
-    monkeypatch.setattr(figures, "README", readme)
+    monkeypatch.setattr(figures, "DOCS", {"docs/planner.md": readme})
     assert figures.main(["--write"]) == 0
     assert readme.read_text() == text
