@@ -239,27 +239,23 @@ PROSE: list[Prose] = [
 ]
 
 
+_GPUS = {"h100_sxm": "8×H100", "h200": "8×H200"}
+_LEAN_ONLY = {"full": "no: host memory", "lean": "yes"}
 _MOE_ROWS = [  # (model, hardware, optim.state, the table's "fits?" and bottleneck words)
-    ("qwen3_30b_a3b", "h100_sxm", "full", "yes", "compute"),
-    ("qwen3_30b_a3b", "h100_sxm", "lean", "yes", "compute"),
-    ("qwen3_30b_a3b", "h200", "full", "yes", "compute"),
-    ("qwen3_30b_a3b", "h200", "lean", "yes", "compute"),
-    ("qwen3_235b_a22b", "h100_sxm", "full", "no: host memory", "host DRAM"),
-    ("qwen3_235b_a22b", "h100_sxm", "lean", "yes", "host DRAM"),
-    ("qwen3_235b_a22b", "h200", "full", "no: host memory", "host DRAM"),
-    ("qwen3_235b_a22b", "h200", "lean", "yes", "host DRAM"),
-    ("gpt_oss_120b", "h100_sxm", "full", "no: host memory", "host DRAM"),
-    ("gpt_oss_120b", "h100_sxm", "lean", "yes", "host DRAM"),
-    ("gpt_oss_120b", "h200", "full", "no: host memory", "host accumulation"),
-    ("gpt_oss_120b", "h200", "lean", "yes", "host accumulation"),
+    *[("qwen3_30b_a3b", hw, st, "yes", "compute") for hw in _GPUS for st in _LEAN_ONLY],
+    *[("qwen3_235b_a22b", hw, st, _LEAN_ONLY[st], "host DRAM") for hw in _GPUS for st in _LEAN_ONLY],
+    *[
+        ("gpt_oss_120b", hw, st, _LEAN_ONLY[st], {"h100_sxm": "host DRAM", "h200": "host accumulation"}[hw])
+        for hw in _GPUS
+        for st in _LEAN_ONLY
+    ],
     *[
         (m, hw, st, "no: host memory + device memory", "host DRAM")
         for m in ("deepseek_v3_671b", "kimi_k2_1t")
-        for hw in ("h100_sxm", "h200")
-        for st in ("full", "lean")
+        for hw in _GPUS
+        for st in _LEAN_ONLY
     ],
 ]
-_GPUS = {"h100_sxm": "8×H100", "h200": "8×H200"}
 _TIER = (
     "optim.state=lean store.tier=nvme store.tier_dir=/nvme stream.offload_activations=true stream.slots=1 "
     "train.seq_len=4096 train.micro_batch_size=4 pipeline.microbatches=64"
