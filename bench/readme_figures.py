@@ -1,7 +1,8 @@
-"""The planner figures README.md quotes, recomputed from the commands it shows: check or rewrite them.
+"""The planner figures README.md and docs/planner.md quote, recomputed from the commands they show:
+check or rewrite them.
 
     python bench/readme_figures.py --check   # exit 1, naming every figure that differs (tests/test_readme.py)
-    python bench/readme_figures.py --write   # rewrite those figures in README.md, in place
+    python bench/readme_figures.py --write   # rewrite those figures in both documents, in place
 
 Two kinds of quote:
 
@@ -29,6 +30,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+PLANNER_DOC = ROOT / "docs" / "planner.md"
+OPTIMIZER_DOC = ROOT / "docs" / "optimizer.md"
+DOCS = {"README.md": README, "docs/planner.md": PLANNER_DOC, "docs/optimizer.md": OPTIMIZER_DOC}
+"""Each document whose planner figures are checked, by the name :attr:`Prose.doc` gives it."""
 PLAN = "python -m nodetrain.plan"
 _NUM = r"-?(?:\d[\d,]*)?\.?\d+"
 """A figure as the planner prints it: ``6,894``, ``0.596``, ``38.7``, ``-4``."""
@@ -43,6 +48,8 @@ class Prose:
     command: str
     text: str
     values: dict[str, str | tuple[str, str] | Callable[[str], str]]
+    doc: str = "docs/planner.md"
+    """The document (a key of :data:`DOCS`) that quotes the sentence and shows its command."""
 
 
 def _row(label: str, column: int = 1) -> str:
@@ -77,6 +84,14 @@ _3B = (
     "model=llama3_2_3b hardware=h200_1gpu train.seq_len=4096 train.micro_batch_size=2 pipeline.microbatches=4"
 )
 _TPS = r"throughput: ([\d,]+) tokens/s"
+_MOE_BATCH = "train.seq_len=4096 train.micro_batch_size=8 pipeline.microbatches=64"
+
+
+def _moe(model: str, hardware: str, state: str) -> str:
+    """The FAQ's command for a mixture of experts on an 8-GPU node (docs/planner.md's table)."""
+    return f"model={model} hardware={hardware} optim.state={state} {_MOE_BATCH}"
+
+
 _MFU = r"; MFU ([\d.]+)%"
 _EXPOSED = r"optimizer exposed per step \(s\): deferred ([\d.]+)"
 
@@ -85,6 +100,7 @@ PROSE: list[Prose] = [
         _3B,
         "the planner predicts {deferred} s of the {serial} s of AdamW exposed deferred",
         {"deferred": _EXPOSED, "serial": r"serial ([\d.]+)"},
+        doc="docs/optimizer.md",
     ),
     Prose(
         _3B,
@@ -95,6 +111,7 @@ PROSE: list[Prose] = [
             "step": r"│ step\s*│\s*([\d.]+)",
             "mfu": _MFU,
         },
+        doc="docs/optimizer.md",
     ),
     Prose(
         "hardware=cpu",
@@ -106,6 +123,7 @@ PROSE: list[Prose] = [
             "clipped": r"\(([\d.]+) on a step that clips",
             "step": r"│ step\s*│\s*([\d.]+)",
         },
+        doc="docs/optimizer.md",
     ),
     Prose(
         _70B_BUDGET,
@@ -222,6 +240,86 @@ PROSE: list[Prose] = [
 ]
 
 
+_GPUS = {"h100_sxm": "8×H100", "h200": "8×H200"}
+_LEAN_ONLY = {"full": "no: host memory", "lean": "yes"}
+_MOE_ROWS = [  # (model, hardware, optim.state, the table's "fits?" and bottleneck words)
+    *[("qwen3_30b_a3b", hw, st, "yes", "compute") for hw in _GPUS for st in _LEAN_ONLY],
+    *[("qwen3_235b_a22b", hw, st, _LEAN_ONLY[st], "host DRAM") for hw in _GPUS for st in _LEAN_ONLY],
+    *[
+        ("gpt_oss_120b", hw, st, _LEAN_ONLY[st], {"h100_sxm": "host DRAM", "h200": "host accumulation"}[hw])
+        for hw in _GPUS
+        for st in _LEAN_ONLY
+    ],
+    *[
+        (m, hw, st, "no: host memory + device memory", "host DRAM")
+        for m in ("deepseek_v3_671b", "kimi_k2_1t")
+        for hw in _GPUS
+        for st in _LEAN_ONLY
+    ],
+]
+_TIER = (
+    "optim.state=lean store.tier=nvme store.tier_dir=/nvme stream.offload_activations=true stream.slots=1 "
+    "train.seq_len=4096 train.micro_batch_size=4 pipeline.microbatches=64"
+)
+_DENSE_1T_TIER = f"model=llama_1t hardware=h200 {_TIER}"
+_DENSE_1T_8TB = f"model=llama_1t hardware=h200 hardware.host_memory_gb=8192 {_TIER}"
+_KIMI_8TB = f"model=kimi_k2_1t hardware=h200 hardware.host_memory_gb=8192 {_TIER}"
+_RAM = r"│ host store in RAM\s*│\s*[\d.]+\s*│\s*([\d,.]+)"
+
+
+def _days_per_billion(regex: str) -> Callable[[str], str]:
+    def days(out: str) -> str:
+        return f"{1e9 / float(_find(regex, out).replace(',', '')) / 86400:,.1f}"
+
+    return days
+
+
+PROSE += [
+    Prose(
+        _moe(m, hw, st),
+        f"| `{m}` | {_GPUS[hw]} | {st} | {{need}} | {{mb}} | {fits} | {{tps}} | {bottleneck} |",
+        {
+            "need": r"host need / host memory\s*│\s*│\s*([\d,.]+)",
+            "mb": r"largest micro-batch that fits: train.micro_batch_size=(\d+)",
+            "tps": _TPS,
+        },
+    )
+    for m, hw, st, fits, bottleneck in _MOE_ROWS
+]
+PROSE += [
+    Prose(
+        _DENSE_1T_TIER,
+        "the host store still needs {ram} GB of RAM ({bpp} bytes/param: the fp32 gradient accumulator, the "
+        "bf16 transfer copy and the tier's buffers; {tier} GB of optimizer state go to NVMe)",
+        {
+            "ram": _RAM,
+            "bpp": r"│ host store in RAM\s*│\s*([\d.]+)",
+            "tier": r"of it on NVMe[^│]*│\s*[\d.]+\s*│\s*([\d,.]+)",
+        },
+    ),
+    Prose(
+        _DENSE_1T_8TB,
+        "the dense 1T model fits and is compute-bound: {tps} tokens/s ({days} days per billion tokens, MFU "
+        "{mfu}%) at 4 × 4096 tokens × 64 micro-batches; the smallest compute-bound batch is {tokens} tokens "
+        "per step ({m} micro-batches, {small} tokens/s",
+        {
+            "tps": _TPS,
+            "days": _days_per_billion(_TPS),
+            "mfu": _MFU,
+            "tokens": r"compute-bound from ([\d,]+) tokens/step",
+            "m": r"pipeline.microbatches=(\d+)\): [\d,]+ tokens/s",
+            "small": r"pipeline.microbatches=\d+\): ([\d,]+) tokens/s",
+        },
+    ),
+    Prose(
+        _KIMI_8TB,
+        "The Kimi-K2-shaped 1T fits the same node but is host DRAM-bound at {tps} tokens/s ({days} days per "
+        "billion tokens, MFU {mfu}%), and compute-bound at no micro-batch that fits (≤ {mb})",
+        {"tps": _TPS, "days": _days_per_billion(_TPS), "mfu": _MFU, "mb": r"micro-batch sizes ≤ (\d+)"},
+    ),
+]
+
+
 def _find(regex: str, out: str) -> str:
     m = re.search(regex, out)
     if m is None:
@@ -310,9 +408,9 @@ def _words(literal: str) -> str:
     return r"\s+".join(re.escape(w) for w in literal.split(" "))
 
 
-def _prose_findings(text: str, outputs: dict[str, str]) -> list[Finding]:
+def _prose_findings(text: str, outputs: dict[str, str], prose: list[Prose]) -> list[Finding]:
     findings = []
-    for p in PROSE:
+    for p in prose:
         parts = re.split(r"\{(\w+)\}", p.text)
         regex = "".join(f"(?P<{s}>{_NUM})" if i % 2 else _words(s) for i, s in enumerate(parts))
         m = re.search(regex, text)
@@ -329,14 +427,14 @@ def _prose_findings(text: str, outputs: dict[str, str]) -> list[Finding]:
     return findings
 
 
-def findings(text: str) -> tuple[list[Finding], list[str]]:
-    """(every quote with its recomputed value, problems that --write cannot fix)."""
+def findings(text: str, doc: str = "README.md") -> tuple[list[Finding], list[str]]:
+    """(every quote of document ``doc`` (a key of :data:`DOCS`) whose text is ``text``, with its
+    recomputed value; problems that --write cannot fix)."""
     commands = set(readme_commands(text))
-    problems = [
-        f"PROSE command not shown in README.md: {p.command}" for p in PROSE if p.command not in commands
-    ]
-    outputs = {c: plan_output(c) for c in sorted(commands | {p.command for p in PROSE})}
-    found = _block_findings(text, outputs) + _prose_findings(text, outputs)
+    prose = [p for p in PROSE if p.doc == doc]
+    problems = [f"PROSE command not shown in {doc}: {p.command}" for p in prose if p.command not in commands]
+    outputs = {c: plan_output(c) for c in sorted(commands | {p.command for p in prose})}
+    found = _block_findings(text, outputs) + _prose_findings(text, outputs, prose)
     problems += [f"{f.where}: {f.want}" for f in found if f.want.startswith("<")]
     return found, problems
 
@@ -345,22 +443,28 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", action="store_true", help="exit 1 if a quoted figure differs")
-    mode.add_argument("--write", action="store_true", help="rewrite the quoted figures in README.md")
+    mode.add_argument("--write", action="store_true", help="rewrite the quoted figures in place")
     args = ap.parse_args(argv)
-    text = README.read_text()
-    found, problems = findings(text)
+    return max(_check_or_write(doc, path, args.write) for doc, path in DOCS.items())
+
+
+def _check_or_write(doc: str, path: Path, write: bool) -> int:
+    """Check (or rewrite) the figures of one document; 1 if any is stale (after --write: unfixable)."""
+    text = path.read_text()
+    found, problems = findings(text, doc)
     stale = [f for f in found if not f.want.startswith("<") and f.now != f.want]
     for f in stale:
-        print(f"{f.where}: README says {f.now!r}, the planner prints {f.want!r}")
+        print(f"{doc}: {f.where}: it says {f.now!r}, the planner prints {f.want!r}")
     for line in problems:
-        print(f"problem: {line}")
-    if args.write and stale:
+        print(f"{doc}: problem: {line}")
+    if write and stale:
         for f in sorted(stale, key=lambda f: f.span, reverse=True):
             text = text[: f.span[0]] + f.want + text[f.span[1] :]
-        README.write_text(text)
-        print(f"rewrote {len(stale)} figure(s) in {README}")
+        path.write_text(text)
+        print(f"rewrote {len(stale)} figure(s) in {path}")
         return 1 if problems else 0
-    print(f"{len(found) - len(stale) - len(problems)} of {len(found)} quoted figures agree with the planner")
+    agree = len(found) - len(stale) - len(problems)
+    print(f"{doc}: {agree} of {len(found)} quoted figures agree with the planner")
     return 1 if stale or problems else 0
 
 

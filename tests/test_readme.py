@@ -1,15 +1,13 @@
 """The README: short, its two commands exactly what a user and CI run, and no planner figure in it.
 
 The configuration reference that used to be the README's key table is docs/configuration.md, generated
-from the schema and checked both ways by tests/test_docs.py. The planner's figures live with the planner's
-page (bench/readme_figures.py checks whichever file its ``README`` names)."""
+from the schema and checked both ways by tests/test_docs.py. The planner's figures live on
+docs/planner.md and docs/optimizer.md (bench/readme_figures.py checks every document its ``DOCS`` names)."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = "python3 -m venv .venv && . .venv/bin/activate && "
@@ -55,33 +53,28 @@ def _figures():
     return readme_figures
 
 
-_IN_README = pytest.mark.skipif(
-    _figures().README.name == "README.md",
-    reason="the planner figures moved out of README.md (issue 22): bench/readme_figures.py names their page",
-)
-
-
-@_IN_README
 def test_every_quoted_planner_figure_is_what_its_shown_command_prints() -> None:
-    """README truths: each planner figure the README quotes (text blocks after the command, and the
-    figures in prose, bench/readme_figures.py) is what its command, shown in the README, prints now.
-    After a planner change: ``python bench/readme_figures.py --write`` and read the diff."""
+    """Doc truths: each planner figure a document of ``DOCS`` quotes (text blocks after the command, and
+    the figures in prose, bench/readme_figures.py) is what its command, shown in the same document,
+    prints now. After a planner change: ``python bench/readme_figures.py --write`` and read the diff."""
     figures = _figures()
-    found, problems = figures.findings(figures.README.read_text())
-    assert not problems, problems
-    stale = [f"{f.where}: README {f.now!r}, planner {f.want!r}" for f in found if f.now != f.want]
-    assert not stale, "stale planner figures; run python bench/readme_figures.py --write:\n" + "\n".join(
-        stale
-    )
-    assert len(found) > 40
+    total = 0
+    for doc, path in figures.DOCS.items():
+        found, problems = figures.findings(path.read_text(), doc)
+        assert not problems, problems
+        stale = [f"{doc} {f.where}: {f.now!r}, planner {f.want!r}" for f in found if f.now != f.want]
+        assert not stale, "stale planner figures; run python bench/readme_figures.py --write:\n" + "\n".join(
+            stale
+        )
+        total += len(found)
+    assert total > 40
 
 
-@_IN_README
 def test_a_stale_planner_figure_is_found_and_rewritten(tmp_path, monkeypatch) -> None:
     """The check is not vacuous: an old figure in a text block and one in prose are both reported,
     and --write puts the planner's figures back."""
     figures = _figures()
-    text = figures.README.read_text()
+    text = figures.PLANNER_DOC.read_text()
     tps = figures._find(figures._TPS, figures.plan_output(figures._70B_BUDGET))
     old = text.replace(f"throughput: {tps} tokens/s", "throughput: 7,049 tokens/s", 1)
     old = old.replace(
@@ -90,11 +83,11 @@ def test_a_stale_planner_figure_is_found_and_rewritten(tmp_path, monkeypatch) ->
         1,
     )
     assert old.count("7,049") == 1 + text.count("7,049") and "accumulation-bound: 457 " in old
-    stale = {(f.now, f.want) for f in figures.findings(old)[0] if f.now != f.want}
+    stale = {(f.now, f.want) for f in figures.findings(old, "docs/planner.md")[0] if f.now != f.want}
     assert any("7,049" in now and tps in want for now, want in stale), stale
     assert ("457", figures._find(figures._TPS, figures.plan_output(figures._70B_1T))) in stale
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "planner.md"
     readme.write_text(old)
-    monkeypatch.setattr(figures, "README", readme)
+    monkeypatch.setattr(figures, "DOCS", {"docs/planner.md": readme})
     assert figures.main(["--write"]) == 0
     assert readme.read_text() == text

@@ -105,7 +105,7 @@ HF_KEYS: dict[str, frozenset[str]] = {
     ),
     "Qwen3MoeForCausalLM": _COMMON_HF_KEYS
     | set(
-        """attention_bias decoder_sparse_step mlp_only_layers moe_intermediate_size norm_topk_prob
+        """attention_bias decoder_sparse_step head_dim mlp_only_layers moe_intermediate_size norm_topk_prob
         num_experts_per_tok num_local_experts output_router_logits router_aux_loss_coef sliding_window
         use_sliding_window num_experts""".split()
     ),

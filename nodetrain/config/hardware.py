@@ -55,6 +55,13 @@ class HardwareConfig:
     """What one core's stream of loads and stores reaches, GB/s (a one-thread STREAM triad,
     ``bench/cpu_profile.py --threads 1``); a team of k threads reaches k × this, at most the rank's
     share of ``host_memory_bandwidth_gbps``."""
+    nvme_read_gbps: float = 0.0
+    """Sequential read bandwidth of the node's local NVMe drives together (``store.tier=nvme``), GB/s;
+    0 = no NVMe tier on this profile."""
+    nvme_write_gbps: float = 0.0
+    """Sequential write bandwidth of those drives together, GB/s; 0 = no NVMe tier."""
+    nvme_capacity_gb: float = 0.0
+    """Capacity of those drives together, GB (the tier's files must fit); 0 = no NVMe tier."""
     gpus_per_node: int = MISSING
     """GPUs of the node; 0 = no accelerator (stages are CPU processes)."""
     device_names: list[str] = field(default_factory=list)

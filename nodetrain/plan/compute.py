@@ -91,7 +91,7 @@ def block_elementwise_bytes(shape: ModelShape, block: int, n: int, itemsize: int
         return logits + shape.load_numels[block] * (24 + 2 * e if e < 4 else 16), 0
     if block == 0:
         return 0, 0
-    per_pass = 2 * n * layer_saved_per_token(shape, e)
+    per_pass = 2 * n * layer_saved_per_token(shape, e, block)
     return per_pass, 3 * per_pass
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nodetrain.model import HFModel
+from nodetrain.plan.shape import ModelShape, shape_of
 from nodetrain.store import StoreLayout
 
 __all__ = [
@@ -32,64 +32,13 @@ __all__ = [
     "GRAD_ACC_ITEMSIZE",
     "resident_bytes_per_param",
     "layer_saved_per_token",
+    "saved_per_micro_batch",
     "optimizer_bytes_per_param",
     "speculative_backup_bytes",
     "StageTraffic",
     "load_sequence",
     "stage_traffic",
 ]
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the arithmetic needs of a model; built from the HF adapter by ``shape_of``."""
-
-    unit_numels: tuple[int, ...]
-    """Elements of each unit in the host store (0 = embed, 1..L = layers, L+1 = head)."""
-    load_numels: tuple[int, ...]
-    """Elements each block binds, i.e. one H2D load and one D2H gradient offload (the tied head
-    binds the embedding too)."""
-    largest_tensors: tuple[int, ...]
-    """Elements of the largest tensor each block binds."""
-    costs: tuple[int, ...]
-    """Parameters each block multiplies per token (``HFModel.block_cost``; 0 for the embedding)."""
-    tied: bool
-    hidden: int
-    intermediate: int
-    vocab: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    qk_norm: bool
-    """Qwen3's per-head RMSNorm on q and k."""
-
-    @property
-    def num_params(self) -> int:
-        return sum(self.unit_numels)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.unit_numels) - 2
-
-
-def shape_of(model: HFModel) -> ModelShape:
-    """The ``ModelShape`` of an HF adapter (its templates live on the meta device: nothing allocated)."""
-    c = model.config
-    heads = c.num_attention_heads
-    return ModelShape(
-        unit_numels=tuple(u.numel for u in model.units),
-        load_numels=tuple(sum(b.numel for b in bs) for bs in model.bindings),
-        largest_tensors=tuple(max(b.numel for b in bs) for bs in model.bindings),
-        costs=tuple(model.block_cost(i) for i in range(len(model.units))),
-        tied=model.tied,
-        hidden=c.hidden_size,
-        intermediate=c.intermediate_size,
-        vocab=c.vocab_size,
-        heads=heads,
-        kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-        qk_norm=c.architectures[0] == "Qwen3ForCausalLM",
-    )
 
 
 def store_layout(shape: ModelShape, compute_dtype: torch.dtype, state: str = "full") -> StoreLayout:
@@ -169,7 +118,7 @@ class StageMemory:
         return self.window_bytes + self.resident_bytes + self.activation_bytes
 
 
-def layer_saved_per_token(shape: ModelShape, e: int) -> int:
+def layer_saved_per_token(shape: ModelShape, e: int, block: int | None = None) -> int:
     """Bytes per token that autograd saves while recomputing one decoder layer (transformers 5's
     Llama/Qwen3 ``DecoderLayer`` with SDPA; no T×T matrix), plus its output and incoming gradient.
 
@@ -181,21 +130,29 @@ def layer_saved_per_token(shape: ModelShape, e: int) -> int:
     4·D + 2·D·e (its input, the residual sum, is new in every dtype); the SwiGLU MLP keeps gate,
     act(gate), up and their product, 4·F·e. The recomputed output and the gradient arriving for
     it are 2·D·e more.
+    A mixture of experts' layer (``block``'s :meth:`ModelShape.routed` k of E) runs k·F_e + the shared
+    experts' widths (:meth:`ModelShape.width`) and adds its router's fp32 logits and probabilities
+    8·E, the top-k weights and ids 12·k, and the k gathered copies of the input and the experts'
+    outputs 2·k·D·e: an estimate from transformers' MoE forward, not measured as the dense layer is.
     """
-    d, f, q = shape.hidden, shape.intermediate, shape.head_dim
+    d, f, q = shape.hidden, shape.width(block), shape.head_dim
     h, k = shape.heads, shape.kv_heads
     norm_in = (4 * d if e < 4 else 0) + 2 * d * e
     attention = (h + 2 * k) * q * e + 2 * h * q * e + 4 * h
     attention += (h + k) * q * (4 + e) if shape.qk_norm else 0
-    return norm_in + attention + (4 * d + 2 * d * e) + 4 * f * e + 2 * d * e
+    top, experts = shape.routed(block)
+    routing = 8 * experts + 12 * top + 2 * top * d * e
+    return norm_in + attention + (4 * d + 2 * d * e) + 4 * f * e + 2 * d * e + routing
 
 
-def _layer_backward_peak(shape: ModelShape, n: int, e: int, grads: int) -> int:
+def _layer_backward_peak(shape: ModelShape, n: int, e: int, grads: int, block: int | None = None) -> int:
     """Peak bytes of recomputing one decoder layer for ``n`` tokens and taking its gradients.
 
     Autograd runs the MLP's backward first (``down_proj``, the SwiGLU product, ``up_proj``, the
     SiLU, ``gate_proj``: reverse creation order) and frees each node's saved tensors once it ran,
-    while the weight gradients (F·D·e each) accumulate. With S the saved bytes
+    while the weight gradients (F·D·e each) accumulate (a mixture of experts: F the width a token runs
+    through, :meth:`ModelShape.width`, F·D its matrix over all experts, :meth:`ModelShape.mlp_weight`).
+    With S the saved bytes
     (:func:`layer_saved_per_token` × n) the live bytes at each node are:
 
     - ``down_proj``: S + n·F·e (gradient of its input) + F·D·e;
@@ -214,9 +171,9 @@ def _layer_backward_peak(shape: ModelShape, n: int, e: int, grads: int) -> int:
     Checked against the resident peak of one layer's recompute + backward (``VmHWM`` with a pinned
     mmap threshold) on the three configurations of ``bench/plan_accuracy.py``: 3–4% above it.
     """
-    d, f, q, h, k = shape.hidden, shape.intermediate, shape.head_dim, shape.heads, shape.kv_heads
-    saved = n * layer_saved_per_token(shape, e)
-    w = d * f * e
+    d, f, q, h, k = shape.hidden, shape.width(block), shape.head_dim, shape.heads, shape.kv_heads
+    saved = n * layer_saved_per_token(shape, e, block)
+    w = shape.mlp_weight(block) * e
     norm_in = (4 * d if e < 4 else 0) + 2 * d * e
     attention = (h + 2 * k) * q * e + h * q * e + 4 * h + ((h + k) * q * (4 + e) if shape.qk_norm else 0)
     sdpa = n * (norm_in + attention + 3 * d * e + h * q * e + (h + 2 * k) * q * e) + 3 * w + d * h * q * e
@@ -263,7 +220,7 @@ def _block_peak_bytes(shape: ModelShape, block: int, n: int, e: int, on_cpu: boo
     grads = shape.load_numels[block] * e
     convert = 4 * shape.largest_tensors[block] if on_cpu and e < 4 else 0
     if 0 < block < last:
-        return max(_layer_backward_peak(shape, n, e, grads), convert)
+        return max(_layer_backward_peak(shape, n, e, grads, block), convert)
     if block == last:
         return max(_head_peak_bytes(shape, n, e, shape.load_numels[block]), convert)
     return max(grads, convert)  # a dense embedding only scatters: no activations to recompute
@@ -296,6 +253,7 @@ def stage_memory(
     itemsize: int,
     on_cpu: bool = False,
     resident=(),
+    offload_activations: bool = False,
 ) -> StageMemory:
     """Peak device bytes of ``stage`` (owning ``blocks``) for micro-batches of ``b × t`` tokens.
 
@@ -307,14 +265,7 @@ def stage_memory(
     recompute + backward with the gradients queued for D2H. The peaks of the parts are added,
     though they need not coincide (a bound, not a trace).
 
-    Gradients queued for D2H: on a GPU up to ``slots`` earlier blocks' (``Window.offload``'s bound;
-    the planner takes the bound, since a D2H-bound stage reaches it); on the CPU none (measured by
-    ``bench/plan_accuracy.py``: the copy worker drains each block's gradients before the next
-    block's recompute peaks). A CPU copy worker starved of cores (a machine running more threads
-    than it has) can still hold up to ``slots`` blocks' gradients at that peak, which the planner
-    does not count. ``bench/plan_accuracy.py`` on 2 cores (2026-12-01, one run): every stage of its
-    three configurations predicted 0.7-10.3% above the measured peak growth, every window exact.
-
+    Gradients queued for D2H: :func:`_queued_bytes`.
     Args:
         shape: the model; blocks: this stage's block indices (from ``partition``).
         b, t, m, g: micro-batch size, sequence length, micro-batches per round, rounds per step.
@@ -324,10 +275,67 @@ def stage_memory(
             ``load × (e + 4)`` bytes each; their gradients accumulate on the device, none queue. A
             streamed embedding (stage 0's block 0, not resident) is gathered by rows: never in a slot,
             its backward :func:`_rows_backward_bytes`, its offload the used rows (≤ min(n, V) × D).
+        offload_activations: only :data:`OFFLOADED_IN_FLIGHT` micro-batches' saved inputs on the device.
 
     Raises:
         ValueError: unknown schedule.
     """
+    n, e, d = b * t, itemsize, shape.hidden
+    largest = max(shape.load_numels[i] for i in blocks)
+    rows, streamed, offloaded = _streamed(shape, blocks, resident, n)
+    in_flight, buffers = _schedule_peaks(schedule, num_stages, stage, m, g)
+    on_device = min(in_flight, OFFLOADED_IN_FLIGHT) if offload_activations else in_flight
+    queued = _queued_bytes(on_cpu, slots, offloaded, e)
+    return StageMemory(
+        stage=stage,
+        blocks=blocks,
+        window_bytes=slots * streamed * e,
+        staging_bytes=slots * largest * e,
+        saved_bytes=on_device * saved_per_micro_batch(shape, blocks, n, e),
+        p2p_bytes=buffers * n * d * e,
+        transient_bytes=_transient_peak(shape, blocks, n, e, on_cpu, rows) + queued,
+        resident_bytes=sum(shape.load_numels[i] for i in resident) * resident_bytes_per_param(e),
+        in_flight=in_flight,
+        p2p_buffers=buffers,
+    )
+
+
+def _streamed(shape: ModelShape, blocks: range, resident, n: int) -> tuple[bool, int, int]:
+    """(stage 0's embedding is gathered by rows, the largest slotted block's load, the most elements
+    one offload queues) for a stage owning ``blocks`` with ``resident`` kept on the device."""
+    rows = 0 in blocks and 0 not in resident  # a streamed embedding is gathered by rows, not slotted
+    slotted = [i for i in blocks if i not in resident and not (rows and i == 0)]
+    streamed = max((shape.load_numels[i] for i in slotted), default=0)
+    return rows, streamed, max(streamed, min(n, shape.vocab) * shape.hidden if rows else 0)
+
+
+def _queued_bytes(on_cpu: bool, slots: int, offloaded: int, e: int) -> int:
+    """Device bytes of gradients queued for D2H at a block's backward peak.
+
+    Gradients queued for D2H: on a GPU up to ``slots`` earlier blocks' (``Window.offload``'s bound;
+    the planner takes the bound, since a D2H-bound stage reaches it); on the CPU none (measured by
+    ``bench/plan_accuracy.py``: the copy worker drains each block's gradients before the next
+    block's recompute peaks). A CPU copy worker starved of cores (a machine running more threads
+    than it has) can still hold up to ``slots`` blocks' gradients at that peak, which the planner
+    does not count. ``bench/plan_accuracy.py`` on 2 cores (2026-12-01, one run): every stage of its
+    three configurations predicted 0.7-10.3% above the measured peak growth, every window exact.
+    """
+    return 0 if on_cpu else slots * offloaded * e
+
+
+OFFLOADED_IN_FLIGHT = 2
+"""Micro-batches whose saved block inputs stay on the device with ``stream.offload_activations``: the
+one in its forward or backward and the one prefetched back H2D for the next backward."""
+
+
+def saved_per_micro_batch(shape: ModelShape, blocks: range, n: int, e: int) -> int:
+    """Bytes of the block inputs a stage saves per micro-batch of ``n`` tokens: n·D·e per block, the
+    embedding its int64 ids (8·n)."""
+    return sum(n * 8 if i == 0 else n * shape.hidden * e for i in blocks)
+
+
+def _schedule_peaks(schedule: str, num_stages: int, stage: int, m: int, g: int) -> tuple[int, int]:
+    """(micro-batches in flight, P2P buffers alive) at the peak of ``stage`` on the step's schedule."""
     from nodetrain.engine.pipeline import (  # pure; imported here: costs stays light
         build_schedule,
         in_flight_peak,
@@ -335,35 +343,18 @@ def stage_memory(
         step_rounds,
     )
 
-    n, e, d = b * t, itemsize, shape.hidden
-    largest = max(shape.load_numels[i] for i in blocks)
-    rows = 0 in blocks and 0 not in resident  # a streamed embedding is gathered by rows, not slotted
-    slotted = [i for i in blocks if i not in resident and not (rows and i == 0)]
-    streamed = max((shape.load_numels[i] for i in slotted), default=0)
-    offloaded = max(streamed, min(n, shape.vocab) * d if rows else 0)  # the most one offload queues
-    peaks = [
+    rounds, per_round = step_rounds(schedule, g, m)
+    actions = build_schedule(schedule, num_stages, stage, per_round)
+    return in_flight_peak(actions), p2p_live_peak(actions, rounds, stage, num_stages)
+
+
+def _transient_peak(shape: ModelShape, blocks: range, n: int, e: int, on_cpu: bool, rows: bool) -> int:
+    """The largest recompute + backward peak of the stage's blocks (a streamed embedding's by rows)."""
+    return max(
         _rows_backward_bytes(shape, n, e, on_cpu)
         if rows and i == 0
         else _block_peak_bytes(shape, i, n, e, on_cpu)
         for i in blocks
-    ]
-    rounds, per_round = step_rounds(schedule, g, m)
-    actions = build_schedule(schedule, num_stages, stage, per_round)
-    in_flight = in_flight_peak(actions)
-    buffers = p2p_live_peak(actions, rounds, stage, num_stages)
-    per_mb = sum(n * 8 if i == 0 else n * d * e for i in blocks)  # the embedding saves its int64 ids
-    queued = 0 if on_cpu else slots * offloaded * e
-    return StageMemory(
-        stage=stage,
-        blocks=blocks,
-        window_bytes=slots * streamed * e,
-        staging_bytes=slots * largest * e,
-        saved_bytes=in_flight * per_mb,
-        p2p_bytes=buffers * n * d * e,
-        transient_bytes=max(peaks) + queued,
-        resident_bytes=sum(shape.load_numels[i] for i in resident) * resident_bytes_per_param(e),
-        in_flight=in_flight,
-        p2p_buffers=buffers,
     )
 
 
@@ -400,11 +391,15 @@ class StageTraffic:
     the staged gradients, reads and writes of the accumulators; not the DMA itself)."""
     optimizer_bytes: int
     """Host DRAM bytes of the CPU AdamW over the stage's units (``optimizer_bytes_per_param``)."""
+    tier_bytes: int = 0
+    """NVMe bytes of the stage's tier fields per step (``store.tier=nvme``): each read and written once,
+    through host DRAM."""
 
     @property
     def host_bytes(self) -> int:
-        """Everything through host DRAM: the DMA reads (H2D) and writes (D2H) plus the host's passes."""
-        return self.h2d_bytes + self.d2h_bytes + self.accum_bytes + self.optimizer_bytes
+        """Everything through host DRAM: the DMA reads (H2D) and writes (D2H), the host's passes and the
+        tier's NVMe reads and writes."""
+        return self.h2d_bytes + self.d2h_bytes + self.accum_bytes + self.optimizer_bytes + self.tier_bytes
 
 
 def load_sequence(shape: ModelShape, blocks: range, actions, resident=frozenset()) -> list[int]:
@@ -442,7 +437,14 @@ def _embed_sparse(block: int) -> bool:
 
 
 def stage_traffic(
-    shape: ModelShape, blocks: range, actions, *, n: int, itemsize: int, resident=frozenset()
+    shape: ModelShape,
+    blocks: range,
+    actions,
+    *,
+    n: int,
+    itemsize: int,
+    resident=frozenset(),
+    offload_activations: bool = False,
 ) -> StageTraffic:
     """Bytes one stage moves per step (see :func:`load_sequence` for which loads happen).
 
@@ -453,6 +455,9 @@ def stage_traffic(
     its fp32 gradient once per step, copied into the accumulator (read 4 + write 4). Stage 0's
     embedding gathers only the n used rows (n·D·e in) and offloads an n-row gradient (n·D·e
     and the 8-byte ids out) that is scatter-added into an accumulator zeroed once per step.
+
+    With ``offload_activations`` every micro-batch's saved block inputs
+    (:func:`saved_per_micro_batch`) go D2H after its forward and come back H2D before its backward.
 
     Args:
         n: tokens per micro-batch (B·T); itemsize: compute-dtype bytes (e); the rest as
@@ -476,6 +481,8 @@ def stage_traffic(
         else:
             d2h += num_mb * p * e
             accum += num_mb * p * e + 4 * p + (num_mb - 1) * 8 * p
+    saved = num_mb * saved_per_micro_batch(shape, blocks, n, e) if offload_activations else 0
+    h2d, d2h = h2d + saved, d2h + saved
     owned = sum(shape.unit_numels[i] for i in blocks)
     opt = owned * optimizer_bytes_per_param(e)
     return StageTraffic(len(seq) + len(resident), h2d, d2h, accum, opt)

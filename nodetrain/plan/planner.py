@@ -37,6 +37,7 @@ from nodetrain.plan.costs import (
     load_sequence,
     pin_overhead_bytes,
     resident_bytes_per_param,
+    saved_per_micro_batch,
     shape_of,
     speculative_backup_bytes,
     stage_memory,
@@ -45,6 +46,8 @@ from nodetrain.plan.costs import (
 from nodetrain.plan.host import host_problems, preflight
 from nodetrain.plan.pricing import host_rates, priced_step
 from nodetrain.plan.step_time import HostRates, StepTime
+from nodetrain.plan.tier import tier_bytes
+from nodetrain.plan.verdict import hints, problems
 
 __all__ = ["GB", "Plan", "make_plan", "model_of", "host_problems", "preflight", "resolve_auto"]
 
@@ -87,6 +90,17 @@ class _Node:
     host_bytes: int
     device_limit_bytes: int
     """Device memory one stage may use; 0 on a CPU profile (the stages then live in host memory)."""
+    tier_bytes: int = 0
+    """Store bytes on NVMe (``store.tier=nvme``: ``tier.tier_bytes``); 0 with ``store.tier=ram``."""
+    tier_pool_bytes: int = 0
+    """Host RAM of the tier's buffers (``store.tier_buffers`` × the largest unit's tier fields)."""
+    offload_activations: bool = False
+    """``stream.offload_activations``: saved block inputs wait in host RAM between forward and backward."""
+
+    @property
+    def ram_store_bytes(self) -> int:
+        """Host RAM of the store: all of it, or with the tier all but the tier's fields, plus its pool."""
+        return self.store_bytes - self.tier_bytes + self.tier_pool_bytes
 
     @property
     def cpu(self) -> bool:
@@ -109,12 +123,20 @@ class _Node:
                 slots=self.slots,
                 itemsize=self.itemsize,
                 on_cpu=self.cpu,
+                offload_activations=self.offload_activations,
             )
             for s, blocks in enumerate(self.stage_blocks)
         ]
-        host = self.store_bytes + self.overhead_bytes + sum(x.staging_bytes for x in stages)
+        host = self.ram_store_bytes + self.overhead_bytes + sum(x.staging_bytes for x in stages)
         host += sum(x.total_bytes for x in stages) if self.cpu else 0
+        host += sum(self._offloaded_bytes(x, b) for x in stages)
         return stages, host
+
+    def _offloaded_bytes(self, st: StageMemory, b: int) -> int:
+        """Host RAM of a stage's saved block inputs waiting off the device (all in flight, pinned)."""
+        if not self.offload_activations:
+            return 0
+        return st.in_flight * saved_per_micro_batch(self.shape, st.blocks, b * self.seq_len, self.itemsize)
 
     def fits(self, b: int) -> bool:
         """Whether micro-batches of ``b`` fit the device (on a CPU profile: the host, with the store)."""
@@ -193,6 +215,13 @@ class Plan:
     """The host side the step time assumes (link, DRAM, cores, the accumulation/optimizer split)."""
     choices: list[str] = field(default_factory=list)
     """What ``auto`` became (:func:`resolve_auto`), one line each."""
+    tier_bytes: int = 0
+    """Store bytes on NVMe (``store.tier=nvme``); the host store in RAM is ``store_bytes`` − this +
+    ``tier_pool_bytes``."""
+    tier_pool_bytes: int = 0
+    compute_bound: tuple[int, int, StepTime] | None = None
+    """With the tier or activation offload: the smallest batch found compute-bound,
+    (micro-batch size, micro-batches, its step), by :func:`compute_bound_batch`; None: none found."""
 
     @property
     def fits(self) -> bool:
@@ -211,6 +240,11 @@ class Plan:
     @property
     def verdict(self) -> str:
         return "does not fit" if self.problems else f"fits; {self.time.bottleneck}-bound"
+
+    @property
+    def searched_compute_bound(self) -> bool:
+        """Whether :attr:`compute_bound` was searched (``store.tier=nvme`` or activation offload)."""
+        return self.cfg.store.tier == "nvme" or self.cfg.stream.offload_activations
 
 
 def _check_hardware(cfg: Config, num_stages: int) -> None:
@@ -264,7 +298,17 @@ def _node(cfg: Config, shape: ModelShape, num_stages: int) -> _Node:
         + (pin_overhead_bytes(field_bytes(layout)["compute"]) if hw.gpus_per_node else 0),
         host_bytes=int(hw.host_memory_gb * GB),
         device_limit_bytes=device_limit,
+        **_tier_fields(cfg, layout),
+        offload_activations=cfg.stream.offload_activations,
     )
+
+
+def _tier_fields(cfg: Config, layout) -> dict[str, int]:
+    """``_Node``'s tier bytes and pool with ``store.tier=nvme``; none with ``ram``."""
+    if cfg.store.tier != "nvme":
+        return {}
+    tier, pool = tier_bytes(layout, cfg.store.tier_buffers)
+    return {"tier_bytes": tier, "tier_pool_bytes": pool}
 
 
 def _with_batch(cfg: Config, b: int, m: int) -> Config:
@@ -286,6 +330,18 @@ def _candidates(cfg: Config, num_stages: int, nodes: int) -> list[tuple[int, int
             fits = [(x, y) for x in sizes for y in counts if cfg.train.batch_size % (x * y * nodes) == 0]
         return fits
     return [(x, y) for x in sizes for y in counts]
+
+
+def _scored(cfg: Config, shape: ModelShape, num_stages: int, nodes: int) -> list[tuple]:
+    """(tokens/s, micro-batch size, micro-batches, step time) of every candidate that fits."""
+    scored = []
+    for b, m in _candidates(cfg, num_stages, nodes):
+        trial = _with_batch(cfg, b, m)
+        node = _node(trial, shape, num_stages)
+        if node.fits(b):
+            t = priced_step(trial, node, b, node.resident(trial, b))
+            scored.append((t.tokens / t.step_s, b, m, t))
+    return scored
 
 
 def resolve_auto(
@@ -324,13 +380,7 @@ def resolve_auto(
         return cfg, lines
     num_stages = num_stages or cfg.pipeline.stages or max(1, cfg.hardware.gpus_per_node)
     shape = shape_of(model if model is not None else model_of(cfg))
-    scored = []
-    for b, m in _candidates(cfg, num_stages, nodes):
-        trial = _with_batch(cfg, b, m)
-        node = _node(trial, shape, num_stages)
-        if node.fits(b):
-            t = priced_step(trial, node, b, node.resident(trial, b))
-            scored.append((t.tokens / t.step_s, b, m, t))
+    scored = _scored(cfg, shape, num_stages, nodes)
     if not scored:
         keys = " and ".join(
             k for k, a in (("train.micro_batch_size", b_auto), ("pipeline.microbatches", m_auto)) if a
@@ -391,77 +441,42 @@ def make_plan(cfg: Config, model: HFModel | None = None) -> Plan:
         time=time,
         train_tokens=train_tokens,
         nodes=math.ceil(days_one_node / cfg.plan.days) if cfg.plan.days > 0 else 0,
-        problems=_problems(cfg, node, stages, host_need, max_b),
-        hints=_hints(cfg, time, max_b, num_stages),
+        problems=problems(cfg, node, stages, host_need, max_b),
+        hints=hints(cfg, time, max_b, num_stages),
         resident=resident,
         rates=host_rates(cfg, num_stages),
         choices=choices,
+        tier_bytes=node.tier_bytes,
+        tier_pool_bytes=node.tier_pool_bytes,
+        compute_bound=compute_bound_batch(cfg, shape, num_stages, max_b)
+        if cfg.store.tier == "nvme" or cfg.stream.offload_activations
+        else None,
     )
 
 
-def _problems(cfg: Config, node: _Node, stages: list[StageMemory], host_need: int, max_b: int) -> list[str]:
-    """Why the run cannot start on this hardware, each with its numbers and a fix."""
-    hw, b, host, problems = cfg.hardware, cfg.train.micro_batch_size, node.host_bytes, []
-    if node.store_bytes + node.overhead_bytes > host:
-        per_param = node.store_bytes / node.shape.num_params
-        largest = (host - node.overhead_bytes) / per_param
-        problems.append(
-            f"host memory: the host store needs {node.store_bytes / GB:,.0f} GB ({per_param:.1f} bytes/param)"
-            f" + {node.overhead_bytes / GB:.1f} GB rank overhead, but {hw.name} has {host / GB:,.0f} GB; the "
-            f"largest model that fits is ~{largest / 1e9:,.1f}B parameters"
-        )
-        if node.cpu:
-            return problems
-    if max_b >= b:
-        return problems
-    worst = max(stages, key=lambda x: x.total_bytes)
-    limit, need = (host, host_need) if node.cpu else (node.device_limit_bytes, worst.total_bytes)
-    fix = (
-        f"use train.micro_batch_size={max_b}"
-        if max_b
-        else "shorten train.seq_len, lower stream.slots or use more stages"
-    )
-    problems.append(
-        f"{'host' if node.cpu else 'device'} memory at train.micro_batch_size={b}: needs {need / GB:,.1f} GB "
-        f"(stage {worst.stage}: window {worst.window_bytes / GB:.2f} + activations "
-        f"{worst.activation_bytes / GB:.2f} GB) but {limit / GB:,.1f} GB is usable; {fix}"
-    )
-    return problems
+_BOUND_MAX_ROUNDS = 64
+""":func:`compute_bound_batch` tries up to this many × the stages micro-batches."""
 
 
-def _hints(cfg: Config, t: StepTime, max_b: int, num_stages: int) -> list[str]:
-    """What would make the step faster."""
-    tr, hints = cfg.train, []
-    if t.bottleneck in ("H2D", "D2H"):
-        ratio = max(t.h2d_s, t.d2h_s) / t.compute_s
-        tokens = math.ceil(ratio * tr.micro_batch_size * tr.seq_len)
-        hints.append(
-            f"streaming takes {ratio:.1f}× the compute: ≥ {tokens:,} tokens per micro-batch "
-            "(train.micro_batch_size × train.seq_len) would hide it"
-        )
-    if t.bubble_s > 0.25 * t.step_s:
-        hints.append(
-            f"the pipeline bubble is {t.bubble_s / t.step_s:.0%} of the step: raise pipeline.microbatches "
-            f"(now {cfg.pipeline.microbatches}) to ≥ {4 * (num_stages - 1)}"
-        )
-    if t.bottleneck == "optimizer cores":
-        hints.append(
-            "the CPU AdamW is bound by its cores: raise optim.threads, or more tokens per step amortise it"
-        )
-    if t.bottleneck == "host DRAM":
-        hints.append(
-            "host DRAM carries every rank's D2H, accumulation and optimizer bytes: keep more units resident "
-            "(stream.device_budget) or more tokens per step amortise the optimizer"
-        )
-    if t.bottleneck == "shared cores":
-        hints.append(
-            "the stages share the node's cores: all their compute, copies, accumulation and optimizer "
-            "work over hardware.cores bounds the step; fewer stages do not make it shorter"
-        )
-    if t.bottleneck == "host accumulation":
-        hints.append(
-            "the D2H worker's gradient adds are the slot: raise stream.accum_threads or keep units resident"
-        )
-    if max_b > tr.micro_batch_size:
-        hints.append(f"up to train.micro_batch_size={max_b} fits")
-    return hints
+def compute_bound_batch(cfg: Config, shape: ModelShape, num_stages: int, max_b: int):
+    """The smallest batch at which ``cfg``'s step is compute-bound: (micro-batch size, micro-batches,
+    its ``StepTime``), or None when no micro-batch size that fits (≤ ``max_b``) is, with up to
+    :data:`_BOUND_MAX_ROUNDS` × S micro-batches (one round).
+
+    A micro-batch's own streaming (H2D, D2H, accumulation) shrinks against its compute only with
+    more tokens per micro-batch; the per-step optimizer and tier I/O and the bubble with more
+    micro-batches. So: the smallest power-of-two size compute-bound at the most micro-batches, then
+    the fewest micro-batches (S, 2S, 4S …) that stay compute-bound at that size."""
+    counts = [num_stages << k for k in range(_BOUND_MAX_ROUNDS.bit_length())]
+    sizes = [1 << k for k in range(max(0, max_b).bit_length())]
+
+    def step(b: int, m: int) -> StepTime:
+        trial = _with_batch(cfg, b, m)
+        trial.train.grad_accum, trial.train.batch_size = 1, 0
+        node = _node(trial, shape, num_stages)
+        return priced_step(trial, node, b, node.resident(trial, b))
+
+    size = next((b for b in sizes if step(b, counts[-1]).bottleneck == "compute"), 0)
+    if not size:
+        return None
+    return next((size, m, t) for m in counts if (t := step(size, m)).bottleneck == "compute")

@@ -40,6 +40,8 @@ def host_rates(cfg: Config, num_stages: int) -> HostRates:
         ranks=num_stages,
         accum_threads=split.accum_threads,
         optim_threads=split.optim_threads,
+        nvme_read_bytes_per_s=hw.nvme_read_gbps * GB,
+        nvme_write_bytes_per_s=hw.nvme_write_gbps * GB,
     )
 
 
@@ -50,7 +52,9 @@ def priced_step(cfg: Config, node: _Node, b: int, resident: list[frozenset[int]]
     CPU profile's ranks each compute on one thread (torchrun's ``OMP_NUM_THREADS=1``): a core's share
     of those rates, its elementwise kernels at one core's (``device_memory_bandwidth_gbps``, else
     ``core_memory_bandwidth_gbps``), ``layer_overhead_s`` per layer and micro-batch, and every thread of
-    every rank on the node's ``cores`` (``shared_cores``). The optimizer is priced in the mode the
+    every rank on the node's ``cores`` (``shared_cores``). With ``store.tier=nvme`` the tier's bytes are
+    read and written at the profile's NVMe rates, with ``stream.offload_activations`` the saved inputs
+    cross the host link. The optimizer is priced in the mode the
     engine runs (``plan.overlap_optimizer=false``: serial); ``optim.speculative=auto`` as the engine
     chooses it (``exposure.choose_speculative``), from this profile's rates instead of its measurement."""
     hw, num_stages = cfg.hardware, len(node.stage_blocks)
@@ -62,6 +66,7 @@ def priced_step(cfg: Config, node: _Node, b: int, resident: list[frozenset[int]]
         0.0 if hw.gpus_per_node else hw.core_memory_bandwidth_gbps
     )
     kind = update_kind(cfg.optim) if cfg.plan.overlap_optimizer else "serial"
+    nvme = hw.nvme_read_gbps > 0 and hw.nvme_write_gbps > 0  # else the plan refuses the tier, unpriced
 
     def priced(mode: str) -> StepTime:
         return step_time(
@@ -81,12 +86,15 @@ def priced_step(cfg: Config, node: _Node, b: int, resident: list[frozenset[int]]
             elementwise_bytes_per_s=bandwidth * GB,
             layer_overhead_s=hw.layer_overhead_s,
             shared_cores=0 if hw.gpus_per_node else hw.cores,
+            tier_bytes_per_param=node.tier_bytes / node.shape.num_params if nvme else 0.0,
+            offload_activations=node.offload_activations,
         )
 
     if kind != "auto":
         return priced(kind)
     deferred, speculative = priced("deferred"), priced("speculative")
     fits = (
-        node.store_bytes + node.overhead_bytes + speculative_backup_bytes(node.shape, True) <= node.host_bytes
+        node.ram_store_bytes + node.overhead_bytes + speculative_backup_bytes(node.shape, True)
+        <= node.host_bytes
     )
     return speculative if choose_speculative(deferred.step_s, speculative.step_s, fits) else deferred

@@ -47,8 +47,10 @@ def _header(plan: Plan) -> str:
     cfg, hw, s = plan.cfg, plan.cfg.hardware, plan.shape
     devices = f"{hw.gpus_per_node} GPU(s)" if hw.gpus_per_node else "CPU only"
     t, per_round = plan.time, cfg.train.micro_batch_size * cfg.train.seq_len * cfg.pipeline.microbatches
+    active = f", {s.active_params / 1e9:,.3f}B active" if any(k for k, _ in s.routing) else ""
+    params = f"{s.num_params / 1e9:,.3f}B parameters{active}"
     return (
-        f"[bold]nodetrain plan[/]: model [bold]{cfg.model.name}[/] ({s.num_params / 1e9:,.3f}B parameters, "
+        f"[bold]nodetrain plan[/]: model [bold]{cfg.model.name}[/] ({params}, "
         f"{s.num_layers} layers) on [bold]{hw.name}[/] ({devices}, {hw.host_memory_gb:,.0f} GB host RAM)\n"
         f"batch: {cfg.train.micro_batch_size} × {cfg.train.seq_len} tokens × {cfg.pipeline.microbatches} "
         f"micro-batches × {t.tokens // per_round} round(s) = {t.tokens:,} tokens/step; {plan.num_stages} "
@@ -68,9 +70,18 @@ def _store_table(plan: Plan) -> Table:
     table.add_row(
         "[bold]host store[/]", f"[bold]{plan.store_bytes / n:.2f}[/]", f"[bold]{_gb(plan.store_bytes)}[/]"
     )
-    extra = plan.host_need_bytes - plan.store_bytes
+    ram = plan.store_bytes
+    if plan.tier_bytes:
+        table.add_row("  of it on NVMe (store.tier=nvme)", f"{plan.tier_bytes / n:.2f}", _gb(plan.tier_bytes))
+        table.add_row(
+            f"  + tier buffers ({plan.cfg.store.tier_buffers}, host RAM)", "", _gb(plan.tier_pool_bytes)
+        )
+        ram = plan.store_bytes - plan.tier_bytes + plan.tier_pool_bytes
+        table.add_row("[bold]host store in RAM[/]", f"[bold]{ram / n:.2f}[/]", f"[bold]{_gb(ram)}[/]")
+    extra = plan.host_need_bytes - ram
     what = "rank overhead + D2H staging"
     what += " + windows and activations" if not plan.device_limit_bytes else ""
+    what += " + offloaded activations" if plan.cfg.stream.offload_activations else ""
     table.add_row(f"+ {what} ({plan.num_stages} ranks)", "", _gb(extra))
     host = plan.cfg.hardware.host_memory_gb * GB
     table.add_row(
@@ -213,6 +224,23 @@ def _summary(plan: Plan) -> list[str]:
     return lines
 
 
+def _compute_bound_line(plan: Plan) -> str:
+    """The smallest batch found compute-bound (``Plan.compute_bound``), its throughput and days per
+    billion tokens, or that none that fits is."""
+    if plan.compute_bound is None:
+        return (
+            f"compute-bound at no batch that fits (micro-batch sizes ≤ {plan.max_micro_batch}, "
+            f"≤ {64 * plan.num_stages} micro-batches)"
+        )
+    b, m, t = plan.compute_bound
+    tps = t.tokens / t.step_s
+    return (
+        f"compute-bound from {t.tokens:,} tokens/step (train.micro_batch_size={b} × train.seq_len="
+        f"{plan.cfg.train.seq_len} × pipeline.microbatches={m}): {tps:,.0f} tokens/s, "
+        f"{1e9 / tps / 86400:,.1f} days per billion tokens"
+    )
+
+
 def render(plan: Plan, console: Console | None = None) -> None:
     """Print ``plan`` to ``console`` (default: stdout; 120 columns when it is not a terminal and
     ``COLUMNS`` is unset)."""
@@ -226,6 +254,8 @@ def render(plan: Plan, console: Console | None = None) -> None:
         console.print(line)
     color = "red" if plan.problems else "green"
     console.print(f"[bold {color}]verdict: {plan.verdict}[/]")
+    if plan.searched_compute_bound:
+        console.print(f"  {_compute_bound_line(plan)}")
     for reason in plan.problems:
         console.print(f"  - {reason}")
     for hint in plan.hints:

@@ -19,7 +19,7 @@ accumulation); with equal stages that is the (M' + S − 1) slots per round of G
 (arXiv:1811.06965) and 1F1B, with unequal ones the slowest stage's micro-batches plus the others'
 fill and drain. Compute is matmul, attention and elementwise work and fixed overheads
 (:class:`ComputeRates`). The CPU optimizer adds what the next step waits for in
-``update_mode`` (:func:`optimizer_exposure`; ``serial``: all of it). The node's DRAM must carry
+``update_mode`` (:attr:`StepTime.exposure`, every mode's; ``serial``: all of it). The node's DRAM must carry
 every stage's host bytes: in the exposed seconds only the optimizers run, each stage's at most
 at its rate, so the step is at least ``exposed + (host bytes − what they moved) / DRAM bandwidth``.
 
@@ -51,13 +51,13 @@ from nodetrain.plan.exposure import (
     exposed_s,
     pipeline_times,
 )
+from nodetrain.plan.tier import tier_optimizer_rate
 
 __all__ = [
     "speculative_bytes_per_param",
     "HostRates",
     "StepTime",
     "step_time",
-    "optimizer_exposure",
 ]
 
 
@@ -84,6 +84,10 @@ class HostRates:
     """The D2H worker's OpenMP team (``host_threads.split_cores``)."""
     optim_threads: int
     """The optimizer thread's OpenMP team."""
+    nvme_read_bytes_per_s: float = 0.0
+    """The node's NVMe drives together, sequential read (``store.tier=nvme``; shared by its ranks)."""
+    nvme_write_bytes_per_s: float = 0.0
+    """The node's NVMe drives together, sequential write."""
 
     def rate(self, threads: int) -> tuple[float, str]:
         """Bytes/s of a team of ``threads`` on one rank, and what bounds it: its cores, or its share
@@ -173,8 +177,9 @@ class _Stages:
 
 
 def _stages(
-    shape, stage_blocks, *, b, t, m, g, itemsize, compute, rates, schedule, resident, shared_cores=0
-) -> _Stages:
+    shape, stage_blocks, *, b, t, m, g, itemsize, compute, rates, schedule, resident, shared_cores=0,
+    offload=False, tier=0.0,
+) -> _Stages:  # fmt: skip
     from nodetrain.engine.pipeline import (  # pure; imported here: step_time stays light
         build_schedule,
         step_rounds,
@@ -187,7 +192,10 @@ def _stages(
     share = max(1, shared_cores // s)  # a stage's threads share its cores (one each at least)
     for k, blocks in enumerate(stage_blocks):
         actions = build_schedule(schedule, s, k, per_round) * rounds  # the engine's rounds
-        x = stage_traffic(shape, blocks, actions, n=n, itemsize=itemsize, resident=resident[k])
+        x = stage_traffic(
+            shape, blocks, actions, n=n, itemsize=itemsize, resident=resident[k], offload_activations=offload
+        )
+        x = replace(x, tier_bytes=int(2 * tier * sum(shape.unit_numels[i] for i in blocks)))
         parts = tuple(g * m * p for p in stage_compute(shape, blocks, n, t, itemsize, compute))
         link = rates.link_bytes_per_s
         out.actions.append(actions)
@@ -256,42 +264,21 @@ def _unit_timings(
     return stages, step_end, [stage[0][0] for stage in times]
 
 
-def optimizer_exposure(
-    shape: ModelShape,
-    stage_blocks: list[range],
-    *,
-    b: int,
-    t: int,
-    m: int,
-    g: int,
-    itemsize: int,
-    flops_per_s: float,
-    rates: HostRates,
-    schedule: str = "1f1b",
-    resident: list[frozenset[int]] | None = None,
-    optim_bytes_per_s: list[float] | None = None,
-    attention_flops_per_s: float = 0.0,
-    elementwise_bytes_per_s: float = 0.0,
-    layer_overhead_s: float = 0.0,
-) -> OptimizerExposure:
-    """Seconds of a step's CPU AdamW that the next step waits for, in every update mode
-    (``plan/exposure.py``), on the engine's schedule.
-
-    Args:
-        optim_bytes_per_s: per stage, its optimizer thread's host bytes/s (the engine's measurement);
-            default: ``rates.rate(rates.optim_threads)`` for every stage. The rest as :func:`step_time`.
-    """
-    resident = resident or [frozenset()] * len(stage_blocks)
-    compute = ComputeRates(flops_per_s, attention_flops_per_s, elementwise_bytes_per_s, layer_overhead_s)
-    kw = dict(b=b, t=t, m=m, g=g, itemsize=itemsize, compute=compute, rates=rates)
-    st = _stages(shape, stage_blocks, **kw, schedule=schedule, resident=resident)
-    return _exposure(
-        shape, stage_blocks, st, kw, resident, _optim_rates(rates, len(stage_blocks), optim_bytes_per_s)
-    )[0]
-
-
-def _optim_rates(rates: HostRates, num_stages: int, measured) -> list[float]:
-    return list(measured) if measured else [rates.rate(rates.optim_threads)[0]] * num_stages
+def _optim_rates(rates: HostRates, shape, stage_blocks, itemsize: int, measured, tier: float):
+    """(per stage its optimizer thread's host bytes/s, what bounds the slowest): its AdamW's (measured,
+    else ``rates.rate``), or with ``tier`` bytes/param on NVMe (read and written once a step, at the
+    rank's share of the drives) :func:`~nodetrain.plan.tier.tier_optimizer_rate` of both."""
+    adamw, bound = rates.rate(rates.optim_threads)
+    out = list(measured) if measured else [adamw] * len(stage_blocks)
+    if tier <= 0:
+        return out, bound
+    read, write = rates.nvme_read_bytes_per_s / rates.ranks, rates.nvme_write_bytes_per_s / rates.ranks
+    owned = [sum(shape.unit_numels[i] for i in blocks) for blocks in stage_blocks]
+    with_tier = [
+        tier_optimizer_rate(r, p * optimizer_bytes_per_param(itemsize), p * tier, read, write)
+        for r, p in zip(out, owned, strict=True)
+    ]
+    return with_tier, "NVMe tier" if any(x < r for x, r in zip(with_tier, out, strict=True)) else bound
 
 
 def _exposure(shape, stage_blocks, st: _Stages, kw: dict, resident, optim_rates):
@@ -324,50 +311,72 @@ def step_time(
     elementwise_bytes_per_s: float = 0.0,
     layer_overhead_s: float = 0.0,
     shared_cores: int = 0,
+    tier_bytes_per_param: float = 0.0,
+    offload_activations: bool = False,
 ) -> StepTime:
-    """Step time when the window overlaps H2D, compute, D2H and the host accumulation on each stage.
-
-    The model is the module's ("The step").
+    """Step time when the window overlaps H2D, compute, D2H and the host accumulation on each stage
+    (the module's model, "The step").
 
     Args:
         flops_per_s: achieved matmul FLOP/s of one stage's device; rates: the host side;
         update_mode: ``serial``, ``deferred``, ``in_backward`` or ``speculative`` (priced at
             ``clip_fraction`` clipped steps, its backups' and redos' bytes included);
         resident: per stage, the blocks kept on the device (none when omitted);
-        optim_bytes_per_s: as :func:`optimizer_exposure`;
+        optim_bytes_per_s: per stage, its optimizer thread's host bytes/s (the engine's measurement);
+            default: ``rates.rate(rates.optim_threads)`` for every stage;
         attention_flops_per_s, elementwise_bytes_per_s, layer_overhead_s: as :class:`ComputeRates`
             (0: attention at ``flops_per_s``, elementwise work and overheads not priced);
         shared_cores: the node's cores when the stages compute on them (a CPU profile; the rates
-            above are then one core's), else 0.
+            above are then one core's), else 0;
+        tier_bytes_per_param: NVMe bytes/param read + written once a step (:func:`_optim_rates`; 0: none);
+        offload_activations: ``stream.offload_activations`` (``costs.stage_traffic``).
 
     Raises:
         ValueError: an unknown ``update_mode``.
     """
     if update_mode not in MODES[:4]:
         raise ValueError(f"update_mode={update_mode!r}: use one of {MODES[:4]}")
-    s = len(stage_blocks)
-    resident = resident or [frozenset()] * s
-    compute_rates = ComputeRates(
-        flops_per_s, attention_flops_per_s, elementwise_bytes_per_s, layer_overhead_s
+    resident = resident or [frozenset()] * len(stage_blocks)
+    compute = ComputeRates(flops_per_s, attention_flops_per_s, elementwise_bytes_per_s, layer_overhead_s)
+    kw = dict(b=b, t=t, m=m, g=g, itemsize=itemsize, compute=compute, rates=rates)
+    st = _stages(
+        shape, stage_blocks, **kw, schedule=schedule, resident=resident, shared_cores=shared_cores,
+        offload=offload_activations, tier=tier_bytes_per_param,
+    )  # fmt: skip
+    optim = _optim_rates(rates, shape, stage_blocks, itemsize, optim_bytes_per_s, tier_bytes_per_param)
+    spec = update_mode == "speculative"
+    traffic = _speculative_traffic(shape, stage_blocks, st.traffic, clip_fraction) if spec else st.traffic
+    exposure, pipeline = _exposure(shape, stage_blocks, st, kw, resident, optim[0])
+    floors = _floors(
+        st, traffic, rates, optim, exposure.of(update_mode, clip_fraction), pipeline, shared_cores
     )
-    kw = dict(b=b, t=t, m=m, g=g, itemsize=itemsize, compute=compute_rates, rates=rates)
-    st = _stages(shape, stage_blocks, **kw, schedule=schedule, resident=resident, shared_cores=shared_cores)
-    optim_rates = _optim_rates(rates, s, optim_bytes_per_s)
-    _, optim_bound = rates.rate(rates.optim_threads)
-    traffic = st.traffic
-    if update_mode == "speculative":
-        traffic = _speculative_traffic(shape, stage_blocks, traffic, clip_fraction)
+    return _result(shape, st, tuple(traffic), floors, exposure, update_mode, tokens=g * m * b * t, t=t)
+
+
+@dataclass(frozen=True)
+class _Floors:
+    """The step's seconds and what bounds them (:func:`_floors`)."""
+
+    parts: dict[str, float]
+    """The slowest stage's compute, H2D, D2H and host accumulation, and the pipeline bubble."""
+    optimizer: float
+    host_dram: float
+    exposed: float
+    core_s: list[float]
+    cores_s: float
+    step: float
+    bottleneck: str
+
+
+def _floors(st: _Stages, traffic, rates: HostRates, optim, exposed: float, pipeline: float, shared_cores):
+    """The step: the pipeline plus the optimizer's ``exposed`` seconds, at least the node's DRAM floor
+    (in the exposed seconds every stage's optimizer runs, all released by then, and little else),
+    the slowest optimizer and the shared cores' floor; ``optim``: :func:`_optim_rates`'s."""
+    optim_rates, optim_bound = optim
     core_s, cores_s = _shared_cores(st, traffic, rates.core_bytes_per_s, shared_cores)
     compute, h2d, d2h, accum = (max(p[j] for p in st.seconds) for j in range(4))
-    slowest = max(range(s), key=lambda k: st.seconds[k][0])
-    opt_s = [x.optimizer_bytes / r for x, r in zip(traffic, optim_rates, strict=True)]
-    optimizer = max(opt_s)
+    optimizer = max(x.optimizer_bytes / r for x, r in zip(traffic, optim_rates, strict=True))
     host_bytes = sum(x.host_bytes for x in traffic)
-    host_dram = host_bytes / rates.host_bytes_per_s
-    exposure, pipeline = _exposure(shape, stage_blocks, st, kw, resident, optim_rates)
-    bubble = pipeline - max(st.busy)
-    exposed = exposure.of(update_mode, clip_fraction)
-    # in the exposed seconds every stage's optimizer runs (all released by then) and little else
     alone = sum(min(exposed * r, x.optimizer_bytes) for x, r in zip(traffic, optim_rates, strict=True))
     dram = exposed + (host_bytes - alone) / rates.host_bytes_per_s
     step = max(pipeline + exposed, dram, optimizer, cores_s)
@@ -376,34 +385,41 @@ def step_time(
         "H2D": h2d,
         "D2H": d2h,
         "host accumulation": accum,
-        "pipeline bubble": bubble,
+        "pipeline bubble": pipeline - max(st.busy),
     }
     bottleneck = _bottleneck(
         parts, exposed, optim_bound, step=step, pipeline=pipeline, dram=dram, cores_s=cores_s
     )
-    tokens = g * m * b * t
+    return _Floors(
+        parts, optimizer, host_bytes / rates.host_bytes_per_s, exposed, core_s, cores_s, step, bottleneck
+    )
+
+
+def _result(shape, st: _Stages, traffic, floors: _Floors, exposure, update_mode, *, tokens, t) -> StepTime:
+    """The :class:`StepTime` of the step's parts (the compute parts of its slowest stage)."""
+    slowest = max(range(len(st.seconds)), key=lambda k: st.seconds[k][0])
     return StepTime(
         tokens=tokens,
         model_flops=model_flops(shape, tokens, t),
-        compute_s=compute,
-        h2d_s=h2d,
-        d2h_s=d2h,
-        accum_s=accum,
-        bubble_s=bubble,
-        optimizer_s=optimizer,
-        host_dram_s=host_dram,
-        step_s=step,
-        bottleneck=bottleneck,
-        traffic=tuple(traffic),
-        optimizer_exposed_s=exposed,
+        compute_s=floors.parts["compute"],
+        h2d_s=floors.parts["H2D"],
+        d2h_s=floors.parts["D2H"],
+        accum_s=floors.parts["host accumulation"],
+        bubble_s=floors.parts["pipeline bubble"],
+        optimizer_s=floors.optimizer,
+        host_dram_s=floors.host_dram,
+        step_s=floors.step,
+        bottleneck=floors.bottleneck,
+        traffic=traffic,
+        optimizer_exposed_s=floors.exposed,
         update_mode=update_mode,
         exposure=exposure,
         attention_s=st.compute_parts[slowest][1],
         elementwise_s=st.compute_parts[slowest][2],
         overhead_s=st.compute_parts[slowest][3],
         stage_compute_s=tuple(p[0] for p in st.seconds),
-        core_s=tuple(core_s),
-        shared_cores_s=cores_s,
+        core_s=tuple(floors.core_s),
+        shared_cores_s=floors.cores_s,
     )
 
 
@@ -426,7 +442,7 @@ def _bottleneck(
     its exposed seconds exceed them; host DRAM or the shared cores when their floor sets the step."""
     out = max(parts, key=parts.get)
     if exposed > max(parts.values()):
-        out = "optimizer cores" if optim_bound == "cores" else "host DRAM"
+        out = {"cores": "optimizer cores", "NVMe tier": "NVMe tier"}.get(optim_bound, "host DRAM")
     if dram >= step and dram > pipeline + exposed:
         out = "host DRAM"
     if cores_s >= step and cores_s > max(pipeline + exposed, dram):
