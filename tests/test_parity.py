@@ -302,11 +302,9 @@ class Run:
     """Resident units of all ranks, in rank order."""
 
 
-def run_nodetrain(
-    case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs, labels, torchrun, device: str = "cpu"
-) -> Run:
+def parity_spec(case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs, labels, device="cpu") -> dict:
+    """parity_worker.py's spec of ``case`` (its batch file written under ``tmp``, output in ``tmp/out``)."""
     batch_file, out_dir = tmp / "batch.safetensors", tmp / "out"
-    out_dir.mkdir()
     save_file({"inputs": inputs, "labels": labels}, str(batch_file))
     overrides = {
         "train.dtype": "float32",
@@ -339,6 +337,15 @@ def run_nodetrain(
         "run_id": f"parity-{case.id}",
         "device": device,
     }
+    return spec
+
+
+def run_nodetrain(
+    case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs, labels, torchrun, device: str = "cpu"
+) -> Run:
+    spec = parity_spec(case, tmp, shm_dir, model_dir, inputs, labels, device)
+    out_dir = Path(spec["out_dir"])
+    out_dir.mkdir()
     spec_file = tmp / "spec.json"
     spec_file.write_text(json.dumps(spec))
     torchrun(case.stages, WORKER, str(spec_file), timeout_s=150)
