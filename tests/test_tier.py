@@ -17,7 +17,13 @@ import parity_worker
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_parity import Case, make_batches, parity_spec, save_seeded_model
+from test_parity import HF_BASE, Case, make_batches, parity_spec, save_seeded_model
+
+from nodetrain.config.schema import Config, ConfigError, ModelConfig, StoreConfig, validate
+from nodetrain.model import HFModel, build_hf_config
+from nodetrain.optim.tier_files import TIER_FIELDS, TierLayout
+from nodetrain.plan.costs import shape_of, store_layout
+from nodetrain.plan.host import preflight
 
 # fmt: off
 ONE = Case("llama-1stage-gpipe-slots1-accum2x2", "LlamaForCausalLM", 1, "gpipe", 1, 2, 2)
@@ -49,6 +55,19 @@ def _spec(case: Case, tmp: Path, shm: Path, modes: dict[str, dict]) -> dict:
     return spec
 
 
+def _aligned(t: torch.Tensor) -> int:
+    return -(-t.numel() * t.element_size() // 4096) * 4096
+
+
+def _tier_unit_bytes(fields: dict[str, torch.Tensor], state: str) -> list[int]:
+    """Per unit of ``fields`` (``"<unit>.<field>"``), the page-aligned bytes of its tier fields."""
+    units: dict[str, int] = {}
+    for key, t in fields.items():
+        unit, name = key.split(".", 1)
+        units[unit] = units.get(unit, 0) + (_aligned(t) if name in TIER_FIELDS[state] else 0)
+    return list(units.values())
+
+
 def _check_same(tmp: Path, stages: int, modes) -> None:
     for name in modes:
         ram, nvme = tmp / f"{name}-ram", tmp / f"{name}-nvme"
@@ -61,8 +80,13 @@ def _check_same(tmp: Path, stages: int, modes) -> None:
             assert sorted(a) == sorted(b) and a
             for key in b:
                 assert torch.equal(a[key], b[key]), f"{name} rank {rank} {key}"
-            read, written = json.loads((nvme / f"rank{rank}.json").read_text())["tier_bytes"]
+            report, ram_report = (json.loads((d / f"rank{rank}.json").read_text()) for d in (nvme, ram))
+            read, written = report["tier_bytes"]
             assert read > 0 and written > 0, f"{name}: the tier was not used"
+            if report["memory"]:  # the tier's fields left RAM, but for the pool (2 units)
+                sizes = _tier_unit_bytes(a, "lean" if "lean" in name else "full")
+                saved = ram_report["memory"]["store"]["rss"] - report["memory"]["store"]["rss"]
+                assert saved >= sum(sizes) - 2 * max(sizes), (name, rank, saved, sizes)
     assert not list((tmp / "tier").iterdir()), "tier files left behind"
 
 
@@ -91,7 +115,7 @@ TWO_MODES = {"full-clip": {"optim.max_grad_norm": 0.3, "optim.speculative": Fals
 
 
 def test_two_stage_tier_equals_ram(tmp_path: Path, shm_dir: Path, torchrun) -> None:
-    spec = _spec(TWO, tmp_path, shm_dir, TWO_MODES)
+    spec = {**_spec(TWO, tmp_path, shm_dir, TWO_MODES), "memory_report": True}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     torchrun(2, parity_worker.__file__, str(tmp_path / "spec.json"), timeout_s=240)
     _check_same(tmp_path, 2, TWO_MODES)
@@ -103,3 +127,56 @@ def _clean_stores(shm_dir: Path):
     for d in shm_dir.iterdir():  # each variant's store directory (their stores are gone already)
         assert not list(d.iterdir()), f"stores left in {d}"
         d.rmdir()
+
+
+# ----------------------------------------------------------------------------- refusals and failures
+
+
+def _tiny_cfg(tmp: Path, **store) -> Config:
+    cfg = Config()
+    cfg.model = ModelConfig(name="tiny", hf={**HF_BASE, "vocab_size": 512})
+    cfg.train.dtype, cfg.plan.rank_overhead_gb = "float32", 0.0
+    cfg.train.seq_len, cfg.data.vocab_size = 16, 512
+    cfg.store = StoreConfig(dir=str(tmp), **store)
+    return cfg
+
+
+def test_bad_tier_keys_are_refused_naming_field_value_and_fix(tmp_path: Path) -> None:
+    cfg = _tiny_cfg(tmp_path, tier="disk")
+    with pytest.raises(ConfigError, match=r"store\.tier=disk: must be one of ram, nvme; use ram"):
+        validate(cfg, 1)
+    cfg = _tiny_cfg(tmp_path, tier="nvme", tier_dir=str(tmp_path / "missing"), tier_buffers=1)
+    cfg.optim.speculative, cfg.optim.max_grad_norm = True, 1.0
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, 1)
+    msg = str(e.value)
+    assert f"store.tier_dir={tmp_path / 'missing'}: not a directory; create it" in msg
+    assert "store.tier_buffers=1: must be an integer >= 2" in msg
+    assert "optim.speculative=True: backs up fp32 master weights and moments in host RAM" in msg
+    cfg = _tiny_cfg(tmp_path, tier="nvme")
+    with pytest.raises(ConfigError, match=r"store\.tier_dir='': required with store\.tier=nvme"):
+        validate(cfg, 1)
+    validate(_tiny_cfg(tmp_path, tier="nvme", tier_dir=str(tmp_path)), 1)  # a good one passes
+
+
+def test_a_full_tier_dir_is_refused_up_front_and_ram_fits_less(tmp_path: Path) -> None:
+    """The start-up fit check: the tier file against the free space of ``store.tier_dir``
+    (os.statvfs, faked by the fault injector), and RAM holding the store without the tier's fields."""
+    cfg = _tiny_cfg(tmp_path, tier="nvme", tier_dir=str(tmp_path), tier_buffers=2)
+    model = HFModel(build_hf_config(cfg.model))
+    store = store_layout(shape_of(model), torch.float32)
+    tier = TierLayout(store).nbytes
+    assert tier == sum(-(-4 * n // 4096) * 4096 * 3 for n in store.unit_numels)  # master + 2 moments
+    cfg.test.tier_free_bytes = tier - 1
+    with pytest.raises(
+        ConfigError, match=rf"store\.tier_dir={tmp_path}: the tier needs 0\.00 GB .* use store\.tier=ram"
+    ):
+        preflight(cfg, model, 1)
+    cfg.test.tier_free_bytes = tier
+    preflight(cfg, model, 1)
+    # RAM allowed: more than the store without its tier fields (+ the pool), less than the whole store
+    cfg.test.host_available_bytes = store.nbytes - 1
+    preflight(cfg, model, 1)
+    cfg.store.tier = "ram"
+    with pytest.raises(ConfigError, match="host memory: the host store needs"):
+        preflight(cfg, model, 1)
