@@ -11,11 +11,16 @@ launch holding all of its variants.
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
 from pathlib import Path
 
 import parity_worker
 import pytest
 import torch
+from conftest import TINY_RUN, job_env, start_job, torchrun_cmd
 from safetensors.torch import load_file
 from test_parity import HF_BASE, Case, make_batches, parity_spec, save_seeded_model
 
@@ -30,6 +35,7 @@ ONE = Case("llama-1stage-gpipe-slots1-accum2x2", "LlamaForCausalLM", 1, "gpipe",
 TWO = Case("llama-2stage-1f1b-slots1-accum2x2",  "LlamaForCausalLM", 2, "1f1b",  1, 2, 2)
 # fmt: on
 LEAN = {"optim.state": "lean", "train.dtype": "bfloat16"}
+TINY = [*TINY_RUN, "train.eval_every=0", "logging.plots=false", "logging.wandb=false"]
 
 
 def _variants(tmp: Path, shm: Path, modes: dict[str, dict]) -> list[dict]:
@@ -180,3 +186,27 @@ def test_a_full_tier_dir_is_refused_up_front_and_ram_fits_less(tmp_path: Path) -
     cfg.store.tier = "ram"
     with pytest.raises(ConfigError, match="host memory: the host store needs"):
         preflight(cfg, model, 1)
+
+
+def test_a_failing_tier_write_ends_every_rank_naming_the_file_and_errno(
+    tmp_path: Path, corpus, shm_dir: Path
+) -> None:
+    """Rank 1's tier writes fail with EIO from its 6th on (after its start-up fills: during step 1's
+    or 2's write-backs); the job ends, the error names the tier file, the offset and the errno."""
+    (tmp_path / "tier").mkdir()
+    tier = [f"store.tier_dir={tmp_path / 'tier'}", "test.tier_fail_rank=1", "test.tier_fail_write=6"]
+    overrides = [*TINY, *corpus, "train.steps=20", f"store.dir={shm_dir}", "store.tier=nvme", *tier]
+    cmd = torchrun_cmd(2, "-m", "nodetrain.train", *overrides)
+    proc = start_job(cmd, job_env(NODETRAIN_RUNS=str(tmp_path / "runs")))
+    try:
+        out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the job hung: {proc.communicate()[0][-6000:]}")
+    assert proc.returncode != 0
+    got = re.search(r"tier write of unit \d+ failed: file (\S+), offset \d+, errno 5 \(EIO", out)
+    assert got, out[-6000:]
+    assert re.fullmatch(rf"{tmp_path / 'tier'}/nodetrain-.+-\d+\.tier", got[1]), got[1]
+    (run,) = (tmp_path / "runs").iterdir()
+    assert "job failed" in (run / "rank1.log").read_text()
+    assert not list((tmp_path / "tier").iterdir()), "the tier file outlived the run"
