@@ -5,8 +5,8 @@
 
 1. I/O (``store.tier=nvme``'s own code, optim/tier_files.py): ``--io-units`` units of ``--io-numel``
    parameters (``optim.state=full``: fp32 master, exp_avg, exp_avg_sq = 12 B/param in the file) are
-   written back (``TierFile.write_unit``: pwrite from the store range, then its pages released) and
-   read (``read_unit``: preadv into the released range, page faults included), against a plain
+   written back (``TierFile.write_unit``: pwrite from the pool slot mapped over the store range,
+   then unmapped) and read (``map_unit`` + ``read_unit``: preadv into the slot), against a plain
    sequential O_DIRECT write and read of the same bytes on the same disk (8 MiB requests from one
    page-aligned buffer, as ``dd oflag=direct bs=8M``). Three interleaved rounds; median GB/s each.
    Goal: tier ÷ plain ≥ 0.7 both ways (issue 23).
@@ -80,14 +80,22 @@ def io_rates(args, tier_dir: Path) -> dict[str, float]:
     tier.unlink()
     print(f"I/O: {tier.layout.nbytes / 1e9:.2f} GB in {tier_dir} (O_DIRECT: {tier.direct})")
     units = range(args.io_units)
+    tier.open_pool(args.io_units, units)  # one slot per unit (a run has store.tier_buffers of them)
     for u in units:
+        tier.map_unit(u, u)
         for f in ("master", "exp_avg", "exp_avg_sq"):
             store.buffer(u, f).normal_()
+
+    def read_all() -> None:
+        for u in units:
+            tier.map_unit(u, u)  # as the pool does before each read
+            tier.read_unit(u)
+
     times = {k: [] for k in ("tier write", "tier read", "plain write", "plain read")}
     nbytes = tier.layout.nbytes
     for _ in range(3):
         times["tier write"].append(_timed(lambda: [tier.write_unit(u) for u in units]))
-        times["tier read"].append(_timed(lambda: [tier.read_unit(u) for u in units]))
+        times["tier read"].append(_timed(read_all))
         w, r = _plain(tier_dir / "plain.bin", nbytes)
         times["plain write"].append(w)
         times["plain read"].append(r)

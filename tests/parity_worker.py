@@ -87,7 +87,10 @@ def _store_mapping(store_dir: str) -> dict | None:
         if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):  # a mapping header
             path = head[5] if len(head) == 6 else ""
             in_store = path.startswith(prefix)
-            if in_store:
+            if in_store and found is not None and found["path"] == path:  # split by the tier's slots
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                found["size"] += hi - lo
+            elif in_store:
                 assert found is None, f"the store is mapped twice: {found['path']} and {path}"
                 lo, hi = (int(x, 16) for x in head[0].split("-"))
                 found = {
@@ -109,10 +112,12 @@ def _store_mapping(store_dir: str) -> dict | None:
 
 def _unit_state(engine: Engine, unit: int) -> dict[str, torch.Tensor]:
     """Every store field of an owned ``unit`` (private copies), the tier's read from its file."""
-    fields = {f: engine.store.buffer(unit, f).clone() for f in engine.store.layout.fields_of(unit)}
-    if hasattr(engine.optimizer, "read_fields"):  # store.tier=nvme
-        fields.update(engine.optimizer.read_fields(unit))
-    return fields
+    tiered = hasattr(engine.optimizer, "read_fields")  # store.tier=nvme: its store ranges are unmapped
+    tier = engine.optimizer.read_fields(unit) if tiered else {}
+    fields = {
+        f: engine.store.buffer(unit, f).clone() for f in engine.store.layout.fields_of(unit) if f not in tier
+    }
+    return {**fields, **tier}
 
 
 def main(spec_path: str) -> None:

@@ -11,10 +11,10 @@ updated (engine/policy.py, engine/overlap.py: the tier only follows the updates 
 
 Design (see docs/tier.md):
     - Where the bytes live: the tier fields keep their place in the host store's layout, so every
-      view the optimizer built stays valid; between updates their store pages are released
-      (``MADV_REMOVE``) and the file holds the state. The pool is those page-aligned ranges: at most
-      ``store.tier_buffers`` units are backed by pages at once (being read, updated, or written back).
-      RAM keeps the transfer copy and the gradient accumulator, as before.
+      view the optimizer built stays valid; while a unit is read, updated or written back, one of
+      the pool's ``store.tier_buffers`` page-aligned slots is mapped over those ranges (tier_files.py),
+      otherwise they hold no memory and the file holds the state. RAM keeps the transfer copy, the
+      gradient accumulator and the pool.
     - Order: the first step reads in owned (forward) order; afterwards the order the updates came in
       (learned over one cycle of every owned unit), cyclically: after unit i's update the reads of the
       units that follow it are issued while slots are free, so the next step's first units are read
@@ -69,10 +69,13 @@ class TieredOptimizer:
         self._reader = ThreadPoolExecutor(1, "tier-read", initializer=thread_init)
         self._writer = ThreadPoolExecutor(1, "tier-write", initializer=thread_init)
         owned = [u.index for u in inner.units]
+        tier.open_pool(buffers, owned)
         # the updating thread only
         self._order, self._seen = owned, []
-        self._reads: dict[int, Future] = {}  # units backed by pages: being read, or read (clean)
+        self._reads: dict[int, Future] = {}  # units holding a slot: being read, or read (clean)
         self._writes: dict[int, Future] = {}  # units being written back (their slot frees when done)
+        self._slots: dict[int, int] = {}  # unit -> its pool slot (units in _reads or _writes)
+        self._free = list(range(buffers))
         self.read_bytes = self.write_bytes = 0
 
     def __getattr__(self, name):
@@ -106,6 +109,7 @@ class TieredOptimizer:
         """Start-up: ``init()`` writes ``unit``'s state into the store (import, resume, random init),
         then it is written to the file and its pages released. Raises as :meth:`step_unit`."""
         self._acquire(unit, read=False)
+        self.tier.zero_unit(unit)
         init()
         self._writes[unit] = self._writer.submit(self.tier.write_unit, unit)
         del self._reads[unit]
@@ -121,33 +125,44 @@ class TieredOptimizer:
             self._reads[unit].result()
             return
         if unit in self._writes:
-            self._writes.pop(unit).result()  # the unit's next read follows its write-back
-        while len(self._reads) + len(self._writes) >= self.buffers:
+            self._written(unit)  # the unit's next read follows its write-back
+        while not self._free:
             self._free_slot()
-        fut = Future()
         if read:
-            fut = self._reader.submit(self.tier.read_unit, unit)
-            self.read_bytes += self.tier.layout.unit_nbytes(unit)
+            self._start_read(unit)
         else:
-            fut.set_result(None)
-        self._reads[unit] = fut
-        fut.result()
+            self._slots[unit] = self._free.pop()
+            self.tier.map_unit(unit, self._slots[unit])
+            self._reads[unit] = Future()
+            self._reads[unit].set_result(None)
+        self._reads[unit].result()
+
+    def _start_read(self, unit: int) -> None:
+        self._slots[unit] = self._free.pop()
+        self.tier.map_unit(unit, self._slots[unit])
+        self._reads[unit] = self._reader.submit(self.tier.read_unit, unit)
+        self.read_bytes += self.tier.layout.unit_nbytes(unit)
+
+    def _written(self, unit: int) -> None:
+        """Wait for ``unit``'s write-back (re-raising its error); its slot is free again."""
+        self._writes.pop(unit).result()
+        self._free.append(self._slots.pop(unit))
 
     def _free_slot(self) -> None:
         """Wait for the oldest write-back, else drop the read-ahead unit due last (clean: no write)."""
         if self._writes:
-            unit = next(iter(self._writes))
-            self._writes.pop(unit).result()
+            self._written(next(iter(self._writes)))
             return
         pos = {u: i for i, u in enumerate(self._order)}
         unit = max(self._reads, key=lambda u: pos.get(u, -1))
         self._reads.pop(unit).result()
-        self.tier.release_unit(unit)
+        self.tier.unmap_unit(unit)
+        self._free.append(self._slots.pop(unit))
 
     def _reap(self) -> None:
         """Collect finished write-backs (re-raising a failed one) and free their slots."""
         for unit in [u for u, f in self._writes.items() if f.done()]:
-            self._writes.pop(unit).result()
+            self._written(unit)
 
     def _learn(self, unit: int) -> None:
         self._seen.append(unit)
@@ -161,15 +176,14 @@ class TieredOptimizer:
             return
         i, n = self._order.index(unit), len(self._order)
         for k in range(1, n + 1):
-            if len(self._reads) + len(self._writes) >= self.buffers:
+            if not self._free:
                 return
             nxt = self._order[(i + k) % n]
             if nxt in self._reads:
                 continue
             if nxt in self._writes:
                 return  # wait for its write-back before reading it again
-            self._reads[nxt] = self._reader.submit(self.tier.read_unit, nxt)
-            self.read_bytes += self.tier.layout.unit_nbytes(nxt)
+            self._start_read(nxt)
 
     # ---- after every update ---------------------------------------------------------------------
 
@@ -177,7 +191,7 @@ class TieredOptimizer:
         """Block until every write-back is in the file (re-raises a failed one). Call when no update
         runs (after ``UnitUpdates.wait_all``)."""
         for unit in list(self._writes):
-            self._writes.pop(unit).result()
+            self._written(unit)
 
     def read_fields(self, unit: int) -> dict[str, torch.Tensor]:
         """``unit``'s tier fields as private copies read from the file (name -> flat tensor, the

@@ -7,12 +7,17 @@ all have opened it, as the store's), and the checked I/O of one unit between the
 range (:class:`TierFile`). Does not own when a unit is read or written back (tier.py), the config
 checks (config/tier_checks.py) or the store (store.py).
 
-I/O: ``os.preadv`` / ``os.pwrite`` straight between the file and the unit's own page-aligned ranges of
-the store, with ``O_DIRECT`` where the filesystem allows (tmpfs refuses it: then buffered I/O with
-``posix_fadvise(DONTNEED)`` after each write, logged). After a write-back, the unit's store pages are
-released (``madvise(MADV_REMOVE)``: its tier fields read as holes until the next read), so the RAM
-they use is what the pool of tier.py holds. Every read and write is checked: a short transfer or an
-errno raises :class:`TierIOError` naming the file, the offset and the errno.
+The pool: ``store.tier_buffers`` slots of page-aligned host memory (a ``memfd``, allocated once, each
+slot as large as the largest unit's tier fields). A unit's tier ranges in the store are never backed
+by the store's own pages: while the unit holds a slot, the slot is mapped over them (``mmap
+MAP_FIXED``), so every view of the store the optimizer built reads and writes the slot; otherwise
+they are mapped ``PROT_NONE`` (a stray access faults instead of reading stale state). Re-mapping
+costs a system call, not the allocation and zeroing of fresh pages.
+
+I/O: ``os.preadv`` / ``os.pwrite`` straight between the file and the mapped slot, with ``O_DIRECT``
+where the filesystem allows (tmpfs refuses it: then buffered I/O with ``posix_fadvise(DONTNEED)``
+after each write, logged). Every read and write is checked: a short transfer or an errno raises
+:class:`TierIOError` naming the file, the offset and the errno.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import mmap
 import os
 import re
 from dataclasses import dataclass
@@ -36,7 +42,7 @@ log = logging.getLogger(__name__)
 TIER_FIELDS = {"full": ("master", "exp_avg", "exp_avg_sq"), "lean": LEAN_MOMENT_FIELDS}
 """``optim.state`` -> the store fields only the optimizer update reads and writes (and checkpoint,
 import and resume, which go through the tier)."""
-_MADV_REMOVE = 9  # <sys/mman.h>: free the range's backing pages (tmpfs / shared memory)
+_PROT_NONE, _MAP_FIXED, _MAP_NORESERVE, _MAP_POPULATE = 0, 0x10, 0x4000, 0x8000  # <sys/mman.h>, Linux
 _NAME = re.compile(r"^nodetrain-(?P<run>.+)-(?P<pid>\d+)\.tier$")
 
 
@@ -107,7 +113,15 @@ def remove_stale_tiers(directory: str | Path) -> list[Path]:
 
 def _libc():
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
     return libc
 
 
@@ -128,6 +142,10 @@ class TierFile:
         self.layout, self.store, self.path, self.owner = layout, store, Path(path), owner
         self._pwrite = pwrite
         self._libc = _libc()
+        self._pool_fd, self.slot_bytes = (
+            -1,
+            max(layout.unit_nbytes(u) for u in range(len(layout.store.unit_numels))),
+        )
         try:
             self.fd, self.direct = os.open(self.path, os.O_RDWR | os.O_DIRECT), True
         except OSError as e:
@@ -175,11 +193,42 @@ class TierFile:
             self.path.unlink(missing_ok=True)
 
     def close(self) -> None:
-        """Close this rank's descriptor (and remove the name, the creator); idempotent."""
+        """Close this rank's descriptors (and remove the name, the creator); idempotent. The pool's
+        pages go when the store's mapping goes."""
         self.unlink()
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        for name in ("fd", "_pool_fd"):
+            if getattr(self, name) >= 0:
+                os.close(getattr(self, name))
+                setattr(self, name, -1)
+
+    def open_pool(self, buffers: int, units) -> None:
+        """Allocate the pool (``buffers`` slots) and map this rank's ``units``' tier ranges
+        ``PROT_NONE``. Raises OSError: the pool cannot be allocated (host memory)."""
+        self._pool_fd = os.memfd_create("nodetrain-tier-pool", 0)
+        os.ftruncate(self._pool_fd, buffers * self.slot_bytes)
+        os.posix_fallocate(self._pool_fd, 0, buffers * self.slot_bytes)
+        for u in units:
+            self.unmap_unit(u)
+
+    def map_unit(self, unit: int, slot: int) -> None:
+        """Map pool slot ``slot`` over ``unit``'s tier ranges of the store (its bytes are the slot's)."""
+        at = slot * self.slot_bytes
+        for _buf, addr, n, _pos in self._extents(unit):
+            # populated: its page tables filled at once, not one fault per page during the read
+            rw, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_POPULATE
+            self._mmap(addr, n, rw, flags, self._pool_fd, at)
+            at += n
+
+    def unmap_unit(self, unit: int) -> None:
+        """Map ``unit``'s tier ranges ``PROT_NONE`` (no pages; an access faults)."""
+        for _buf, addr, n, _pos in self._extents(unit):
+            self._mmap(addr, n, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+
+    def _mmap(self, addr: int, n: int, prot: int, flags: int, fd: int, offset: int) -> None:
+        got = self._libc.mmap(addr, n, prot, flags | _MAP_FIXED, fd, offset)
+        if got != addr:
+            e = ctypes.get_errno()
+            raise OSError(e, f"mmap of {n} bytes of the tier's range at {addr:#x}: {os.strerror(e)}")
 
     def _extents(self, unit: int):
         """``(memoryview of the store range, file offset)`` per extent of ``unit``."""
@@ -199,13 +248,13 @@ class TierFile:
             self._read(memoryview(buf).cast("B"), pos, unit)
 
     def write_unit(self, unit: int) -> None:
-        """Write ``unit``'s tier fields from their store ranges to the file, then release those store
-        pages (they read as zeros until :meth:`read_unit`).
+        """Write ``unit``'s tier fields from their (mapped) store ranges to the file, then unmap them
+        (:meth:`unmap_unit`: the slot is free).
 
         Raises:
-            TierIOError: an errno or a short write (file, offset and errno named); the pages are kept.
+            TierIOError: an errno or a short write (file, offset and errno named); the slot stays mapped.
         """
-        for buf, addr, n, pos in self._extents(unit):
+        for buf, _addr, n, pos in self._extents(unit):
             view, done = memoryview(buf).cast("B"), 0
             while done < n:
                 try:
@@ -217,17 +266,12 @@ class TierFile:
                 done += k
             if not self.direct:
                 os.posix_fadvise(self.fd, pos, n, os.POSIX_FADV_DONTNEED)
-            self.release(addr, n)
+        self.unmap_unit(unit)
 
-    def release_unit(self, unit: int) -> None:
-        """Release ``unit``'s tier pages without writing them (a clean unit: the file holds its bytes)."""
-        for _buf, addr, n, _pos in self._extents(unit):
-            self.release(addr, n)
-
-    def release(self, addr: int, nbytes: int) -> None:
-        if self._libc.madvise(addr, nbytes, _MADV_REMOVE) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, f"madvise(MADV_REMOVE) of {nbytes} bytes of the host store: {os.strerror(e)}")
+    def zero_unit(self, unit: int) -> None:
+        """Zero ``unit``'s (mapped) tier ranges: a fresh unit's state (start-up, before it is filled)."""
+        for buf, _addr, _n, _pos in self._extents(unit):
+            ctypes.memset(buf, 0, len(buf))
 
     def read_copy(self, unit: int) -> dict[str, torch.Tensor]:
         """``unit``'s tier fields read from the file into private memory (checkpoint save): name ->
