@@ -8,7 +8,8 @@
    written back (``TierFile.write_unit``: pwrite from the pool slot mapped over the store range,
    then unmapped) and read (``map_unit`` + ``read_unit``: preadv into the slot), against a plain
    sequential O_DIRECT write and read of the same bytes on the same disk (8 MiB requests from one
-   page-aligned buffer, as ``dd oflag=direct bs=8M``). Three interleaved rounds; median GB/s each.
+   page-aligned buffer, as ``dd oflag=direct bs=8M``). ``--io-rounds`` interleaved rounds (which goes
+   first alternates); median GB/s each.
    Goal: tier ÷ plain ≥ 0.7 both ways (issue 23).
 2. Step time (``model=llama_10m``, fp32, one stage in this process, clipping on: deferred updates):
    an engine with ``store.tier=ram`` and one with ``store.tier=nvme`` run interleaved blocks of
@@ -93,12 +94,15 @@ def io_rates(args, tier_dir: Path) -> dict[str, float]:
 
     times = {k: [] for k in ("tier write", "tier read", "plain write", "plain read")}
     nbytes = tier.layout.nbytes
-    for _ in range(3):
-        times["tier write"].append(_timed(lambda: [tier.write_unit(u) for u in units]))
-        times["tier read"].append(_timed(read_all))
-        w, r = _plain(tier_dir / "plain.bin", nbytes)
-        times["plain write"].append(w)
-        times["plain read"].append(r)
+    for i in range(args.io_rounds):  # alternating which goes first: neither always finds the disk idle
+        for kind in ("tier", "plain") if i % 2 == 0 else ("plain", "tier"):
+            if kind == "tier":
+                times["tier write"].append(_timed(lambda: [tier.write_unit(u) for u in units]))
+                times["tier read"].append(_timed(read_all))
+            else:
+                w, r = _plain(tier_dir / "plain.bin", nbytes)
+                times["plain write"].append(w)
+                times["plain read"].append(r)
     tier.close()
     store.close()
     rates = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
@@ -151,6 +155,7 @@ def main() -> None:
     ap.add_argument("--tier-dir", default="", help="directory on the drive to measure (default: under /tmp)")
     ap.add_argument("--io-units", type=int, default=8)
     ap.add_argument("--io-numel", type=int, default=8 << 20, help="parameters per unit of part 1")
+    ap.add_argument("--io-rounds", type=int, default=5)
     ap.add_argument("--tier-buffers", type=int, default=4)
     args = ap.parse_args()
     tier_dir = Path(args.tier_dir or tempfile.mkdtemp(prefix="nt-bench-tier-", dir="/tmp"))
