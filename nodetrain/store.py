@@ -230,18 +230,27 @@ class HostStore:
             os.close(fd)
         return cls(layout, path, owner=True)
 
-    def populate(self, units) -> None:
+    def populate(self, units, skip=()) -> None:
         """Allocate the pages of ``units``' buffers now, from this thread (``posix_fallocate`` of
         their byte ranges; the first touch, so the kernel places them on this thread's NUMA node
         under the default memory policy). Call before :meth:`unlink`, on the rank that owns them.
 
         Args:
             units: unit indices (a stage's own units).
+            skip: field names whose pages are left unallocated (``store.tier=nvme``'s fields).
 
         Raises:
             OSError: the store's filesystem cannot hold them (e.g. /dev/shm too small).
         """
         spans = sorted(self.layout.unit_span(u) for u in set(units))
+        if skip:
+            offsets = self.layout.offsets
+            spans = sorted(
+                (offsets[(u, f)], offsets[(u, f)] + _align(self.layout.field_nbytes(u, f)))
+                for u in set(units)
+                for f in self.layout.fields_of(u)
+                if f not in skip
+            )
         fd = os.open(self.path, os.O_RDWR)
         try:
             for start, end in spans:

@@ -8,8 +8,12 @@ an independent reference. One spec (JSON) describes the run:
      "model_dir": "<save_pretrained dir>" | null (random init),
      "batch_file": "<safetensors with inputs, labels: int64 [steps, N, B, T]>",
      "out_dir": "<dir>", "run_id": "<names the store file>", "memory_report": false,
-     "device": "cpu" | "cuda", "export_state": false, "export_grads": false,
-     "variants": {"<name>": {...overrides on top of "overrides"}, ...} | absent}
+     "device": "cpu" | "cuda", "export_state": false, "export_grads": false, "export_fields": false,
+     "variants": [{"out_dir": ..., "run_id": ..., "overrides": {...}}, ...] | absent}
+
+``variants``: several runs one after another in one launch (each its spec with the variant's keys
+and overrides on top). ``export_fields`` writes ``fields_rank<r>.safetensors``: every store field of
+every owned unit, ``"<unit>.<field>"`` (the tier's read from its file, ``store.tier=nvme``).
 
 Writes, under ``out_dir``:
     weights_rank<r>.safetensors  the fp32 master weights of the units rank r owns, by HF name
@@ -89,7 +93,10 @@ def _store_mapping(store_dir: str) -> dict | None:
         if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):  # a mapping header
             path = head[5] if len(head) == 6 else ""
             in_store = path.startswith(prefix)
-            if in_store:
+            if in_store and found is not None and found["path"] == path:  # split by the tier's slots
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                found["size"] += hi - lo
+            elif in_store:
                 assert found is None, f"the store is mapped twice: {found['path']} and {path}"
                 lo, hi = (int(x, 16) for x in head[0].split("-"))
                 found = {
@@ -109,6 +116,16 @@ def _store_mapping(store_dir: str) -> dict | None:
     return found
 
 
+def _unit_state(engine: Engine, unit: int) -> dict[str, torch.Tensor]:
+    """Every store field of an owned ``unit`` (private copies), the tier's read from its file."""
+    tiered = hasattr(engine.optimizer, "read_fields")  # store.tier=nvme: its store ranges are unmapped
+    tier = engine.optimizer.read_fields(unit) if tiered else {}
+    fields = {
+        f: engine.store.buffer(unit, f).clone() for f in engine.store.layout.fields_of(unit) if f not in tier
+    }
+    return {**fields, **tier}
+
+
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     device = torch.device("cpu")
@@ -116,17 +133,16 @@ def main(spec_path: str) -> None:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    variants = spec.get("variants") or {"": {}}
-    for name, overrides in variants.items():  # one engine after the other, in this process group
-        out = Path(spec["out_dir"]) / name
-        out.mkdir(exist_ok=True)
-        run_id = f"{spec['run_id']}-{name}" if name else spec["run_id"]
-        _run({**spec, "overrides": {**spec["overrides"], **overrides}, "run_id": run_id}, out, device)
+    for variant in spec.get("variants") or [{}]:  # several runs in one launch, one after another
+        overrides = {**spec["overrides"], **variant.get("overrides", {})}
+        run_spec({**spec, **variant, "overrides": overrides}, device)
     dist.destroy_process_group()
 
 
-def _run(spec: dict, out: Path, device: torch.device) -> None:
-    """Train the engine ``spec`` describes and write its files under ``out`` (module docstring)."""
+def run_spec(spec: dict, device: torch.device) -> None:
+    """One run of ``spec`` in the process group that is up (its files under ``spec["out_dir"]``)."""
+    out = Path(spec["out_dir"])
+    out.mkdir(parents=True, exist_ok=True)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # nothing here should depend on it; fixed anyway
     cfg = _config(spec)
@@ -184,16 +200,20 @@ def _run(spec: dict, out: Path, device: torch.device) -> None:
             "uss_after": proc.memory_full_info().uss,
             "store": _store_mapping(cfg.store.dir),
         }
-    weights = {}
+    weights, states = {}, {u.index: _unit_state(engine, u.index) for u in engine.units}
+    if spec.get("export_fields"):  # every store field's bytes, by unit and field
+        fields = {f"{u}.{f}": t for u, state in states.items() for f, t in state.items() if f != "grad_tied"}
+        save_file(fields, str(out / f"fields_rank{rank}.safetensors"))
+    master_field = "compute" if cfg.optim.state == "lean" else "master"
     for unit in engine.units:
-        master = engine.store.master(unit.index)
+        master = states[unit.index][master_field]
         for p in unit.params:
             weights[p.hf_name] = master[p.offset : p.offset + p.numel].view(p.shape).clone()
     for block in engine.blocks:  # a tied head binds the embedding's weight: export it as the head sees it
         for b in model.bindings[block]:
             if b.unit != block:
                 assert b.local_name == "lm_head.weight", b
-                bound = engine.store.master(b.unit)[b.offset : b.offset + b.numel]
+                bound = states[b.unit][master_field][b.offset : b.offset + b.numel]
                 weights["lm_head.weight"] = bound.view(b.shape).clone()
     save_file(weights, str(out / f"weights_rank{rank}.safetensors"))
     if spec.get("export_grads"):
@@ -206,13 +226,14 @@ def _run(spec: dict, out: Path, device: torch.device) -> None:
         "adamw_steps": None,
         "speculative": engine.updates.speculative,
         "update_choice": engine.update_choice.line,
+        "tier_bytes": [getattr(engine.optimizer, k, 0) for k in ("read_bytes", "write_bytes")],
     }
     if spec.get("export_state"):
         engine.wait_optimizer()
         state = {}
         for unit in engine.units:
             for name in ("exp_avg", "exp_avg_sq"):
-                buf = engine.store.buffer(unit.index, name)
+                buf = states[unit.index][name]
                 for p in unit.params:
                     state[f"{p.hf_name}.{name}"] = buf[p.offset : p.offset + p.numel].view(p.shape).clone()
         save_file(state, str(out / f"state_rank{rank}.safetensors"))

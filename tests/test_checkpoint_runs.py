@@ -48,6 +48,7 @@ from nodetrain.config.schema import ModelConfig, OptimConfig
 from nodetrain.data import datasets as data
 from nodetrain.model import HFModel, build_hf_config
 from nodetrain.optim.adamw import StoreAdamW
+from nodetrain.plan.costs import shape_of, store_layout
 from nodetrain.run.outputs import checkpoint_bytes
 from nodetrain.store import HostStore, StoreLayout
 
@@ -649,3 +650,28 @@ def test_resuming_an_older_step_keeps_its_chain_and_auto_continues_it(
     _assert_same_steps(records(run), records(q_ref), [4, 5])
     assert [p.name for _, p in st.complete_checkpoints(ckpts)] == ["step-4", "step-5", "step-6"]
     assert st.read_state(ckpts / "step-5")["parent"]["name"] == "step-4"
+
+
+def test_resume_onto_the_tier_and_back_to_ram_on_another_stage_count(work: Path, q_ref: Path) -> None:
+    """q_ref's step-3 (RAM) resumed onto the NVMe tier (store.tier=nvme, on disk, with host RAM allowed
+    less than the whole store): steps and step-6 state equal q_ref bit for bit; its step-4 (written
+    through the tier) resumed on 1 stage in RAM matches q_ref as the other stage counts do."""
+    tier_dir = work / "tier"
+    tier_dir.mkdir(exist_ok=True)
+    model = HFModel(transformers.AutoConfig.from_pretrained(q_ref / "checkpoints" / "step-3"))
+    allowed = store_layout(shape_of(model), torch.float32).nbytes - 1  # as plan/host.py's fit check
+    tiered = work / "q_tier"
+    args = [*Q, "checkpoint.every=1", "checkpoint.keep_last=0", "plan.rank_overhead_gb=0"]
+    tier = ["store.tier=nvme", f"store.tier_dir={tier_dir}", "store.tier_buffers=2"]
+    resume = f"checkpoint.resume={q_ref / 'checkpoints' / 'step-3'}"
+    out = train(work, 2, tiered, [*args, *tier, f"test.host_available_bytes={allowed}", resume])
+    assert "resuming from" in out and not list(tier_dir.iterdir())
+    want = records(q_ref)
+    _assert_same_steps(records(tiered), want, range(4, STEPS + 1))
+    end, ref_end = tiered / "checkpoints" / "step-6", q_ref / "checkpoints" / "step-6"
+    _assert_same_tensors(master(end), master(ref_end))
+    _assert_same_tensors(optimizer(end), optimizer(ref_end))
+    one = work / "q_tier_one"
+    train(work, 1, one, [*args, f"checkpoint.resume={tiered / 'checkpoints' / 'step-4'}"])
+    _assert_same_steps(records(one), want, range(5, STEPS + 1), rtol=1e-6)
+    _assert_same_tensors(master(one / "checkpoints" / "step-6"), master(ref_end), atol=1e-6, rtol=1e-6)

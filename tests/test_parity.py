@@ -305,17 +305,24 @@ class Run:
 def run_nodetrain(
     case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs, labels, torchrun, device: str = "cpu"
 ) -> Run:
-    out_dir = tmp / "out"
     spec_file = write_spec(case, tmp, shm_dir, model_dir, inputs, labels, device=device)
     torchrun(case.stages, WORKER, str(spec_file), timeout_s=150)
-    return read_run(case, out_dir)
+    return read_run(case, tmp / "out")
 
 
 def write_spec(case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs, labels, **extra) -> Path:
-    """The batch file and parity_worker.py's spec for ``case`` under ``tmp`` (output in ``tmp/out``);
-    ``extra`` goes into the spec as is (``device``, ``variants``, ``export_grads``)."""
+    """parity_spec's spec written to ``tmp/spec.json`` (its output directory ``tmp/out`` made)."""
+    spec = parity_spec(case, tmp, shm_dir, model_dir, inputs, labels, **extra)
+    Path(spec["out_dir"]).mkdir()
+    spec_file = tmp / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    return spec_file
+
+
+def parity_spec(case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs, labels, **extra) -> dict:
+    """parity_worker.py's spec of ``case`` (its batch file written under ``tmp``, output in ``tmp/out``);
+    ``extra`` goes into the spec as is (``device``, ``variants``, ``export_grads``, ``export_fields``)."""
     batch_file, out_dir = tmp / "batch.safetensors", tmp / "out"
-    out_dir.mkdir()
     save_file({"inputs": inputs, "labels": labels}, str(batch_file))
     overrides = {
         "train.dtype": "float32",
@@ -349,9 +356,7 @@ def write_spec(case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs, la
         "device": "cpu",
         **extra,
     }
-    spec_file = tmp / "spec.json"
-    spec_file.write_text(json.dumps(spec))
-    return spec_file
+    return spec
 
 
 def read_run(case: Case, out_dir: Path) -> Run:
@@ -515,7 +520,11 @@ def test_activation_offload_is_bit_exact_on_two_stages(tmp_path: Path, shm_dir: 
         for sched in ("gpipe", "1f1b")
         for on in (False, True)
     }
-    spec = write_spec(case, tmp_path, shm_dir, model_dir, inputs, labels, variants=variants,
+    runs_spec = [
+        {"out_dir": str(tmp_path / "out" / name), "run_id": f"parity-offload-{name}", "overrides": overrides}
+        for name, overrides in variants.items()
+    ]
+    spec = write_spec(case, tmp_path, shm_dir, model_dir, inputs, labels, variants=runs_spec,
                       export_grads=True)  # fmt: skip
     torchrun(case.stages, WORKER, str(spec), timeout_s=240)
     runs = {name: read_run(case, tmp_path / "out" / name) for name in variants}

@@ -160,11 +160,13 @@ class CheckpointWriter:
         tmp = self.dir / f"{st.step_dir_name(step)}.tmp"
         tmp.mkdir(parents=True, exist_ok=True)
         rng, steps = st.rng_state(), self.optimizer.steps_by_name()
-        snapshot = self.cfg.async_write and self._snapshot_fits()
+        tiered = hasattr(self.optimizer, "read_fields")  # store.tier=nvme: a unit at a time, in order
+        snapshot = self.cfg.async_write and self._snapshot_fits() and not tiered
         bufs = {
             u.index: {
                 f: (self.store.buffer(u.index, f).clone() if snapshot else self.store.buffer(u.index, f))
                 for f in self._fields
+                if not tiered or f == "compute"
             }
             for u in self.units
         }
@@ -393,6 +395,8 @@ class CheckpointWriter:
     def _write_files(self, tmp: Path, bufs: dict, steps: dict[str, float]) -> tuple[dict, float]:
         t0, manifest, n = time.perf_counter(), {}, len(self.model.units)
         for u in self.units:
+            if hasattr(self.optimizer, "read_fields"):  # the tier's fields, read from its file now
+                bufs[u.index] = {**bufs[u.index], **self.optimizer.read_fields(u.index)}
             master, named, exported = bufs[u.index]["compute" if self.lean else "master"], {}, {}
             for p in u.params:
                 named[p.hf_name] = master[p.offset : p.offset + p.numel].view(p.shape)
@@ -410,6 +414,7 @@ class CheckpointWriter:
                     opt[f"{p.hf_name}.{f}"] = bufs[u.index][f][p.offset : p.offset + p.numel].view(p.shape)
                 opt[f"{p.hf_name}.step"] = torch.tensor(steps[p.hf_name], dtype=torch.float32)
             self._save(opt, tmp / st.shard_name("optimizer", u.index, n), manifest)
+            bufs[u.index] = None  # a tier unit's copies go now (RAM holds one unit's)
         if self.rank == 0:
             self._write_shared(tmp, manifest)
         return manifest, time.perf_counter() - t0

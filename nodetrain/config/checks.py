@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nodetrain.config.constants import DTYPES, SCHEDULES, SUPPORTED_ARCHS
+from nodetrain.config.tier_checks import check_tier
 from nodetrain.store import STATES
 
 if TYPE_CHECKING:  # the schema imports this module: types only, no runtime import back
@@ -532,4 +533,5 @@ def validate(cfg: Config, world_size: int, local_world_size: int = 0) -> None:
     _check_stages(cfg, world_size, per_node, hf, problems)
     _check_batch(cfg.train, cfg.pipeline, max(1, world_size // per_node), problems)
     _check_test_knobs(cfg.test, world_size, problems)
+    check_tier(cfg, problems)
     problems.raise_if_any()

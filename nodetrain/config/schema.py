@@ -334,6 +334,14 @@ class FaultInjectionConfig:
     """Global rank whose gradient accumulators get a NaN in step ``nan_step`` (before the norm)."""
     nan_step: int = -1
     """Step whose gradient ``nan_rank`` poisons."""
+    tier_fail_rank: int = -1
+    """Global rank whose ``store.tier=nvme`` write-backs fail with EIO from its ``tier_fail_write``-th on."""
+    tier_fail_write: int = -1
+    """0-based count of ``tier_fail_rank``'s tier writes (start-up fills included) at which they fail."""
+    tier_free_bytes: int = -1
+    """Free bytes the start-up check sees in ``store.tier_dir`` instead of ``os.statvfs``'s; -1 = real."""
+    host_available_bytes: int = -1
+    """Host memory the start-up fit check sees as available instead of psutil's; -1 = real."""
 
 
 @dataclass

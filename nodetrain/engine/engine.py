@@ -28,6 +28,8 @@ Threads of a rank, what each alone writes, and the hand-offs between them (DESIG
     optimizer  GradReadiness (the arrival counts, the stage's  resolves the ticket's futures (Final,
                norm² so far); store.grad/master/AdamW state    then updated); busy seconds and bytes
                of a unit from its "final" to its update's end  into a Tally (a lock)
+    tier       a unit's tier bytes, file ↔ store (tier=nvme;  a Future per read / write-back, waited for
+               its pool: the optimizer thread's, tier.py)      by the optimizer (training: overlap=false)
 
 A unit's gradient changes hands once a step: the D2H worker accumulates it until GradReadiness says
 it is final (readiness.py: the one place that says so), then the thread that updates it owns it
@@ -75,6 +77,7 @@ from nodetrain.engine.stage import IGNORE_INDEX, StageRunner
 from nodetrain.engine.step_batch import StepBatch
 from nodetrain.engine.step_plan import StepPlan
 from nodetrain.engine.threads import check_writer
+from nodetrain.engine.tier_setup import tier_opener, tier_skip
 from nodetrain.engine.update_choice import choose_update_mode
 from nodetrain.engine.window import Window
 from nodetrain.model import HFModel
@@ -157,12 +160,11 @@ class Engine:
         self.host_threads = bind_rank_threads(
             cfg.stream.accum_threads, cfg.optim.threads, device, topo.local_rank
         )
-        self.store = open_store(
-            model, self.dtype, cfg.optim.state, cfg.store, topo, cfg.dist.timeout_s, run_id, self.units
-        )
-        self.optimizer = make_optimizer(
-            self.store, model, self.units, self.blocks, cfg.optim, cfg.seed, device, init_from
-        )
+        self.store = open_store(model, self.dtype, cfg.optim.state, cfg.store, topo, cfg.dist.timeout_s,
+                                run_id, self.units, tier_skip(cfg))  # fmt: skip
+        tier = tier_opener(cfg, self.store, topo, run_id, self.faults)  # None: store.tier=ram
+        self.optimizer = make_optimizer(self.store, model, self.units, self.blocks, cfg.optim, cfg.seed,
+                                        device, init_from, tier)  # fmt: skip
         self._tied_across = model.tied and topo.num_stages > 1
         self.comm = Comm(device)
         # Two communicators for the cross-replica sums: the optimizer thread's (in-backward) and the
@@ -497,4 +499,5 @@ class Engine:
         (its pages stay mapped while other holders, a checkpoint writer, keep views of it)."""
         self.updates.close()
         self.window.close()
+        getattr(self.optimizer, "close", lambda: None)()  # the tier's threads and file (tier.py)
         self.store.close()

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 def open_store(model: HFModel, dtype: torch.dtype, state: str, store_cfg: StoreConfig, topo: Topology,
-               timeout_s: float, run_id: str, units) -> HostStore:  # fmt: skip
+               timeout_s: float, run_id: str, units, skip=()) -> HostStore:  # fmt: skip
     """The node's host store, mapped in this rank, with the pages of ``units`` allocated here.
 
     Local rank 0 creates it without allocating it, the others map it, and each rank allocates its own
@@ -41,7 +41,7 @@ def open_store(model: HFModel, dtype: torch.dtype, state: str, store_cfg: StoreC
         model: the HF adapter (every unit's size, ties); dtype: the compute dtype (transfer copies).
         state: ``optim.state``; store_cfg: ``store`` (directory, stale-store clean-up).
         topo: this rank's topology; timeout_s: ``dist.timeout_s``; run_id: names the file.
-        units: this rank's units.
+        units: this rank's units; skip: fields whose pages stay unallocated (the tier's).
 
     Raises:
         OSError: the store's filesystem cannot hold it.
@@ -57,30 +57,44 @@ def open_store(model: HFModel, dtype: torch.dtype, state: str, store_cfg: StoreC
     dist.broadcast_object_list(path, src=topo.node_root, group=node)  # one per node
     if topo.local_rank != 0:
         store = HostStore.attach(layout, path[0])
-    store.populate([u.index for u in units])
+    store.populate([u.index for u in units], skip)
     dist.barrier()  # every rank has mapped it and allocated its units: the name can go
     store.unlink()
     return store
 
 
 def make_optimizer(store: HostStore, model: HFModel, units, blocks, optim: OptimConfig, seed: int,
-                   device: torch.device, init_from=None) -> StoreAdamW:  # fmt: skip
+                   device: torch.device, init_from=None, tier=None) -> StoreAdamW:  # fmt: skip
     """The stage's AdamW over the store (``optim.state``), its units' master weights initialised
     (``init_from(store, units)``: a checkpoint import; default random) and transfer copies refreshed,
     and on CUDA the transfer copies its ``blocks`` load page-locked. Collective (a barrier: the tied
-    embedding's transfer copy is read by the last stage)."""
+    embedding's transfer copy is read by the last stage).
+
+    Args:
+        tier: ``tier(optimizer) -> TieredOptimizer`` (``store.tier=nvme``, tier_setup.py): then each
+            unit is initialised alone and written to the tier file (RAM holds one unit's state).
+    """
     if optim.state == "lean":
         optimizer = LeanAdamW(store, units, optim, seed)
-        init_lean(optimizer, model, units, init_from, seed)
+        init = lambda us: init_lean(optimizer, model, us, init_from, seed)  # noqa: E731
     else:
         optimizer = StoreAdamW(store, units, optim)
-        if init_from is not None:
-            init_from(store, units)
-        else:
-            for u in units:
-                model.init_unit(u, store.master(u.index), seed)
+
+        def init(us):
+            if init_from is not None:
+                init_from(store, us)
+            else:
+                for u in us:
+                    model.init_unit(u, store.master(u.index), seed)
+            for u in us:
+                store.compute(u.index).copy_(store.master(u.index))
+
+    if tier is None:
+        init(units)
+    else:
+        optimizer = tier(optimizer)
         for u in units:
-            store.compute(u.index).copy_(store.master(u.index))
+            optimizer.fill(u.index, lambda u=u: init([u]))
     dist.barrier()  # the tied embedding's transfer copy is read by the last stage
     if device.type == "cuda":  # only the transfer copies this rank's H2D copies read
         store.pin({b.unit for i in blocks for b in model.bindings[i]})

@@ -1,6 +1,6 @@
 """Who a thread is, and the debug check that a piece of step state is written by its one owner.
 
-Owns: the role of each of a rank's threads (``training``, ``h2d``, ``d2h``, ``optimizer``: the
+Owns: the role of each of a rank's threads (``training``, ``h2d``, ``d2h``, ``optimizer``, ``tier``: the
 thread table in engine.py says what each alone writes), :func:`check_writer`, which in debug mode
 asserts that the calling thread is the owner of the state it writes, and :class:`Tally`, the one
 kind of state several threads add to (busy seconds, bytes), behind a lock. Does not own the threads
@@ -18,7 +18,7 @@ from collections import Counter
 
 __all__ = ["ROLES", "Tally", "check_writer", "checked", "checking", "role", "set_checking", "set_role"]
 
-ROLES = ("training", "h2d", "d2h", "optimizer")
+ROLES = ("training", "h2d", "d2h", "optimizer", "tier")
 """Every thread of a rank that writes step state; any thread without a role is the training thread."""
 
 _local = threading.local()

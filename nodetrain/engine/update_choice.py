@@ -190,6 +190,9 @@ def choose_update_mode(
     if o.state == "lean":
         why = "optim.state=lean keeps no fp32 state to back up"
         return UpdateChoice(False, f"optim.speculative=auto: {why}; not speculating")
+    if cfg.store.tier == "nvme":
+        why = "store.tier=nvme keeps the fp32 state a backup would copy out of host RAM"
+        return UpdateChoice(False, f"optim.speculative=auto: {why}; not speculating")
     shape, dtype = shape_of(model), getattr(torch, cfg.train.dtype)
     own = sum(shape.unit_numels[i] for i in stage_blocks[topo.stage])
     dist.barrier()  # every rank times together: their optimizers share the node's DRAM in a run too

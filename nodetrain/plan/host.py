@@ -7,6 +7,7 @@ bytes (``costs.py``), what a whole plan reports (``planner.py``).
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -14,8 +15,10 @@ import psutil
 import torch
 
 from nodetrain.config.schema import Config, ConfigError
+from nodetrain.config.tier_checks import tier_space_problem
 from nodetrain.engine.overlap import update_kind
 from nodetrain.model import HFModel
+from nodetrain.optim.tier_files import TierLayout
 from nodetrain.plan.costs import (
     field_bytes,
     pin_overhead_bytes,
@@ -23,7 +26,8 @@ from nodetrain.plan.costs import (
     speculative_backup_bytes,
     store_layout,
 )
-from nodetrain.store import remove_stale_stores
+from nodetrain.run.inject import Faults
+from nodetrain.store import StoreLayout, remove_stale_stores
 
 __all__ = ["host_problems", "preflight"]
 
@@ -75,6 +79,14 @@ def host_problems(
     return problems
 
 
+def _tier_split(layout: StoreLayout, buffers: int) -> tuple[int, int]:
+    """(host RAM bytes, tier file bytes) of a store with ``store.tier=nvme``: RAM keeps the fields the
+    tier does not hold and ``buffers`` of its largest units' tier fields (the pool, optim/tier.py)."""
+    tier = TierLayout(layout)
+    per_unit = sorted((tier.unit_nbytes(u) for u in range(len(layout.unit_numels))), reverse=True)
+    return layout.nbytes - tier.nbytes + sum(per_unit[:buffers]), tier.nbytes
+
+
 def preflight(cfg: Config, model: HFModel, world_size: int) -> int:
     """Refuse, before anything is allocated, a run whose host store cannot fit this node.
 
@@ -87,14 +99,23 @@ def preflight(cfg: Config, model: HFModel, world_size: int) -> int:
     Raises:
         ConfigError: ``store.dir`` does not exist, or the store (+ per-rank overhead) exceeds the
             available host memory (``psutil.virtual_memory().available``) or the free space of
-            ``store.dir`` (``shutil.disk_usage``); the message gives the numbers and the fix.
+            ``store.dir`` (``shutil.disk_usage``), or ``store.tier=nvme``'s file exceeds the free
+            space of ``store.tier_dir`` (``os.statvfs``; then RAM must hold only the rest of the
+            store and the tier's pool); the message gives the numbers and the fix.
     """
     store_dir = Path(cfg.store.dir)
     if not store_dir.is_dir():
         raise ConfigError(f"store.dir={store_dir}: not a directory; create it or use /dev/shm")
     remove_stale_stores(store_dir, remove=cfg.store.cleanup_stale)
-    shape = shape_of(model)
-    nbytes = store_layout(shape, getattr(torch, cfg.train.dtype), cfg.optim.state).nbytes
+    shape, faults = shape_of(model), Faults.from_config(cfg)
+    layout = store_layout(shape, getattr(torch, cfg.train.dtype), cfg.optim.state)
+    nbytes = ram_bytes = layout.nbytes
+    tier_problem = None
+    if cfg.store.tier == "nvme":  # RAM holds the rest of the store and the tier's pool
+        ram_bytes, tier_bytes = _tier_split(layout, cfg.store.tier_buffers)
+        real = os.statvfs(cfg.store.tier_dir)
+        free = faults.tier_free_bytes(real.f_bavail * real.f_frsize)
+        tier_problem = tier_space_problem(cfg.store.tier_dir, tier_bytes, free)
     overhead = int(cfg.plan.rank_overhead_gb * GB)
     overhead += speculative_backup_bytes(shape, update_kind(cfg.optim) == "speculative") // world_size
     if torch.cuda.is_available():  # each rank page-locks the transfer copies it loads (HostStore.pin)
@@ -102,8 +123,10 @@ def preflight(cfg: Config, model: HFModel, world_size: int) -> int:
             "compute"
         ]
         overhead += pin_overhead_bytes(compute) // world_size
-    available, free = psutil.virtual_memory().available, shutil.disk_usage(store_dir).free
-    problems = host_problems(nbytes, world_size, overhead, available, free, store_dir)
+    available = faults.host_available_bytes(psutil.virtual_memory().available)
+    free = shutil.disk_usage(store_dir).free
+    problems = host_problems(ram_bytes, world_size, overhead, available, free, store_dir)
+    problems += [tier_problem] if tier_problem else []
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         n = shape.num_params

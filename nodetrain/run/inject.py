@@ -13,8 +13,11 @@ itself. Does not own what a slowed copy or a failed rank exposes (the tests say)
 
 from __future__ import annotations
 
+import errno
+import itertools
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -43,6 +46,7 @@ class Faults:
     optim_delay_s: float = 0.0
     write_delay_s: float = 0.0
     test: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
+    _tier_writes: itertools.count = field(default_factory=itertools.count, compare=False, repr=False)
 
     @classmethod
     def from_config(cls, cfg) -> Faults:
@@ -67,6 +71,27 @@ class Faults:
         """The checkpoint writer thread, before each file it writes."""
         if self.write_delay_s:
             time.sleep(self.write_delay_s)
+
+    def tier_pwrite(self, fd: int, data, offset: int) -> int:
+        """The tier's ``os.pwrite`` (tier_files.py); ``test.tier_fail_rank`` / ``tier_fail_write``: from
+        that rank's n-th tier write on, raise ``OSError(EIO)`` as a failing drive does.
+
+        Raises:
+            OSError: EIO when armed (as the kernel reports a failed write).
+        """
+        test = self.test
+        if test.tier_fail_rank >= 0 and next(self._tier_writes) >= test.tier_fail_write >= 0:
+            if dist.is_initialized() and dist.get_rank() == test.tier_fail_rank:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return os.pwrite(fd, data, offset)
+
+    def tier_free_bytes(self, real: int) -> int:
+        """Free bytes of ``store.tier_dir`` as the start-up check sees them (``test.tier_free_bytes``)."""
+        return real if self.test.tier_free_bytes < 0 else self.test.tier_free_bytes
+
+    def host_available_bytes(self, real: int) -> int:
+        """Available host memory as the start-up fit check sees it (``test.host_available_bytes``)."""
+        return real if self.test.host_available_bytes < 0 else self.test.host_available_bytes
 
     def maybe_fail(self, rank: int, step: int) -> None:
         """The training loop, at the start of the 1-based ``step``: fail (or hang) when ``rank`` and

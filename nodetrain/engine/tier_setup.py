@@ -1,0 +1,58 @@
+"""Opening the NVMe tier of a rank (``store.tier=nvme``) and wrapping its optimizer in it.
+
+Owns: the tier file's start-up lifecycle over the node (local rank 0 creates and allocates it, the
+others open it, the name goes once all have: store.py's protocol; collective over the world) and
+the :class:`~nodetrain.optim.tier.TieredOptimizer` wiring (its I/O threads' role, the writer
+check, the updating thread). Does not own the tier's I/O (optim/tier_files.py) or pool (optim/tier.py).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from nodetrain.config.schema import Config
+from nodetrain.engine.replicas import Topology, node_group
+from nodetrain.engine.threads import check_writer, set_role
+from nodetrain.optim.tier import TieredOptimizer
+from nodetrain.optim.tier_files import TIER_FIELDS, TierFile, TierLayout
+from nodetrain.run.inject import Faults
+
+__all__ = ["open_tier", "tier_opener", "tier_skip"]
+
+
+def tier_skip(cfg: Config) -> tuple[str, ...]:
+    """Store fields whose pages the tier keeps out of RAM (none with ``store.tier=ram``)."""
+    return TIER_FIELDS[cfg.optim.state] if cfg.store.tier == "nvme" else ()
+
+
+def tier_opener(cfg: Config, store, topo: Topology, run_id: str, faults: Faults):
+    """``make_optimizer``'s ``tier``: ``optimizer -> open_tier(...)``, or None with ``store.tier=ram``."""
+    if cfg.store.tier != "nvme":
+        return None
+    return lambda optimizer: open_tier(cfg, store, optimizer, topo, run_id, faults)
+
+
+def _tier_thread() -> None:
+    set_role("tier")
+
+
+def open_tier(cfg: Config, store, optimizer, topo: Topology, run_id: str, faults: Faults) -> TieredOptimizer:
+    """``optimizer`` with its tier fields in this node's tier file under ``store.tier_dir``.
+
+    Collective over the world (the path goes from local rank 0 to the node's ranks).
+
+    Raises:
+        TierIOError: the file cannot be created at its full size (local rank 0).
+    """
+    layout = TierLayout(store.layout)
+    path = [None]
+    if topo.local_rank == 0:
+        tier = TierFile.create(layout, store, cfg.store.tier_dir, run_id, faults.tier_pwrite)
+        path = [str(tier.path)]
+    dist.broadcast_object_list(path, src=topo.node_root, group=node_group(topo, cfg.dist.timeout_s))
+    if topo.local_rank != 0:
+        tier = TierFile.open(layout, store, path[0], faults.tier_pwrite)
+    dist.barrier()  # every rank of the node has the file open: the name can go
+    tier.unlink()
+    owner = "optimizer" if cfg.optim.overlap else "training"
+    return TieredOptimizer(optimizer, tier, cfg.store.tier_buffers, owner, _tier_thread, check_writer)
