@@ -51,6 +51,7 @@ from nodetrain.config.checks import DataError, no_effect
 from nodetrain.config.registry import register_configs, to_typed
 from nodetrain.config.schema import CONFIG_DIR, Config, grad_accum_of, validate
 from nodetrain.data import datasets as data
+from nodetrain.data import reader
 from nodetrain.data.checks import (
     check_init_vocab,
     check_resumed_tokenizer,
@@ -133,8 +134,8 @@ def _step_batch(ds, cfg: Config, index: int, num_mb: int):
     """[num_mb, B, T] inputs, labels and position ids (None: 0..T-1) of batch ``index`` (a pure
     function of seed and index); records data (``data.format=records``) has packed positions."""
     b, t = cfg.train.micro_batch_size, cfg.train.seq_len
-    if isinstance(ds, data.TokenDataset):
-        x, y = data.batch(ds, cfg.seed, index, num_mb * b, t)
+    if isinstance(ds, reader.TokenDataset):
+        x, y = reader.batch(ds, cfg.seed, index, num_mb * b, t)
         return x.view(num_mb, b, t), y.view(num_mb, b, t), None
     return tuple(torch.from_numpy(a).view(num_mb, b, t) for a in ds.batch(cfg.seed, index, num_mb * b))
 
