@@ -35,7 +35,6 @@ import logging
 import os
 import signal
 import sys
-import weakref
 from datetime import timedelta
 from pathlib import Path
 
@@ -300,11 +299,9 @@ def _run(cfg, run_dir, resolved, job, ckpt_dir, signals, rank, world_size, local
         ckpt.check_import()  # collective: imported NaN/inf refused by name, before anything is written
         records, metrics = _loop(cfg, job, resolved, engine, ckpt, ckpt_dir, signals, train_ds, val_ds)
     finally:
-        engine.close()
-    store_path, newest = engine.store.path, _newest(ckpt)
-    del engine, ckpt  # the last references (ckpt's writer holds the store's views): the mapping goes now
-    release.check(store_path)
-    _finish(cfg, run_dir, rank, records, metrics, signals, newest)
+        engine.close()  # the store's mapping goes here
+    release.check(engine.store.path)
+    _finish(cfg, run_dir, rank, records, metrics, signals, _newest(ckpt))
     return records
 
 
@@ -342,8 +339,7 @@ def _tell_signals(signals: StopRequest, ckpt: Checkpointing) -> None:
     """What a stop request needs from the checkpointing: the group an evaluation asks every rank on
     between batches (gloo, main thread), and which checkpoint a forced stop leaves unsaved."""
     signals.group = ckpt.group
-    ref = weakref.ref(ckpt)  # not a strong reference: the store mapping must go with ckpt (_run)
-    signals.unsaved = lambda: _newest(ref()) if ref() is not None else "no checkpoint in flight"
+    signals.unsaved = lambda: _newest(ckpt)
 
 
 def _finish(cfg, run_dir: Path, rank: int, records: list[dict], metrics, signals: StopRequest, newest: str):

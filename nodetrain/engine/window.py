@@ -493,6 +493,8 @@ class Window:
         return self._d2h.call(fn)
 
     def close(self) -> None:
+        """Stop the copy workers (after their jobs) and let go of the staging and the store's views."""
         self._h2d.shutdown()
         self._d2h.shutdown()
         self._staging.close()
+        self._grad_targets.clear()
