@@ -35,7 +35,6 @@ import logging
 import os
 import signal
 import sys
-import weakref
 from datetime import timedelta
 from pathlib import Path
 
@@ -51,6 +50,7 @@ from nodetrain.config.checks import DataError, no_effect
 from nodetrain.config.registry import register_configs, to_typed
 from nodetrain.config.schema import CONFIG_DIR, Config, grad_accum_of, validate
 from nodetrain.data import datasets as data
+from nodetrain.data import reader
 from nodetrain.data.checks import (
     check_init_vocab,
     check_resumed_tokenizer,
@@ -133,8 +133,8 @@ def _step_batch(ds, cfg: Config, index: int, num_mb: int):
     """[num_mb, B, T] inputs, labels and position ids (None: 0..T-1) of batch ``index`` (a pure
     function of seed and index); records data (``data.format=records``) has packed positions."""
     b, t = cfg.train.micro_batch_size, cfg.train.seq_len
-    if isinstance(ds, data.TokenDataset):
-        x, y = data.batch(ds, cfg.seed, index, num_mb * b, t)
+    if isinstance(ds, reader.TokenDataset):
+        x, y = reader.batch(ds, cfg.seed, index, num_mb * b, t)
         return x.view(num_mb, b, t), y.view(num_mb, b, t), None
     return tuple(torch.from_numpy(a).view(num_mb, b, t) for a in ds.batch(cfg.seed, index, num_mb * b))
 
@@ -299,11 +299,9 @@ def _run(cfg, run_dir, resolved, job, ckpt_dir, signals, rank, world_size, local
         ckpt.check_import()  # collective: imported NaN/inf refused by name, before anything is written
         records, metrics = _loop(cfg, job, resolved, engine, ckpt, ckpt_dir, signals, train_ds, val_ds)
     finally:
-        engine.close()
-    store_path, newest = engine.store.path, _newest(ckpt)
-    del engine, ckpt  # the last references (ckpt's writer holds the store's views): the mapping goes now
-    release.check(store_path)
-    _finish(cfg, run_dir, rank, records, metrics, signals, newest)
+        engine.close()  # the store's mapping goes here
+    release.check(engine.store.path)
+    _finish(cfg, run_dir, rank, records, metrics, signals, _newest(ckpt))
     return records
 
 
@@ -341,8 +339,7 @@ def _tell_signals(signals: StopRequest, ckpt: Checkpointing) -> None:
     """What a stop request needs from the checkpointing: the group an evaluation asks every rank on
     between batches (gloo, main thread), and which checkpoint a forced stop leaves unsaved."""
     signals.group = ckpt.group
-    ref = weakref.ref(ckpt)  # not a strong reference: the store mapping must go with ckpt (_run)
-    signals.unsaved = lambda: _newest(ref()) if ref() is not None else "no checkpoint in flight"
+    signals.unsaved = lambda: _newest(ckpt)
 
 
 def _finish(cfg, run_dir: Path, rank: int, records: list[dict], metrics, signals: StopRequest, newest: str):

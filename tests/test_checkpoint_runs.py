@@ -45,7 +45,7 @@ from nodetrain.checkpoint.resume import (
     restore_steps,
 )
 from nodetrain.config.schema import ModelConfig, OptimConfig
-from nodetrain.data import datasets as data
+from nodetrain.data import reader
 from nodetrain.model import HFModel, build_hf_config
 from nodetrain.optim.adamw import StoreAdamW
 from nodetrain.plan.costs import shape_of, store_layout
@@ -222,8 +222,8 @@ def test_import_step0_loss_equals_transformers(work: Path, case, tmp_path: Path)
     got = records(run)[1]["loss"]
 
     seed = st.read_state(run / "checkpoints" / "step-1")["config"]["seed"]
-    x, y = data.batch(
-        data.TokenDataset.open(prepared_dir(work / "prepared"), "train"), seed, 0, 4, 16
+    x, y = reader.batch(
+        reader.TokenDataset.open(prepared_dir(work / "prepared"), "train"), seed, 0, 4, 16
     )  # step 0's batch
     ref = getattr(transformers, arch).from_pretrained(hf_dir, dtype=torch.float32)
     with torch.no_grad():

@@ -17,7 +17,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
-from nodetrain.config.checks import _FIELD_CHECKS, float_fields, no_effect
+from nodetrain.config.checks import no_effect
+from nodetrain.config.fields import FIELD_CHECKS, float_fields
 from nodetrain.config.registry import register_configs, to_typed
 from nodetrain.config.schema import (
     HF_KEYS,
@@ -270,7 +271,7 @@ def test_every_float_key_must_be_finite(key: str, value: str) -> None:
 
 
 def test_every_float_key_has_a_range() -> None:
-    ranged = {key for key, *_ in _FIELD_CHECKS}
+    ranged = {key for key, *_ in FIELD_CHECKS}
     assert set(_float_keys()) - ranged == set()
     assert len(_float_keys()) == 29  # the walk finds the nested fields, not an empty list
 

@@ -17,10 +17,11 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from nodetrain.config.schema import DataConfig
-from nodetrain.data import corpus, progress, tokenizer
+from nodetrain.data import corpus, progress, reader, tokenizer
 from nodetrain.data import datasets as data
-from nodetrain.data.datasets import EOT_TOKEN, TokenDataset, batch, prepare
+from nodetrain.data.datasets import EOT_TOKEN, prepare
 from nodetrain.data.progress import TaskProgress
+from nodetrain.data.reader import TokenDataset, batch
 
 HASHES = ".file_hashes.json"  # data.py's hash cache in the data.dir root
 TEXTS = [
@@ -82,7 +83,7 @@ def test_batch_labels_are_inputs_shifted_by_one(tmp_path):
 def test_batch_is_a_pure_function_of_its_arguments(tmp_path):
     ds = TokenDataset.open(_handmade(tmp_path, np.random.default_rng(0).integers(0, 50, 5000), 50), "train")
     first = batch(ds, seed=7, index=11, batch_size=8, seq_len=32)
-    data._permutation.cache_clear()
+    reader._permutation.cache_clear()
     for _ in range(2):
         again = batch(ds, seed=7, index=11, batch_size=8, seq_len=32)
         assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))

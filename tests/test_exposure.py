@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from nodetrain.config.schema import OptimConfig
-from nodetrain.engine.overlap import update_kind
 from nodetrain.engine.pipeline import build_schedule
+from nodetrain.engine.policy import update_kind
 from nodetrain.plan.exposure import (
     CLIP_FRACTION,
     SPECULATE_GAIN,

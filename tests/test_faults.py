@@ -36,6 +36,7 @@ from test_parity import ATOL_WEIGHT, OPTIM, RTOL, lr_schedule
 from nodetrain.checkpoint import state as st
 from nodetrain.config.schema import Config, DataConfig, FaultInjectionConfig, ModelConfig
 from nodetrain.data import datasets as data
+from nodetrain.data import reader
 from nodetrain.data.checks import check_vocab, open_splits
 from nodetrain.engine.comm import Comm
 from nodetrain.engine.pipeline import P2P
@@ -419,9 +420,9 @@ def test_nan_gradient_is_skipped_on_every_stage(tmp_path: Path, corpus, shm_dir:
 
     prepared = prepared_dir(Path(corpus[1].split("=", 1)[1]))
     meta = json.loads((prepared / "meta.json").read_text())
-    train_ds = data.TokenDataset.open(prepared, "train")
+    train_ds = reader.TokenDataset.open(prepared, "train")
     seed = Config().seed
-    batches = [data.batch(train_ds, seed, s, 4, 16) for s in range(NAN_STEPS)]  # 2 micro-batches × 2
+    batches = [reader.batch(train_ds, seed, s, 4, 16) for s in range(NAN_STEPS)]  # 2 micro-batches × 2
     assert meta["vocab_size"] == NAN_HF["vocab_size"]
     losses, want = _reference(model_dir, batches)
     torch.testing.assert_close([r["loss"] for r in records], losses, rtol=RTOL, atol=0)

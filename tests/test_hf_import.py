@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from nodetrain.checkpoint.hf_import import check_model_dir, load_hf_weights
 from nodetrain.config.schema import ModelConfig
-from nodetrain.data import datasets as data
+from nodetrain.data import reader
 from nodetrain.data.checks import check_vocab
 from nodetrain.model import HFModel, build_hf_config
 from nodetrain.store import HostStore, StoreLayout
@@ -163,7 +163,7 @@ def test_one_key_import_trains_transformers_model(tmp_path: Path, corpus: list[s
     assert "model.hf of model=llama_10m" in (run / "rank0.log").read_text(), "the unused group is logged"
 
     prepared = prepared_dir(corpus[1].split("=", 1)[1])
-    x, y = data.batch(data.TokenDataset.open(prepared, "train"), 0, 0, 4, 16)  # step 0, seed 0
+    x, y = reader.batch(reader.TokenDataset.open(prepared, "train"), 0, 0, 4, 16)  # step 0, seed 0
     with torch.no_grad():
         logits = _reference(tmp_path / "hf")(input_ids=x).logits  # [4, 16, 320]
     want = F.cross_entropy(logits.flatten(0, 1), y.flatten()).item()

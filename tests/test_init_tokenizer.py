@@ -17,6 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from nodetrain.config.schema import Config, DataConfig, ModelConfig
 from nodetrain.data import datasets as data
+from nodetrain.data import reader
 from nodetrain.data.checks import check_init_vocab, check_vocab, run_data_config
 
 TEXT = "Shall I compare thee to a summer's day?\nThou art more lovely and more temperate:\n" * 40
@@ -79,19 +80,19 @@ def test_init_from_tokenizer_is_the_default(tmp_path: Path, form: str) -> None:
     directory = data.prepare(data_cfg)
     reference = transformers.AutoTokenizer.from_pretrained(model_dir)
     assert _stream(directory) == reference.encode(TEXT, add_special_tokens=False)  # not a BPE of the corpus
-    train = data.TokenDataset.open(directory, "train")
+    train = reader.TokenDataset.open(directory, "train")
     assert train.vocab_size == len(reference) and check_init_vocab(cfg.model, train) == NUM_IDS + 8
 
 
 def test_a_padded_embedding_is_accepted_and_a_short_one_refused(tmp_path: Path) -> None:
     padded = _model_dir(tmp_path / "padded", rows=NUM_IDS + 20)  # e.g. Qwen pads its vocabulary
     cfg = _cfg(tmp_path, padded)
-    train = data.TokenDataset.open(data.prepare(run_data_config(cfg)), "train")
+    train = reader.TokenDataset.open(data.prepare(run_data_config(cfg)), "train")
     assert check_init_vocab(cfg.model, train) == NUM_IDS + 20  # the model is built with the rows
 
     short = _model_dir(tmp_path / "short", rows=NUM_IDS - 20)
     cfg = _cfg(tmp_path, short)
-    train = data.TokenDataset.open(data.prepare(run_data_config(cfg)), "train")
+    train = reader.TokenDataset.open(data.prepare(run_data_config(cfg)), "train")
     with pytest.raises(
         ValueError, match=rf"model\.init_from=.*embeds {NUM_IDS - 20} token ids .* has {NUM_IDS}: .*fix: "
     ):
@@ -142,7 +143,7 @@ def test_stream_documents_start_with_the_tokenizer_s_bos(tmp_path: Path, add_bos
     (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs * 30))
     cfg = DataConfig(source=str(tmp_path / "c.jsonl"), dir=str(tmp_path / "d"), tokenizer=str(tok_dir))
     cfg.add_bos, cfg.val_fraction = add_bos, 0.5
-    ds = data.TokenDataset.open(data.prepare(cfg), "train")
+    ds = reader.TokenDataset.open(data.prepare(cfg), "train")
     stream = np.asarray(ds.tokens).tolist()
     ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
     eot = ref.convert_tokens_to_ids("<|end_of_text|>")
@@ -154,7 +155,7 @@ def test_stream_documents_start_with_the_tokenizer_s_bos(tmp_path: Path, add_bos
 
     plain = DataConfig(source=str(tmp_path / "c.jsonl"), dir=str(tmp_path / "bpe"), vocab_size=300)
     plain.add_bos = None if add_bos is None else False
-    bpe = data.TokenDataset.open(data.prepare(plain), "train")
+    bpe = reader.TokenDataset.open(data.prepare(plain), "train")
     assert json.loads((bpe.path.parent / "meta.json").read_text())["bos_ids"] == []
 
 
@@ -162,7 +163,7 @@ def test_a_short_embedding_under_its_own_tokenizer_is_called_a_mismatched_checkp
     short = _model_dir(tmp_path / "short", rows=NUM_IDS - 20)
     cfg = _cfg(tmp_path, short)
     data_cfg = run_data_config(cfg)  # data.tokenizer empty: the tokenizer of model.init_from
-    train = data.TokenDataset.open(data.prepare(data_cfg), "train")
+    train = reader.TokenDataset.open(data.prepare(data_cfg), "train")
     with pytest.raises(
         ValueError, match=r"tokenizer in that same directory has .*mismatched checkpoint"
     ) as own:

@@ -75,7 +75,9 @@ def test_budget_uses_the_planners_activation_model(monkeypatch, caplog) -> None:
     plan, model = make_plan(cfg), HFModel(build_hf_config(cfg.model))
     cuda = torch.device("cuda", 0)
     for st in plan.stages:
-        acts = stage_activation_bytes(cfg, model, st.blocks, st.stage, 2, 1, cuda)
+        acts = stage_activation_bytes(
+            cfg.train, cfg.pipeline, cfg.stream.slots, model, st.blocks, st.stage, 2, 1, cuda
+        )
         assert acts == st.activation_bytes > 0, st
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * 2**30, 80 * 2**30))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)

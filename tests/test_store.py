@@ -330,3 +330,26 @@ def test_pin_failure_raises_and_releases_what_it_registered(shm_dir, monkeypatch
         store.pin([0, 1, 2])
     assert [c[0] for c in cudart.calls] == ["register", "register", "unregister"]
     assert cudart.calls[2][1] == store.compute(0).data_ptr() and store.pinned_nbytes == 0
+
+
+@pytest.mark.parametrize("optim", [{"speculative": True}, {"state": "lean"}], ids=["full", "lean"])
+def test_engine_close_unmaps_the_store_while_the_engine_lives(optim, one_rank_world) -> None:
+    """``Engine.close`` alone ends this process's mapping of the store (no ``del`` of the engine): the
+    optimizer (AdamW's views and speculative backups, or the lean one's) and the window let go of it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_overlap import TINY_VOCAB, tiny_engine_config
+
+    from bench._engine import make_engine
+    from nodetrain.run.jobs import mapped
+
+    cfg = tiny_engine_config(steps=2, **optim)
+    cfg.train.dtype = "bfloat16" if optim.get("state") == "lean" else "float32"
+    engine, _ = make_engine(cfg, "close-unmaps")
+    inputs = torch.randint(0, TINY_VOCAB, (2, 1, 8))
+    labels = torch.randint(0, TINY_VOCAB, (2, 1, 8))
+    for step in range(2):
+        engine.train_step(step, inputs, labels)
+    engine.wait_optimizer()
+    assert mapped(engine.store.path) is True
+    engine.close()
+    assert mapped(engine.store.path) is False

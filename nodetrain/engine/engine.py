@@ -175,9 +175,8 @@ class Engine:
         # before the residency budget reads free device memory
         self._peak = peak_flops(device, self.dtype, cfg.train.peak_flops, cfg.hardware)
         uses = self.plan.uses(self.blocks)
-        resident = resident_blocks(
-            cfg, model, self.blocks, topo.stage, topo.num_stages, device, self.grad_accum, uses
-        )
+        resident = resident_blocks(cfg.train, cfg.pipeline, cfg.stream, model, self.blocks, topo.stage,
+                                   topo.num_stages, device, self.grad_accum, uses)  # fmt: skip
         self.updates = self._make_updates(device, resident)
         self.timeline = Timeline(device)
         self.window = self._make_window(resident)
@@ -214,18 +213,12 @@ class Engine:
         """The overlapped optimizer, with the policy ``optim`` chooses (logged with its reason);
         ``optim.speculative=auto`` is resolved first, by measurement (update_choice.py; collective)."""
         cfg = self.cfg
-        choice = choose_update_mode(
-            cfg,
-            self.model,
-            stage_blocks=self.stage_blocks,
-            topo=self.topo,
-            comm=self.comm,
-            peak_flops=self._peak[0],
-            split=self.host_threads,
-            resident=resident,
-            grad_accum=self.grad_accum,
-            device=device,
-        )
+        choice = choose_update_mode(cfg.optim, self.model, train=cfg.train, pipeline=cfg.pipeline,
+                                    hardware=cfg.hardware, rank_overhead_gb=cfg.plan.rank_overhead_gb,
+                                    stage_blocks=self.stage_blocks, topo=self.topo, comm=self.comm,
+                                    peak_flops=self._peak[0], split=self.host_threads, resident=resident,
+                                    grad_accum=self.grad_accum, device=device,
+                                    tier=cfg.store.tier)  # fmt: skip
         self.update_choice = choice
         """What ``optim.speculative`` became, and the start-up line saying why (``auto``)."""
         if choice.line:
@@ -495,9 +488,9 @@ class Engine:
         return float(total[0]) / max(tokens, 1), tokens
 
     def close(self) -> None:
-        """Stop the optimizer thread and the copy workers (after their work), then close the store
-        (its pages stay mapped while other holders, a checkpoint writer, keep views of it)."""
+        """Stop the optimizer thread and the copy workers (after their work), let go of every view of
+        the store they held, then close it: its mapping goes here (a checkpoint writer keeps none)."""
         self.updates.close()
         self.window.close()
-        getattr(self.optimizer, "close", lambda: None)()  # the tier's threads and file (tier.py)
+        self.optimizer.close()
         self.store.close()

@@ -41,13 +41,13 @@ from dataclasses import dataclass, field
 import torch
 
 from nodetrain.engine.host_threads import limit_thread
-from nodetrain.engine.policy import Final, UpdatePolicy, update_kind, update_mode
+from nodetrain.engine.policy import Final, UpdatePolicy
 from nodetrain.engine.readiness import GradReadiness
 from nodetrain.engine.threads import Tally, check_writer, set_role
 from nodetrain.optim.adamw import StoreAdamW
 from nodetrain.run.inject import NO_FAULTS, Faults
 
-__all__ = ["UnitUpdates", "update_host_bytes", "update_kind", "update_mode"]  # the last two: policy.py's
+__all__ = ["UnitUpdates", "update_host_bytes"]
 
 log = logging.getLogger(__name__)
 

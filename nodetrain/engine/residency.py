@@ -19,6 +19,7 @@ import os
 
 import torch
 
+from nodetrain.config.schema import PipelineConfig, StreamConfig, TrainConfig
 from nodetrain.plan.costs import (
     GRAD_ACC_ITEMSIZE,
     StageMemory,
@@ -102,31 +103,37 @@ def choose_resident(
     return sorted(chosen)
 
 
-def stage_memory_of(cfg, model, blocks, stage: int, num_stages: int, grad_accum: int, device) -> StageMemory:
+def stage_memory_of(
+    train: TrainConfig, pipeline: PipelineConfig, slots: int, model, blocks, stage: int, num_stages: int,
+    grad_accum: int, device,
+) -> StageMemory:  # fmt: skip
     """This stage's device bytes as the planner counts them (``costs.stage_memory``: window slots,
     saved block inputs of the micro-batches in flight, live P2P buffers, one block's recompute +
     backward and the gradients queued for D2H), so the budget and ``python -m nodetrain.plan``
-    agree; no block resident (the budget is what residency may take)."""
-    t = cfg.train
+    agree; no block resident (the budget is what residency may take). ``slots``: ``stream.slots``."""
     return stage_memory(
         shape_of(model),
         range(blocks[0], blocks[-1] + 1),
         stage,
         num_stages,
-        b=t.micro_batch_size,
-        t=t.seq_len,
-        m=cfg.pipeline.microbatches,
+        b=train.micro_batch_size,
+        t=train.seq_len,
+        m=pipeline.microbatches,
         g=grad_accum,
-        schedule=cfg.pipeline.schedule,
-        slots=cfg.stream.slots,
-        itemsize=torch.empty(0, dtype=getattr(torch, t.dtype)).element_size(),
+        schedule=pipeline.schedule,
+        slots=slots,
+        itemsize=torch.empty(0, dtype=getattr(torch, train.dtype)).element_size(),
         on_cpu=torch.device(device).type != "cuda",
     )
 
 
-def stage_activation_bytes(cfg, model, blocks, stage: int, num_stages: int, grad_accum: int, device) -> int:
+def stage_activation_bytes(
+    train: TrainConfig, pipeline: PipelineConfig, slots: int, model, blocks, stage: int, num_stages: int,
+    grad_accum: int, device,
+) -> int:  # fmt: skip
     """Peak activation bytes of this stage (:func:`stage_memory_of`'s ``activation_bytes``)."""
-    return stage_memory_of(cfg, model, blocks, stage, num_stages, grad_accum, device).activation_bytes
+    mem = stage_memory_of(train, pipeline, slots, model, blocks, stage, num_stages, grad_accum, device)
+    return mem.activation_bytes
 
 
 def device_budget_bytes(free: int, window_bytes: int, activations: int, ranks: int = 1) -> int:
@@ -180,12 +187,14 @@ def auto_device_budget(device: torch.device, activations: int, window_bytes: int
 
 
 def resident_blocks(
-    cfg, model, blocks, stage: int, num_stages: int, device, grad_accum: int = 1, uses=None
-) -> list[int]:
-    """The blocks of this stage to keep resident under ``cfg.stream.device_budget`` (see module doc).
+    train: TrainConfig, pipeline: PipelineConfig, stream: StreamConfig, model, blocks, stage: int,
+    num_stages: int, device, grad_accum: int = 1, uses=None,
+) -> list[int]:  # fmt: skip
+    """The blocks of this stage to keep resident under ``stream.device_budget`` (see module doc).
 
     Args:
-        cfg: the run config (``stream``, ``train``, ``pipeline``).
+        train, pipeline, stream: the run's ``train`` (dtype, micro-batch shape), ``pipeline``
+            (micro-batches, schedule) and ``stream`` (``device_budget``, ``slots``) sections.
         model: the HF adapter (``bindings``, ``config``).
         blocks: this stage's blocks.
         stage, num_stages: this rank's place in the pipeline (its activations in flight).
@@ -194,16 +203,18 @@ def resident_blocks(
         uses: block -> (loads, backwards) in one step (the engine's load and offload sequences);
             default ``2 × M × grad_accum`` loads and ``M × grad_accum`` backwards each.
     """
-    itemsize = torch.empty(0, dtype=getattr(torch, cfg.train.dtype)).element_size()
+    itemsize = torch.empty(0, dtype=getattr(torch, train.dtype)).element_size()
     numel = {i: sum(b.numel for b in model.bindings[i]) for i in blocks}
     if uses is None:
-        mbs = cfg.pipeline.microbatches * grad_accum
+        mbs = pipeline.microbatches * grad_accum
         uses = {i: (2 * mbs, mbs) for i in blocks}
     cost = {i: n * resident_bytes_per_param(itemsize) for i, n in numel.items()}
     saved = {i: saved_transfer_bytes(n, itemsize, *uses[i]) for i, n in numel.items()}
-    budget = cfg.stream.device_budget
+    budget = stream.device_budget
     if budget == "auto" or budget < 0:
-        mem = stage_memory_of(cfg, model, blocks, stage, num_stages, grad_accum, device)
+        mem = stage_memory_of(
+            train, pipeline, stream.slots, model, blocks, stage, num_stages, grad_accum, device
+        )
         budget = auto_device_budget(torch.device(device), mem.activation_bytes, mem.window_bytes)
     head = len(model.units) - 1
     chosen = choose_resident(cost, saved, budget, first=(head,) if head in numel else ())

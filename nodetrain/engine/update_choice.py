@@ -19,8 +19,10 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from nodetrain.config.hardware import HardwareConfig
+from nodetrain.config.schema import OptimConfig, PipelineConfig, TrainConfig
 from nodetrain.engine.host_threads import CoreSplit, limit_thread
-from nodetrain.engine.overlap import update_kind
+from nodetrain.engine.policy import update_kind
 from nodetrain.engine.replicas import Topology
 from nodetrain.optim.adamw import chunk_numel
 from nodetrain.plan.costs import shape_of, speculative_backup_bytes
@@ -98,17 +100,17 @@ _HOST_KEYS = (
 )
 
 
-def _profile(cfg, device: torch.device):
+def _profile(hardware: HardwareConfig, device: torch.device):
     """The hardware profile for the host side: the one naming this GPU (as MFU's peak is found), else
     the run's ``hardware``, else (a config built without it: MISSING figures) the shipped ``cpu``."""
     profiles = hardware_profiles()
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device).strip().lower()
-        for prof in [cfg.hardware, *profiles]:
+        for prof in [hardware, *profiles]:
             if name in [n.strip().lower() for n in (getattr(prof, "device_names", None) or [])]:
                 return prof
-    if all(isinstance(getattr(cfg.hardware, k, None), int | float) for k in _HOST_KEYS):
-        return cfg.hardware
+    if all(isinstance(getattr(hardware, k, None), int | float) for k in _HOST_KEYS):
+        return hardware
     return next(p for p in profiles if p.name == "cpu")
 
 
@@ -156,10 +158,30 @@ def _host_rates(hw, device: torch.device, num_stages: int, split: CoreSplit) -> 
     )
 
 
+def _without_measuring(o: OptimConfig, tier: str) -> UpdateChoice | None:
+    """The choice when no measurement is needed (a fixed ``optim.speculative``, or ``auto`` where
+    speculation cannot apply), else None."""
+    if o.speculative != "auto":
+        return UpdateChoice(o.speculative is True, "")
+    if update_kind(o) != "auto":
+        why = "speculation needs optim.overlap, clipping and optim.update_in_backward"
+    elif o.state == "lean":
+        why = "optim.state=lean keeps no fp32 state to back up"
+    elif tier == "nvme":
+        why = "store.tier=nvme keeps the fp32 state a backup would copy out of host RAM"
+    else:
+        return None
+    return UpdateChoice(False, f"optim.speculative=auto: {why}; not speculating")
+
+
 def choose_update_mode(
-    cfg,
+    o: OptimConfig,
     model,
     *,
+    train: TrainConfig,
+    pipeline: PipelineConfig,
+    hardware: HardwareConfig,
+    rank_overhead_gb: float,
     stage_blocks: list[range],
     topo: Topology,
     comm,
@@ -168,45 +190,37 @@ def choose_update_mode(
     resident,
     grad_accum: int,
     device: torch.device,
+    tier: str = "ram",
 ) -> UpdateChoice:
     """Resolve ``optim.speculative``; collective over the world when it is ``auto`` and applies.
 
     Args:
-        cfg: the run config; model: the HF adapter; stage_blocks: every stage's blocks (``partition``).
+        o, train, pipeline, hardware: the run's sections; rank_overhead_gb: ``plan.rank_overhead_gb``;
+            model: the HF adapter; stage_blocks: every stage's blocks (``partition``).
         topo: this rank's place; comm: its ``Comm``; peak_flops: one device's peak (the engine's MFU
             denominator), times ``matmul_efficiency`` of the host-side profile; split: this rank's
             cores; resident: this rank's resident blocks; grad_accum: rounds per step.
-        device: the compute device.
+        device: the compute device; tier: ``store.tier``.
 
     Returns:
         the choice; a ``true``/``false`` config is returned as is, with an empty line.
     """
-    o = cfg.optim
-    if o.speculative != "auto":
-        return UpdateChoice(o.speculative is True, "")
-    if update_kind(o) != "auto":
-        why = "speculation needs optim.overlap, clipping and optim.update_in_backward"
-        return UpdateChoice(False, f"optim.speculative=auto: {why}; not speculating")
-    if o.state == "lean":
-        why = "optim.state=lean keeps no fp32 state to back up"
-        return UpdateChoice(False, f"optim.speculative=auto: {why}; not speculating")
-    if cfg.store.tier == "nvme":
-        why = "store.tier=nvme keeps the fp32 state a backup would copy out of host RAM"
-        return UpdateChoice(False, f"optim.speculative=auto: {why}; not speculating")
-    shape, dtype = shape_of(model), getattr(torch, cfg.train.dtype)
+    if (fixed := _without_measuring(o, tier)) is not None:
+        return fixed
+    shape, dtype = shape_of(model), getattr(torch, train.dtype)
     own = sum(shape.unit_numels[i] for i in stage_blocks[topo.stage])
     dist.barrier()  # every rank times together: their optimizers share the node's DRAM in a run too
     rate = adamw_bytes_per_s(split.optim_threads, min(SCRATCH_NUMEL, max(own, _MIN_NUMEL)), dtype)
     backup = speculative_backup_bytes(shape, True)  # all ranks of the node (one stage each)
-    headroom = topo.num_stages * int(cfg.plan.rank_overhead_gb * 1e9)  # windows, activations to come
+    headroom = topo.num_stages * int(rank_overhead_gb * 1e9)  # windows, activations to come
     available = psutil.virtual_memory().available
     fits = backup + headroom <= available
     got = _share(comm, topo, rate, peak_flops, fits, resident, len(shape.unit_numels))
-    hw = _profile(cfg, device)
+    hw = _profile(hardware, device)
     kw = dict(
-        b=cfg.train.micro_batch_size, t=cfg.train.seq_len, m=cfg.pipeline.microbatches, g=grad_accum,
+        b=train.micro_batch_size, t=train.seq_len, m=pipeline.microbatches, g=grad_accum,
         itemsize=dtype.itemsize, flops_per_s=got.peak_flops * hw.matmul_efficiency,
-        rates=_host_rates(hw, device, topo.num_stages, split), schedule=cfg.pipeline.schedule,
+        rates=_host_rates(hw, device, topo.num_stages, split), schedule=pipeline.schedule,
         resident=[frozenset(got.resident & set(b)) for b in stage_blocks], optim_bytes_per_s=got.rates,
     )  # fmt: skip
     deferred = step_time(shape, stage_blocks, update_mode="deferred", **kw)

@@ -34,10 +34,7 @@ the in-order H2D worker never blocks a needed load behind it. ``gate(block)`` (o
 futures a load must wait for before copying (the optimizer's updates of the block's units); a reused
 load is not gated again: within a sequence a unit is updated only after its blocks' last use.
 
-Reuse on a stage of n ≥ 2 blocks: a forward's last block is the next backward's first (F→B) and a
-backward's last block the next forward's first (B→F). Stage s of S running M micro-batches with
-w = min(S - s - 1, M) warm-up forwards: 1F1B reuses the last block max(M - w, 1) times and the first
-max(M - w - 1, 0) times, GPipe the last block once; a one-block stage loads once per sequence.
+Which loads a schedule reuses: docs/design.md, "Window reuse".
 
 A resident block also keeps an fp32 gradient accumulator on the device (DESIGN invariant 8):
 ``offload()`` adds its gradients there (first backward of the step: a copy), in the order the host
@@ -494,6 +491,8 @@ class Window:
         return self._d2h.call(fn)
 
     def close(self) -> None:
+        """Stop the copy workers (after their jobs) and let go of the staging and the store's views."""
         self.h2d.shutdown()
         self._d2h.shutdown()
         self._staging.close()
+        self._grad_targets.clear()

@@ -267,6 +267,14 @@ class StoreAdamW:
         """Bytes of private host RAM held by the backups made so far (12 per parameter backed up)."""
         return sum(b.numel() * b.element_size() for b in self._backups.values())
 
+    def close(self) -> None:
+        """Let go of the store's views (parameters, gradients, AdamW's state, chunks, backups), so the
+        store's mapping can go with ``HostStore.close``; the optimizer is unusable afterwards."""
+        self._params.clear()
+        self._opts.clear()
+        self._chunk_views.clear()
+        self._backups.clear()
+
     def step(self, lr: float, grad_scale: float) -> None:
         """Update every owned unit, in order (see :meth:`step_unit`)."""
         for u in self.units:

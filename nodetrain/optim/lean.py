@@ -85,6 +85,9 @@ class LeanAdamW:
         }
         self._steps = {u.index: [torch.tensor(0.0) for _ in self._groups[u.index]] for u in units}
 
+    def close(self) -> None:
+        """Nothing to let go: the store's buffers are looked up at each use, none is kept."""
+
     def steps_by_name(self) -> dict[str, float]:
         """AdamW's update count of every owned HF tensor (all tensors of a parameter share it)."""
         return {

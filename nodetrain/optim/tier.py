@@ -206,3 +206,4 @@ class TieredOptimizer:
         self._reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
         self.tier.close()
+        self.inner.close()  # the wrapped optimizer lets go of its store views

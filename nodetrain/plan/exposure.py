@@ -19,7 +19,7 @@ backward for the next stage's backward), and of the optimizer thread's FIFO queu
 shape and rates into the seconds. Does not own: the rates or FLOPs (step_time.py), the bytes
 (costs.py), or running anything.
 
-Modes (``overlap.update_kind``): ``serial`` (``optim.overlap=false``: every update on the training
+Modes (``policy.update_kind``): ``serial`` (``optim.overlap=false``: every update on the training
 thread after P), ``deferred`` (clipping: all released at P, in forward order), ``in_backward`` (no
 clipping: released when final, in that order; the all-reduce waits until the last one has started,
 ``UnitUpdates.wait_measured``), ``speculative`` (as in-backward plus each unit's backup), and

@@ -15,8 +15,8 @@ import psutil
 import torch
 
 from nodetrain.config.schema import Config, ConfigError
-from nodetrain.config.tier_checks import tier_space_problem
-from nodetrain.engine.overlap import update_kind
+from nodetrain.config.tier_checks import tier_dir_problem, tier_space_problem
+from nodetrain.engine.policy import update_kind
 from nodetrain.model import HFModel
 from nodetrain.optim.tier_files import TierLayout
 from nodetrain.plan.costs import (
@@ -97,11 +97,11 @@ def preflight(cfg: Config, model: HFModel, world_size: int) -> int:
         the host store's size in bytes.
 
     Raises:
-        ConfigError: ``store.dir`` does not exist, or the store (+ per-rank overhead) exceeds the
-            available host memory (``psutil.virtual_memory().available``) or the free space of
-            ``store.dir`` (``shutil.disk_usage``), or ``store.tier=nvme``'s file exceeds the free
-            space of ``store.tier_dir`` (``os.statvfs``; then RAM must hold only the rest of the
-            store and the tier's pool); the message gives the numbers and the fix.
+        ConfigError: ``store.dir`` or ``store.tier_dir`` does not exist; the store (+ per-rank
+            overhead) exceeds the available host memory (``psutil.virtual_memory().available``) or
+            the free space of ``store.dir`` (``shutil.disk_usage``); or ``store.tier=nvme``'s file
+            exceeds the free space of ``store.tier_dir`` (``os.statvfs``; RAM then holds only the
+            rest of the store and the tier's pool). The message gives the numbers and the fix.
     """
     store_dir = Path(cfg.store.dir)
     if not store_dir.is_dir():
@@ -112,6 +112,8 @@ def preflight(cfg: Config, model: HFModel, world_size: int) -> int:
     nbytes = ram_bytes = layout.nbytes
     tier_problem = None
     if cfg.store.tier == "nvme":  # RAM holds the rest of the store and the tier's pool
+        if missing := tier_dir_problem(cfg.store.tier_dir):
+            raise ConfigError(missing)
         ram_bytes, tier_bytes = _tier_split(layout, cfg.store.tier_buffers)
         real = os.statvfs(cfg.store.tier_dir)
         free = faults.tier_free_bytes(real.f_bavail * real.f_frsize)

@@ -26,8 +26,8 @@ from nodetrain.config.schema import (
     grad_accum_of,
     validate,
 )
-from nodetrain.engine.overlap import update_kind
 from nodetrain.engine.pipeline import build_schedule, partition, step_rounds
+from nodetrain.engine.policy import update_kind
 from nodetrain.engine.residency import choose_resident, device_budget_bytes, saved_transfer_bytes
 from nodetrain.model import HFModel, build_hf_config
 from nodetrain.plan.costs import (

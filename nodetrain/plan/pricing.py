@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from nodetrain.config.schema import Config
 from nodetrain.engine.host_threads import split_cores
-from nodetrain.engine.overlap import update_kind
+from nodetrain.engine.policy import update_kind
 from nodetrain.plan.costs import speculative_backup_bytes
 from nodetrain.plan.exposure import choose_speculative
 from nodetrain.plan.step_time import HostRates, StepTime, step_time

@@ -2,7 +2,7 @@
 
 Owns: :class:`Faults`, built once from the config (:meth:`Faults.from_config`) and passed to the
 components that have a test knob, as ``Comm`` is passed its ``dist``: the copy workers
-(:meth:`Faults.before_copy`, ``stream.test_copy_delay_s``), the optimizer thread
+(:meth:`Faults.before_copy`, ``stream.test_copy_delay_s``; ``Faults.skip_compute_wait``), the optimizer thread
 (:meth:`Faults.before_update`, ``optim.test_delay_s``), the checkpoint writer thread
 (:meth:`Faults.before_write`, ``checkpoint.test_write_delay_s``), the engine's NaN gradient
 (:meth:`Faults.nan_hook`, ``test.nan_*``) and the training loop's failing rank
@@ -40,6 +40,8 @@ class Faults:
         optim_delay_s: seconds each unit's AdamW update sleeps first (exposes a stale load).
         write_delay_s: seconds each checkpoint file write sleeps first (a save still in flight).
         test: the ``test.*`` knobs (a NaN gradient, a failing rank).
+        skip_compute_wait: a planted bug, no config key: the copy workers do not wait for the compute
+            queued before a job (CUDA; proves the slot-reuse test can fail, tests/test_gpu.py).
     """
 
     copy_delay_s: float = 0.0
@@ -47,6 +49,7 @@ class Faults:
     write_delay_s: float = 0.0
     test: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
     _tier_writes: itertools.count = field(default_factory=itertools.count, compare=False, repr=False)
+    skip_compute_wait: bool = False
 
     @classmethod
     def from_config(cls, cfg) -> Faults:
