@@ -24,6 +24,9 @@ Writes, under ``out_dir``:
 
     python -m torch.distributed.run --nproc_per_node 2 --master_port 29511 tests/parity_worker.py spec.json
 
+Several specs (``spec1.json spec2.json ...``, the same world size) run one after another in one
+launch: one process group, one Engine at a time (test_family_parity.py runs its families so).
+
 Under ``--nnodes K`` each node runs one replica of the pipeline (nodetrain/engine/replicas.py): the batch
 file then holds the global batch, and ``weights_rank<r>`` of every node are written (the same
 ``out_dir`` may be shared by nodes on one machine; give each its own ``store.dir``).
@@ -102,14 +105,22 @@ def _store_mapping(store_dir: str) -> dict | None:
     return found
 
 
-def main(spec_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
-    out = Path(spec["out_dir"])
+def main(*spec_paths: str) -> None:
+    """Run each spec in turn in one process group (their ``device`` is the first one's)."""
+    specs = [json.loads(Path(path).read_text()) for path in spec_paths]
     device = torch.device("cpu")
-    if spec.get("device") == "cuda":  # gpu-marked tests: NCCL, one GPU per rank
+    if specs[0].get("device") == "cuda":  # gpu-marked tests: NCCL, one GPU per rank
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    for spec in specs:
+        run_spec(spec, device)
+    dist.destroy_process_group()
+
+
+def run_spec(spec: dict, device: torch.device) -> None:
+    """Train and export the run ``spec`` describes (the module docstring's outputs)."""
+    out = Path(spec["out_dir"])
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # nothing here should depend on it; fixed anyway
     cfg = _config(spec)
@@ -148,6 +159,7 @@ def main(spec_path: str) -> None:
         steps.append(
             {
                 "loss": r.loss,
+                "aux_loss": r.aux_loss,
                 "grad_norm": r.grad_norm,
                 "lr": r.lr,
                 "tokens": r.tokens,
@@ -168,6 +180,8 @@ def main(spec_path: str) -> None:
         master = engine.store.master(unit.index)
         for p in unit.params:
             weights[p.hf_name] = master[p.offset : p.offset + p.numel].view(p.shape).clone()
+    for block in engine.blocks:  # buffers transformers saves and never trains (DeepSeek-V3's router bias)
+        weights.update({hf_name: t.clone() for hf_name, t in model.constants[block].values()})
     for block in engine.blocks:  # a tied head binds the embedding's weight: export it as the head sees it
         for b in model.bindings[block]:
             if b.unit != block:
@@ -199,8 +213,7 @@ def main(spec_path: str) -> None:
         (out / "steps.json").write_text(json.dumps(steps))
     dist.barrier()  # keep every rank's mapping alive until all have measured
     engine.close()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
