@@ -425,9 +425,15 @@ def _steps(cfg, engine, ckpt, metrics, signals, train_ds, val_ds, num_mb, record
 
 
 def _record(step: int, r, bad: BadSteps) -> dict:
+    """The metrics row of step ``step`` (0-based): ``loss`` is the step's objective, with a router
+    auxiliary loss the cross-entropy plus ``router_aux_loss_coef · aux_loss`` (transformers'
+    ``outputs.loss``), and ``aux_loss`` (transformers' ``outputs.aux_loss``) is a field of its own
+    then; ``val_loss`` is the cross-entropy alone (engine.StepResult)."""
+    aux = {} if r.aux_loss is None else {"aux_loss": r.aux_loss}
     return {
         "step": step + 1,
         "loss": r.loss,
+        **aux,
         "lr": r.lr,
         "grad_norm": r.grad_norm,
         "tokens": r.tokens,

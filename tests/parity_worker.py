@@ -35,6 +35,9 @@ before each run's first step, so runs with dropout draw the same numbers.
 
     python -m torch.distributed.run --nproc_per_node 2 --master_port 29511 tests/parity_worker.py spec.json
 
+Several specs (``spec1.json spec2.json ...``, the same world size) run one after another in one
+launch: one process group, one Engine at a time (test_family_parity.py runs its families so).
+
 Under ``--nnodes K`` each node runs one replica of the pipeline (nodetrain/engine/replicas.py): the batch
 file then holds the global batch, and ``weights_rank<r>`` of every node are written (the same
 ``out_dir`` may be shared by nodes on one machine; give each its own ``store.dir``).
@@ -126,16 +129,18 @@ def _unit_state(engine: Engine, unit: int) -> dict[str, torch.Tensor]:
     return {**fields, **tier}
 
 
-def main(spec_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
+def main(*spec_paths: str) -> None:
+    """Run each spec in turn in one process group (their ``device`` is the first one's)."""
+    specs = [json.loads(Path(path).read_text()) for path in spec_paths]
     device = torch.device("cpu")
-    if spec.get("device") == "cuda":  # gpu-marked tests: NCCL, one GPU per rank
+    if specs[0].get("device") == "cuda":  # gpu-marked tests: NCCL, one GPU per rank
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    for variant in spec.get("variants") or [{}]:  # several runs in one launch, one after another
-        overrides = {**spec["overrides"], **variant.get("overrides", {})}
-        run_spec({**spec, **variant, "overrides": overrides}, device)
+    for spec in specs:  # several runs in one launch, one after another
+        for variant in spec.get("variants") or [{}]:
+            overrides = {**spec["overrides"], **variant.get("overrides", {})}
+            run_spec({**spec, **variant, "overrides": overrides}, device)
     dist.destroy_process_group()
 
 
@@ -185,6 +190,7 @@ def run_spec(spec: dict, device: torch.device) -> None:
         steps.append(
             {
                 "loss": r.loss,
+                "aux_loss": r.aux_loss,
                 "grad_norm": r.grad_norm,
                 "lr": r.lr,
                 "tokens": r.tokens,
@@ -209,6 +215,8 @@ def run_spec(spec: dict, device: torch.device) -> None:
         master = states[unit.index][master_field]
         for p in unit.params:
             weights[p.hf_name] = master[p.offset : p.offset + p.numel].view(p.shape).clone()
+    for block in engine.blocks:  # buffers transformers saves and never trains (DeepSeek-V3's router bias)
+        weights.update({hf_name: t.clone() for hf_name, t in model.constants[block].values()})
     for block in engine.blocks:  # a tied head binds the embedding's weight: export it as the head sees it
         for b in model.bindings[block]:
             if b.unit != block:
@@ -246,4 +254,4 @@ def run_spec(spec: dict, device: torch.device) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

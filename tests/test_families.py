@@ -67,9 +67,11 @@ def _batches():
 
 
 def _reference_grads(ref, ids, labels, aux: str = "") -> tuple[torch.Tensor, dict]:
-    """Σ CE (all micro-batches) and the gradients of Σ CE / valid (+ the auxiliary term)."""
+    """Σ CE (all micro-batches) and the gradients of Σ CE / valid (+ the auxiliary term); the
+    per-layer form's aux_loss (its mean over layers and micro-batches) in ``ref.aux_mean``."""
     ref.zero_grad(set_to_none=True)
     scale, total = 1.0 / int((labels != IGNORE_INDEX).sum()), 0.0
+    ref.aux_mean = 0.0
     experts, k = ref.config.num_local_experts if aux else 0, getattr(ref.config, "num_experts_per_tok", 0)
     for mb in range(len(ids)):
         out = ref(input_ids=ids[mb], output_router_logits=bool(aux))
@@ -79,6 +81,7 @@ def _reference_grads(ref, ids, labels, aux: str = "") -> tuple[torch.Tensor, dic
         if aux == "per_layer":
             per_layer = [load_balancing_loss_func((z,), experts, k) for z in out.router_logits]
             objective = objective + COEF / (len(per_layer) * len(ids)) * sum(per_layer)
+            ref.aux_mean += float(sum(per_layer).detach()) / (len(per_layer) * len(ids))
         elif aux == "pooled":  # transformers' own: all layers of the forward pooled
             objective = objective + COEF / len(ids) * load_balancing_loss_func(out.router_logits, experts, k)
         objective.backward()
@@ -98,7 +101,7 @@ def _store(model: HFModel, state: dict, shm_dir, name: str) -> HostStore:
 
 
 def _stage_grads(model: HFModel, store: HostStore, cuts: list[int], ids, labels, rows: bool):
-    """Σ CE and every unit's gradient, the blocks split into stages at ``cuts``."""
+    """Σ CE, every unit's gradient and Σ of the stages' aux_loss shares, split into stages at ``cuts``."""
     edges = [0, *cuts, len(model.units)]
     ranges = [range(a, b) for a, b in itertools.pairwise(edges)]
     windows = [
@@ -120,6 +123,7 @@ def _stage_grads(model: HFModel, store: HostStore, cuts: list[int], ids, labels,
                 grad = runner.backward(mb, grad)
         for w in windows:
             w.flush()
+        aux = sum(float(r.take_aux_loss()) for r in runners)
     finally:
         for w in windows:
             w.close()
@@ -129,7 +133,7 @@ def _stage_grads(model: HFModel, store: HostStore, cuts: list[int], ids, labels,
         if u.index == 0 and len(ranges) > 1 and model.tied:  # the head's use, on the last stage
             g = g + store.buffer(0, "grad_tied")
         grads.update({p.hf_name: g[p.offset : p.offset + p.numel].view(p.shape) for p in u.params})
-    return total, grads
+    return total, grads, aux
 
 
 def _check(arch: str, shm_dir, cuts: list[int], rows: bool, aux: str = "") -> None:
@@ -141,8 +145,9 @@ def _check(arch: str, shm_dir, cuts: list[int], rows: bool, aux: str = "") -> No
     model = HFModel(config, router_aux)
     _bind_constants(model, ref.state_dict())
     store = _store(model, ref.state_dict(), shm_dir, f"fam-{arch}-{len(cuts)}-{rows}-{aux}")
-    loss, got = _stage_grads(model, store, cuts, ids, labels, rows)
+    loss, got, got_aux = _stage_grads(model, store, cuts, ids, labels, rows)
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(got_aux, ref.aux_mean, rtol=1e-5, atol=0)  # 0 without the aux loss
     assert sorted(got) == sorted(want)
     for name, g in want.items():
         torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
@@ -245,6 +250,60 @@ def test_deepseek_router_bias_is_a_constant_that_chooses_experts(shm_dir) -> Non
     ids, labels = _batches()
     _, want = _reference_grads(ref, ids, labels)
     store = _store(model, ref.state_dict(), shm_dir, "fam-bias")  # constants left at zero
-    _, got = _stage_grads(model, store, [], ids, labels, rows=False)
+    _, got, _ = _stage_grads(model, store, [], ids, labels, rows=False)
     name = "model.layers.1.mlp.experts.gate_up_proj"  # other experts chosen: other experts' gradients
     assert (got[name] - want[name]).abs().max() > 100 * 1e-6  # 100 × the comparisons' tolerance
+
+
+@pytest.mark.parametrize("form", ["per_layer", "auto"])
+def test_logged_loss_is_transformers_outputs_loss(form: str, tmp_path, shm_dir, one_rank_world) -> None:
+    """What a step reports (``StepResult``, the metrics row) against transformers' own model: with the
+    auxiliary loss on, ``loss`` is its ``outputs.loss`` (the cross-entropy plus
+    ``router_aux_loss_coef · aux_loss``) and ``aux_loss`` its ``outputs.aux_loss``; off (``auto``,
+    the config's default), ``loss`` is the cross-entropy and the row has no ``aux_loss``. One MoE
+    layer and one micro-batch, where transformers' pooled form and the per-layer one are equal."""
+    from bench._engine import base_config
+    from nodetrain.checkpoint import load_hf_weights
+    from nodetrain.engine.engine import Engine
+    from nodetrain.model import router_aux_of
+    from nodetrain.run.faults import BadSteps
+    from nodetrain.train import _record
+
+    config = tiny_config("Qwen3MoeForCausalLM", num_hidden_layers=2, router_aux_loss_coef=COEF)
+    ref = _reference(config)
+    ref.save_pretrained(tmp_path)
+    hf = {k: v for k, v in config.to_diff_dict().items() if k not in ("architectures", "model_type")}
+    cfg = base_config(
+        ModelConfig(name="aux", arch="Qwen3MoeForCausalLM", hf=hf, router_aux_loss=form),
+        train={"seq_len": T, "micro_batch_size": B, "steps": 1, "dtype": "float32"},
+        pipeline={"microbatches": 1},
+        data={"vocab_size": 64},
+        store={"dir": str(shm_dir)},
+    )
+    hf_config = build_hf_config(cfg.model)
+    model = HFModel(hf_config, router_aux_of(cfg, hf_config))
+    assert (model.router_aux is None) == (form == "auto")
+    ids, labels = (t[:1] for t in _batches())  # [1, B, T]
+    labels[..., -1] = IGNORE_INDEX  # transformers' labels are the inputs, shifted inside: none for the last
+
+    def init_from(store, units):
+        load_hf_weights(tmp_path, store, units, model)
+
+    engine = Engine(cfg, model, rank=0, world_size=1, local_rank=0, run_id=f"aux-{form}",
+                    device=torch.device("cpu"), init_from=init_from)  # fmt: skip
+    try:
+        r = engine.train_step(0, ids, labels)
+    finally:
+        engine.close()
+    hf_labels = torch.cat([torch.full((B, 1), IGNORE_INDEX), labels[0, :, :-1]], dim=1)
+    with torch.no_grad():
+        want = ref(input_ids=ids[0], labels=hf_labels, output_router_logits=form == "per_layer")
+    row = _record(0, r, BadSteps(1))
+    torch.testing.assert_close(r.loss, want.loss.item(), rtol=1e-5, atol=0)
+    assert row["loss"] == r.loss
+    if form == "auto":
+        assert r.aux_loss is None and "aux_loss" not in row
+        return
+    torch.testing.assert_close(r.aux_loss, want.aux_loss.item(), rtol=1e-5, atol=0)
+    assert row["aux_loss"] == r.aux_loss
+    assert COEF * r.aux_loss > 1e-3 * r.loss  # the term is far above the tolerance

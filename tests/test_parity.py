@@ -109,6 +109,9 @@ class Case:
     """Reference variants the engine must NOT match (shows the comparison can fail)."""
     router_aux_loss: str = ""
     """``model.router_aux_loss`` (mixtures of experts; "" = the default)."""
+    steps: int = STEPS
+    atol_weight: float = ATOL_WEIGHT
+    """Absolute floor of the final weights' comparison (longer runs: more summation-order noise)."""
 
 
 # fmt: off
@@ -175,6 +178,9 @@ def save_seeded_model(case: Case, model_dir: Path) -> None:
         for p in model.parameters():
             if p.ndim < 2:
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():  # DeepSeek-V3's router bias: it changes the experts chosen
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.3)
     model.save_pretrained(model_dir)
     # the run's tokenizer (data.tokenizer): VOCAB ids, so data.vocab_size need not be a trained BPE's >= 257
     words = tokenizers.Tokenizer(
@@ -188,7 +194,7 @@ def make_batches(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     random length; labels are -100 past the length and at a few random places inside it."""
     gen = torch.Generator().manual_seed(zlib.crc32(case.id.encode()) + 1)
     n = case.grad_accum * case.microbatches
-    shape = (STEPS, n, MICRO_BATCH, SEQ_LEN)
+    shape = (case.steps, n, MICRO_BATCH, SEQ_LEN)
     inputs = torch.randint(0, VOCAB, shape, generator=gen)
     labels = torch.randint(0, VOCAB, shape, generator=gen)
     lengths = torch.randint(2, SEQ_LEN + 1, shape[:-1], generator=gen)
@@ -207,6 +213,8 @@ class Reference:
     tokens: list[int]
     weights: dict[str, torch.Tensor]
     tied_ok: bool
+    aux_losses: list[float] = field(default_factory=list)
+    """With ``router_aux_loss``: each step's auxiliary loss without its coefficient."""
 
 
 def run_reference(case: Case, model_dir: Path, inputs, labels, lengths, variant: str = "") -> Reference:
@@ -231,7 +239,7 @@ def run_reference(case: Case, model_dir: Path, inputs, labels, lengths, variant:
     if variant == "untied_grad":  # the lm_head use's gradient never reaches the tied embedding
         assert out.tied_ok
         del head.weight
-    for step in range(STEPS):
+    for step in range(case.steps):
         ids, lab = inputs[step].flatten(0, 1), labels[step].flatten(0, 1)  # [N·B, T]
         mask = (torch.arange(SEQ_LEN) < lengths[step].flatten()[:, None]).long()  # [N·B, T]
         if variant == "untied_grad":
@@ -239,7 +247,8 @@ def run_reference(case: Case, model_dir: Path, inputs, labels, lengths, variant:
         valid = int((lab != IGNORE).sum())
         opt.zero_grad(set_to_none=True)
         if case.router_aux_loss:
-            loss = _backward_with_aux(model, case, inputs[step], labels[step], valid, variant)
+            loss, aux = _backward_with_aux(model, case, inputs[step], labels[step], valid, variant)
+            out.aux_losses.append(aux.item())
         else:
             logits = model(input_ids=ids, attention_mask=mask).logits  # [N·B, T, V]
             loss_sum = F.cross_entropy(
@@ -248,7 +257,7 @@ def run_reference(case: Case, model_dir: Path, inputs, labels, lengths, variant:
             loss = loss_sum / valid
             loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        lr = lr_schedule(step, STEPS)
+        lr = lr_schedule(step, case.steps)
         for g in opt.param_groups:
             g["lr"] = lr
         opt.step()
@@ -260,16 +269,18 @@ def run_reference(case: Case, model_dir: Path, inputs, labels, lengths, variant:
     return out
 
 
-def _backward_with_aux(model, case: Case, inputs, labels, valid: int, variant: str) -> torch.Tensor:
+def _backward_with_aux(model, case: Case, inputs, labels, valid: int, variant: str):
     """One step's backward with the per-layer router auxiliary loss (nodetrain/model/moe.py): a
     forward per micro-batch (inputs, labels [N, B, T]) without a padding mask (the engine has none:
     right padding changes no valid token's logits, and every token counts in the routers' loss),
     the token-mean cross-entropy plus ``coef / (L_moe · N) × Σ_mb Σ_l`` transformers'
     ``load_balancing_loss_func`` of layer l's logits. ``pooled_aux``: transformers' own form (all
-    layers of a forward at once). Returns the cross-entropy alone (what the engine reports)."""
+    layers of a forward at once). Returns the step's objective, the cross-entropy plus
+    ``coef · aux`` (what the engine reports as the loss, as transformers' ``outputs.loss``), and
+    ``aux`` (the engine's ``aux_loss``, as transformers' ``outputs.aux_loss``)."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-    c, ce_total = model.config, 0.0
+    c, ce_total, aux_total = model.config, 0.0, 0.0
     experts, k = c.num_local_experts, c.num_experts_per_tok
     for ids, lab in zip(inputs, labels, strict=True):
         out = model(input_ids=ids, output_router_logits=True)
@@ -285,8 +296,8 @@ def _backward_with_aux(model, case: Case, inputs, labels, valid: int, variant: s
                 len(layers) * len(inputs)
             )
         (ce + c.router_aux_loss_coef * aux).backward()
-        ce_total += ce.detach()
-    return ce_total
+        ce_total, aux_total = ce_total + ce.detach(), aux_total + aux.detach()
+    return ce_total + c.router_aux_loss_coef * aux_total, aux_total
 
 
 # ----------------------------------------------------------------------------- nodetrain run
@@ -328,7 +339,7 @@ def parity_spec(case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs, l
         "train.dtype": "float32",
         "train.seq_len": SEQ_LEN,
         "train.micro_batch_size": MICRO_BATCH,
-        "train.steps": STEPS,
+        "train.steps": case.steps,
         "train.grad_accum": case.grad_accum,
         "data.vocab_size": VOCAB,
         "data.tokenizer": str(model_dir),
@@ -447,6 +458,11 @@ def check_parity(case: Case, tmp_path: Path, shm_dir: Path, torchrun, device: st
     save_seeded_model(case, model_dir)
     inputs, labels, lengths = make_batches(case)
     run = run_nodetrain(case, tmp_path, shm_dir, model_dir, inputs, labels, torchrun, device)
+    check_run(case, run, model_dir, inputs, labels, lengths)
+
+
+def check_run(case: Case, run: Run, model_dir: Path, inputs, labels, lengths) -> None:
+    """Compare nodetrain's ``run`` of ``case`` with the reference on the same model and tokens."""
     ref = run_reference(case, model_dir, inputs, labels, lengths)
 
     # one stage per rank, each a non-empty contiguous slice, together every unit in order
@@ -463,19 +479,23 @@ def check_parity(case: Case, tmp_path: Path, shm_dir: Path, torchrun, device: st
     torch.testing.assert_close([s["lr"] for s in run.steps], ref.lrs, rtol=1e-12, atol=0)
     torch.testing.assert_close([s["loss"] for s in run.steps], ref.losses, rtol=RTOL, atol=0)
     torch.testing.assert_close([s["grad_norm"] for s in run.steps], ref.norms, rtol=RTOL, atol=0)
+    if case.router_aux_loss == "per_layer":
+        torch.testing.assert_close([s["aux_loss"] for s in run.steps], ref.aux_losses, rtol=RTOL, atol=0)
+    else:
+        assert {s["aux_loss"] for s in run.steps} == {None}, "an aux_loss without a router auxiliary loss"
     if case.max_grad_norm > 0:
         assert min(ref.norms) > case.max_grad_norm, f"clipping does not bite: norms {ref.norms}"
 
     assert sorted(run.weights) == sorted(ref.weights), "exported names differ from the HF state dict"
     for name, want in ref.weights.items():
         torch.testing.assert_close(
-            run.weights[name], want, rtol=RTOL, atol=ATOL_WEIGHT, msg=lambda m, n=name: f"{n}: {m}"
+            run.weights[name], want, rtol=RTOL, atol=case.atol_weight, msg=lambda m, n=name: f"{n}: {m}"
         )
 
     if not case.resident:
         numel = _block_numels(ref.weights)
         hidden = ref.weights["model.embed_tokens.weight"].shape[1]
-        rows = [sum(len(torch.unique(mb)) for mb in inputs[i]) * hidden for i in range(STEPS)]
+        rows = [sum(len(torch.unique(mb)) for mb in inputs[i]) * hidden for i in range(case.steps)]
         for s, names in enumerate(run.units):
             want = [4 * _step_h2d_numel(case, s, names, numel, r) for r in rows]
             assert [st["breakdown"][f"stage{s}/h2d_bytes"] for st in run.steps] == want, s
@@ -495,7 +515,7 @@ def check_parity(case: Case, tmp_path: Path, shm_dir: Path, torchrun, device: st
         wrong = run_reference(case, model_dir, inputs, labels, lengths, variant=variant)
         names = [n for n in wrong.weights if variant != "decay_biases" or n.endswith(".bias")]
         gap = _max_diff({n: run.weights[n] for n in names}, {n: wrong.weights[n] for n in names})
-        assert gap > 100 * ATOL_WEIGHT, f"{variant}: the engine is within {gap:.2e} of a wrong reference"
+        assert gap > 100 * case.atol_weight, f"{variant}: the engine is within {gap:.2e} of a wrong reference"
 
 
 # ----------------------------------------------------------------------------- activation offload

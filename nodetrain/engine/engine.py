@@ -100,7 +100,7 @@ class StepResult:
 
     step: int
     loss: float
-    """Token-weighted mean cross-entropy of the step (nats/token)."""
+    """Objective, nats/token: token-weighted mean cross-entropy (+ coef · aux_loss, HF's outputs.loss)."""
     grad_norm: float
     """Global L2 norm of the gradient before clipping."""
     lr: float
@@ -120,6 +120,8 @@ class StepResult:
     """Some rank asked to stop (a signal) before this step's all-reduce: every rank stops after it."""
     breakdown: dict = field(default_factory=dict)
     """On rank 0: every stage's step breakdown, flat (see ``breakdown.combine_stages``); else {}."""
+    aux_loss: float | None = None
+    """Router auxiliary loss without its coefficient (HF's ``outputs.aux_loss``, moe.py), or None: none."""
 
 
 class Engine:
@@ -310,21 +312,22 @@ class Engine:
         loss_sum = self._forward_backward(step, lr, batch, tokens)
         grad_sq = self._settle_grads(step)
         with self.timeline.phase("optim"):
-            totals = self.comm.tensor([grad_sq, 0.0, float(stop)])  # on the group's device
+            totals = self.comm.tensor([grad_sq, 0.0, float(stop), 0.0])  # on the group's device
             totals[1].copy_(loss_sum)  # the step's one read of the loss (with the all-reduce's)
+            totals[3].copy_(self.runner.take_aux_loss())  # every stage's MoE layers' share
         with self.timeline.phase("bubble"):
             self.comm.all_reduce(totals)  # NaN/inf on any stage makes the sums non-finite on every stage
-        grad_sq_all, loss_all, stop_all = totals.tolist()  # one device → host copy
+        grad_sq_all, loss_all, stop_all, aux = totals.tolist()  # one device → host copy
         grad_norm = math.sqrt(grad_sq_all)
-        skipped = not math.isfinite(grad_sq_all + loss_all)
+        skipped = not math.isfinite(grad_sq_all + loss_all + aux)
         self._update(step, lr, grad_norm, skipped)
         phases = self.timeline.stop()
         now = time.perf_counter()
         record = self.breakdown.stage_record(now - t0, inputs.numel(), phases, self._busy(cpu0))
-        loss = loss_all / max(tokens, 1)
+        loss = loss_all / max(tokens, 1) + self.model.aux_coef * aux
         stall_s, p2p_wait_s = self.window.stall_s, self.p2p.wait_s
         res = StepResult(step, loss, grad_norm, lr, tokens, now - t0, stall_s, p2p_wait_s, phases["optim_s"])
-        res.skipped, res.stop = skipped, stop_all > 0
+        res.skipped, res.stop, res.aux_loss = skipped, stop_all > 0, aux if self.model.router_aux else None
         res.breakdown = self.breakdown.gather(record)
         return res
 

@@ -107,6 +107,7 @@ class StageRunner:
         self._offload = offload
         self.live = offload.live if offload is not None else LiveBytes()
         """The saved inputs alive on the device (their high-water mark: ``saved_peak_bytes``)."""
+        self._aux_terms: list[torch.Tensor] = []  # the router aux loss's terms of this step's backwards
 
     def loads(self, kind: str) -> list[int]:
         """Blocks a training action of ``kind`` ("F" or "B") loads through the window, in order
@@ -275,11 +276,20 @@ class StageRunner:
         leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
         x_in = x.detach().requires_grad_(x.is_floating_point())
         with torch.enable_grad(), _replay_rng(rng):
-            out = self.model.forward_block(block, leaves, x_in, ctx)
+            out = self.model.forward_block(block, leaves, x_in, ctx, self._aux_terms)
         inputs = list(leaves.values()) + ([x_in] if x_in.requires_grad else [])
         grads = torch.autograd.grad(out, inputs, grad_out)
         self.window.offload(block, dict(zip(leaves, grads[: len(leaves)], strict=True)))
         return grads[len(leaves)] if x_in.requires_grad else None
+
+    def take_aux_loss(self) -> torch.Tensor:
+        """This stage's share of the step's router ``aux_loss`` (moe.py; fp64 scalar on the device,
+        0 without one): the sum of its MoE layers' terms over the backwards since the last call."""
+        terms, self._aux_terms = self._aux_terms, []
+        total = torch.zeros((), dtype=torch.float64, device=self.window.device)
+        for t in terms:
+            total += t
+        return total
 
     def _gather_embedding(self, block: int, x: EmbeddingRows) -> tuple[torch.Tensor, EmbeddingRows]:
         """Embedding by gathered rows: [B, T, D] compute dtype on the device, and ``x`` (the backward's)."""

@@ -214,6 +214,9 @@ class HFModel:
         if router_aux is not None and not num_moe:
             raise ValueError(f"{arch}: a router auxiliary loss needs experts; this model has none")
         self._aux_scale = router_aux.scale(num_moe) if router_aux else 0.0
+        self._aux_weight = router_aux.weight(num_moe) if router_aux else 0.0
+        self.aux_coef = router_aux.coef if router_aux else 0.0
+        """``router_aux_loss_coef`` of the run's auxiliary loss; 0 without one."""
         self.units = self._build_units()
         self.bindings = [self._bindings(u) for u in self.units]
         self.constants = self._build_constants()
@@ -363,13 +366,17 @@ class HFModel:
             return masks.get(types[layer], masks["full_attention"])
         return masks.get("sliding_attention", masks["full_attention"])
 
-    def forward_block(self, index: int, params: dict[str, torch.Tensor], x: torch.Tensor, ctx: dict | None):
+    def forward_block(
+        self, index: int, params: dict[str, torch.Tensor], x: torch.Tensor, ctx: dict | None, aux_out=None
+    ):
         """Run block ``index`` with ``params`` bound.
 
         Args:
             params: local name -> tensor (compute dtype, on the compute device).
             x: embed: input ids [B, T] int64; layer and head: hidden [B, T, D].
             ctx: from :meth:`context` (layers only).
+            aux_out: a list that an MoE layer carrying the auxiliary loss appends its term of the
+                step's ``aux_loss`` to (fp32 scalar, detached: Σ aux / (L_moe · M), moe.py), or None.
 
         Returns:
             [B, T, D] hidden for embed and layers; [B, T, V] logits for the head.
@@ -395,9 +402,9 @@ class HFModel:
         }
         if self.router_aux is None or not self.routers[layer] or not torch.is_grad_enabled():
             return functional_call(template, params, (x,), kwargs)
-        return self._forward_with_aux(layer, template, params, x, kwargs)
+        return self._forward_with_aux(layer, template, params, x, kwargs, aux_out)
 
-    def _forward_with_aux(self, layer: int, template: nn.Module, params: dict, x: torch.Tensor, kwargs: dict):
+    def _forward_with_aux(self, layer: int, template: nn.Module, params: dict, x, kwargs: dict, aux_out):
         """A MoE layer whose output carries ``scale · Σ aux`` of its routers into the backward."""
         logits: list[torch.Tensor] = []
         hooks = [r.register_forward_hook(lambda m, i, o: logits.append(o[0])) for r in self.routers[layer]]
@@ -407,4 +414,6 @@ class HFModel:
             for h in hooks:
                 h.remove()
         aux = sum(switch_aux_loss(z, self.router_aux.top_k) for z in logits)
+        if aux_out is not None:
+            aux_out.append(aux.detach() * self._aux_weight)
         return with_aux_grad(out, aux, self._aux_scale)

@@ -19,7 +19,9 @@ routers outside the layer: the load-balancing loss, chosen by ``model.router_aux
   through Megatron-LM's ``MoEAuxLossAutoScaler`` (``_AuxLossGrad``): the layer's output carries
   the term, whose gradient is the constant scale, so no stage sends anything more. Every token
   of the micro-batch counts (the engine has no padding mask: transformers' value without
-  ``attention_mask``). The reported loss is the cross-entropy alone.
+  ``attention_mask``). The reported loss is transformers' ``outputs.loss``: the cross-entropy plus
+  ``router_aux_loss_coef · aux_loss``, with ``aux_loss = Σ_mb Σ_l aux_l / (L_moe · M)`` (what
+  transformers returns as ``outputs.aux_loss``, unscaled), logged on its own as well.
 
 The pooled form is refused: each layer's gradient would need the router counts of other stages'
 layers (the reason in full: docs/models.md).
@@ -113,8 +115,13 @@ class RouterAux:
     num_microbatches: int
     """Micro-batches per optimizer step."""
 
+    def weight(self, num_moe_layers: int) -> float:
+        """The weight of one layer's term of one micro-batch in the step's ``aux_loss`` (its mean)."""
+        return 1.0 / (num_moe_layers * self.num_microbatches)
+
     def scale(self, num_moe_layers: int) -> float:
-        return self.coef / (num_moe_layers * self.num_microbatches)
+        """The weight of one layer's term of one micro-batch in the step's objective."""
+        return self.coef * self.weight(num_moe_layers)
 
 
 def aux_refusal(form: str, config: PretrainedConfig, moe: bool, has_aux: bool = True) -> str | None:

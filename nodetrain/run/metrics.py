@@ -204,7 +204,9 @@ class MetricsLogger:
 
     def log(self, record: dict[str, Any]) -> None:
         """Write one record (at least ``step``; normally also loss, lr, grad_norm, tokens,
-        tokens_per_s, and val_loss when evaluated).
+        tokens_per_s, and val_loss when evaluated; with a router auxiliary loss, ``loss`` includes
+        ``router_aux_loss_coef · aux_loss`` and ``aux_loss`` is a field of its own, as transformers'
+        ``outputs.loss`` and ``outputs.aux_loss``: see ``train._record``).
 
         Raises:
             KeyError: the record has no ``step``.
