@@ -79,6 +79,16 @@ def test_budget_uses_the_planners_activation_model(monkeypatch, caplog) -> None:
             cfg.train, cfg.pipeline, cfg.stream.slots, model, st.blocks, st.stage, 2, 1, cuda
         )
         assert acts == st.activation_bytes > 0, st
+    cfg.pipeline.schedule, cfg.pipeline.microbatches = "gpipe", 6  # 6 in flight without the offload
+    without = make_plan(cfg).stages[0].activation_bytes
+    cfg.stream.offload_activations = True  # two micro-batches' saved inputs on the device (issue 23)
+    plan = make_plan(cfg)
+    for st in plan.stages:
+        acts = stage_activation_bytes(
+            cfg.train, cfg.pipeline, cfg.stream.slots, model, st.blocks, st.stage, 2, 1, cuda, True
+        )
+        assert acts == st.activation_bytes > 0, st
+    assert plan.stages[0].activation_bytes < without
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * 2**30, 80 * 2**30))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")

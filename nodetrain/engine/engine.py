@@ -495,5 +495,6 @@ class Engine:
         the store they held, then close it: its mapping goes here (a checkpoint writer keeps none)."""
         self.updates.close()
         self.window.close()
+        self.runner.close()
         self.optimizer.close()
         self.store.close()

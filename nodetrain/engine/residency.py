@@ -105,12 +105,13 @@ def choose_resident(
 
 def stage_memory_of(
     train: TrainConfig, pipeline: PipelineConfig, slots: int, model, blocks, stage: int, num_stages: int,
-    grad_accum: int, device,
+    grad_accum: int, device, offload_activations: bool = False,
 ) -> StageMemory:  # fmt: skip
     """This stage's device bytes as the planner counts them (``costs.stage_memory``: window slots,
     saved block inputs of the micro-batches in flight, live P2P buffers, one block's recompute +
     backward and the gradients queued for D2H), so the budget and ``python -m nodetrain.plan``
-    agree; no block resident (the budget is what residency may take). ``slots``: ``stream.slots``."""
+    agree; no block resident (the budget is what residency may take). ``slots``: ``stream.slots``;
+    ``offload_activations``: ``stream.offload_activations`` (two micro-batches' saved inputs)."""
     return stage_memory(
         shape_of(model),
         range(blocks[0], blocks[-1] + 1),
@@ -124,15 +125,18 @@ def stage_memory_of(
         slots=slots,
         itemsize=torch.empty(0, dtype=getattr(torch, train.dtype)).element_size(),
         on_cpu=torch.device(device).type != "cuda",
+        offload_activations=offload_activations,
     )
 
 
 def stage_activation_bytes(
     train: TrainConfig, pipeline: PipelineConfig, slots: int, model, blocks, stage: int, num_stages: int,
-    grad_accum: int, device,
+    grad_accum: int, device, offload_activations: bool = False,
 ) -> int:  # fmt: skip
     """Peak activation bytes of this stage (:func:`stage_memory_of`'s ``activation_bytes``)."""
-    mem = stage_memory_of(train, pipeline, slots, model, blocks, stage, num_stages, grad_accum, device)
+    mem = stage_memory_of(
+        train, pipeline, slots, model, blocks, stage, num_stages, grad_accum, device, offload_activations
+    )
     return mem.activation_bytes
 
 
@@ -213,8 +217,9 @@ def resident_blocks(
     budget = stream.device_budget
     if budget == "auto" or budget < 0:
         mem = stage_memory_of(
-            train, pipeline, stream.slots, model, blocks, stage, num_stages, grad_accum, device
-        )
+            train, pipeline, stream.slots, model, blocks, stage, num_stages, grad_accum, device,
+            stream.offload_activations,
+        )  # fmt: skip
         budget = auto_device_budget(torch.device(device), mem.activation_bytes, mem.window_bytes)
     head = len(model.units) - 1
     chosen = choose_resident(cost, saved, budget, first=(head,) if head in numel else ())

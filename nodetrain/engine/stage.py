@@ -282,6 +282,11 @@ class StageRunner:
         self.window.offload(block, dict(zip(leaves, grads[: len(leaves)], strict=True)))
         return grads[len(leaves)] if x_in.requires_grad else None
 
+    def close(self) -> None:
+        """Release the activation offload's host buffers (their page-locks on CUDA), if any."""
+        if self._offload is not None:
+            self._offload.close()
+
     def take_aux_loss(self) -> torch.Tensor:
         """This stage's share of the step's router ``aux_loss`` (moe.py; fp64 scalar on the device,
         0 without one): the sum of its MoE layers' terms over the backwards since the last call."""
