@@ -103,7 +103,8 @@ class StepResult:
     """This rank's seconds of optimizer work the step waited for (not hidden behind compute)."""
     skipped: bool = False
     """The loss or gradient norm was NaN/inf: no update was applied (on any stage), except, with
-    in-backward updates, those of units whose own gradient was finite (see the module docstring)."""
+    in-backward updates, those of units whose own gradient was finite
+    (docs/optimizer.md#the-four-update-modes)."""
     stop: bool = False
     """Some rank asked to stop (a signal) before this step's all-reduce: every rank stops after it."""
     breakdown: dict = field(default_factory=dict)

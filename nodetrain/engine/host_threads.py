@@ -101,8 +101,8 @@ def _openmp_runtime() -> ctypes.CDLL | None:
 
 
 def limit_thread(threads: int) -> None:
-    """Give the calling thread an OpenMP team of ``threads`` (other threads keep theirs; see the
-    module docstring for why ctypes and not ``torch.set_num_threads`` or threadpoolctl)."""
+    """Give the calling thread an OpenMP team of ``threads`` (other threads keep theirs; why
+    ctypes and not ``torch.set_num_threads`` or threadpoolctl: docs/gpu.md#host-memory-and-cores)."""
     torch.get_num_threads()  # torch's lazy per-thread init first, so it does not undo ours
     runtime = _openmp_runtime()
     if runtime is None:
