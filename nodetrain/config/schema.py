@@ -242,32 +242,19 @@ class OptimConfig:
     max_grad_norm: float = 1.0
     """Clip the global (all stages) gradient L2 norm to this; 0 = no clipping."""
     overlap: bool = True
-    """Run each unit's AdamW update on a background CPU thread while compute continues: during
-    backward when ``max_grad_norm`` is 0, else unit by unit ahead of the next step's forward. False =
-    update every unit at the end of the step, on the training thread."""
+    """Run each unit's AdamW update on a background CPU thread while compute continues. False =
+    update every unit at the end of the step, on the training thread (docs/optimizer.md)."""
     update_in_backward: bool = True
     """With ``overlap`` and no clipping (``max_grad_norm`` 0): update each unit during the backward,
-    as soon as its gradient is final (after the cross-node sum with several nodes). A NaN/inf step
-    is then skipped unit by unit: a unit whose gradient is NaN/inf is not updated, but the finite
-    units of that step already were (the step still counts as skipped, ``train.max_bad_steps``).
-    False = every update waits for the step's all-reduce and a NaN/inf step is skipped whole on
-    every stage (overlapped with the next step's forward instead). Ignored with ``overlap=false``,
-    and with clipping unless ``speculative`` (false there: no speculation)."""
+    as soon as its gradient is final; a NaN/inf step is then skipped unit by unit. False = every
+    update waits for the step's all-reduce and a NaN/inf step is skipped whole. Ignored with
+    ``overlap=false``, and with clipping unless ``speculative`` (docs/optimizer.md)."""
     speculative: Any = False
-    """With ``overlap``, clipping (``max_grad_norm`` > 0) and ``update_in_backward``: update each unit
-    during the backward as if the step were neither clipped nor skipped (SuperOffload's
-    speculation-then-validation, arXiv:2509.21271); once the all-reduce gives the global norm, a
-    step that needed clipping has its speculative updates rolled back from a backup (12 B/param of
-    private host RAM per rank, bit-exact) and redone with the clip coefficient, and a NaN/inf step
-    has them rolled back and is skipped whole. Once this stage's own norm already exceeds
-    ``max_grad_norm`` the step will surely clip, and its remaining units wait for the all-reduce.
-    False = with clipping every update waits for the all-reduce. ``auto`` = the engine chooses at
-    start-up: it times this rank's AdamW on its optimizer threads, predicts the step in both modes
-    with the planner's model (``plan/exposure.py``, speculation priced at 30% clipped steps), and
-    speculates only if that is 2% faster and the backups fit the node's available RAM; one log line
-    gives the figures and the choice (engine/update_choice.py). Ignored without clipping. Off by
-    default: the model predicts deferred updates expose less on the default job and on the 3B
-    streamed benchmark (docs/optimizer.md); exact either way."""
+    """With ``overlap``, clipping (``max_grad_norm`` > 0) and ``update_in_backward``: ``true`` =
+    update each unit during the backward as if the step were not clipped, after a backup (12 B/param
+    of host RAM per rank), and roll back and redo a step that clipped (exact); ``false`` = with
+    clipping every update waits for the all-reduce; ``auto`` = chosen at start-up by measurement,
+    logged. Ignored without clipping. Why off by default: docs/optimizer.md#speculative-updates."""
     threads: int = 0
     """CPU threads (an OpenMP team) for the AdamW update; 0 = auto: half the rank's core share,
     rounded up (the rest goes to ``stream.accum_threads``; see nodetrain/engine/host_threads.py)."""

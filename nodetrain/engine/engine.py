@@ -1,14 +1,5 @@
 """The stage engine: one rank's part of a training step, from micro-batches to updated weights.
 
-One step, 2 stages, 2 micro-batches, 1F1B (time →; F1 = forward of micro-batch 1, B = backward):
-
-    stage 0  | F0 F1 ·· ·· B0 ·· B1 | flush | tied sum | replicas |-.
-    stage 1  | ·· F0 B0 F1 ·· B1 ·· | flush | tied sum | replicas |-+- all-reduce: norm², loss,
-                                                                   |  tokens, stop request
-    each     clip coefficient → the units' updates (policy.py, overlap.py) → next step
-    (activations go 0 → 1 and gradients 1 → 0 by P2P between F/B; the window streams each stage's
-    blocks through its slots and the D2H worker adds their gradients into the host store meanwhile)
-
 Threads of a rank, what each alone writes, and the hand-offs between them (DESIGN invariant 9;
 ``NODETRAIN_CHECK_THREADS=1`` asserts the writers, threads.py):
 
@@ -43,13 +34,10 @@ step) → clip → the updates the policy leaves for after it (policy.py decides
 overlap.py runs it; logged once at start-up), with the step's phases timed (breakdown.py). Does
 not own: the config, data or logging (train.py).
 
-A step whose all-reduced loss or gradient norm is NaN/inf is reported skipped on every stage (they
-all see the same totals; ``StepResult.skipped``, ``train.max_bad_steps``), and no non-finite value
-reaches the master weights or AdamW's state (policy.py says what each mode undoes).
+A NaN/inf step is skipped on every stage (``StepResult.skipped``, ``train.max_bad_steps``); the loss
+is token-weighted over the whole step (DESIGN invariant 2).
 
-Exactness (DESIGN invariant 2): the loss is the sum of token cross-entropies over every
-micro-batch and accumulation round of the step divided by the step's valid-token count, so
-any micro-batch split gives the same gradient as one big batch.
+Why, with the step's timeline: docs/design.md#one-step and #threads-and-who-writes-what.
 """
 
 from __future__ import annotations
@@ -115,7 +103,8 @@ class StepResult:
     """This rank's seconds of optimizer work the step waited for (not hidden behind compute)."""
     skipped: bool = False
     """The loss or gradient norm was NaN/inf: no update was applied (on any stage), except, with
-    in-backward updates, those of units whose own gradient was finite (see the module docstring)."""
+    in-backward updates, those of units whose own gradient was finite
+    (docs/optimizer.md#the-four-update-modes)."""
     stop: bool = False
     """Some rank asked to stop (a signal) before this step's all-reduce: every rank stops after it."""
     breakdown: dict = field(default_factory=dict)

@@ -6,24 +6,13 @@ each offloaded gradient into the host store's fp32 accumulators) and the optimiz
 setting one thread's OpenMP team, and reading the NUMA topology from sysfs. Does not own: the
 threads themselves (window.py's D2H worker, overlap.py's optimizer thread) or what they compute.
 
-Why ctypes into the OpenMP runtime: torchrun sets ``OMP_NUM_THREADS=1``, and the fix must give two
-worker threads of one process two different team sizes. ``torch.set_num_threads`` also changes
-MKL's process-wide count; ``threadpoolctl.threadpool_limits`` is process-wide by design (it limits
-every BLAS/OpenMP pool of the process and restores them on exit; controlling teams per outer thread
-is "not the purpose of threadpoolctl", joblib/threadpoolctl#27). OpenMP's ``omp_set_num_threads``
-sets the ``nthreads-var`` of the calling thread only (OpenMP 5.2 §3.2.1), which is what torch's
-``at::parallel_for`` reads (``omp_get_max_threads``), so each worker calls it once in its
-initializer.
+Each worker sets its own OpenMP team with ``omp_set_num_threads`` (ctypes, per thread) in its
+initializer. With more than one NUMA node every thread of the rank is bound
+(``os.sched_setaffinity``) to the cores of its GPU's node, read from sysfs, before the host store is
+populated (first touch).
 
-NUMA: on a host with more than one NUMA node, every thread of the rank is bound
-(``os.sched_setaffinity``) to the cores of its GPU's node (``/sys/bus/pci/devices/<bus id>/numa_node``
-and ``/sys/devices/system/node/node<N>/cpulist``), and the rank's core share is that node's cores
-over the ranks whose GPU sits on it. Only CPUs the process may use count (a container's cpuset).
-torchrun's ``--numa-binding=node`` (``torch.numa.binding``, torch >= 2.9) binds a rank to the same
-CPUs before it starts; binding again here is then a no-op, and keeps the binding (and its log line)
-for launches without the flag. The engine binds before it opens the host store, where each rank
-allocates its own units' pages (``HostStore.populate``): first touch then puts each stage's units on
-its GPU's node (no ``mbind``; units another rank reads, the tied embedding, stay on their owner's).
+Why ctypes, not ``torch.set_num_threads`` or threadpoolctl, and how NUMA binding works with
+torchrun's: docs/gpu.md#host-memory-and-cores.
 """
 
 from __future__ import annotations
@@ -112,8 +101,8 @@ def _openmp_runtime() -> ctypes.CDLL | None:
 
 
 def limit_thread(threads: int) -> None:
-    """Give the calling thread an OpenMP team of ``threads`` (other threads keep theirs; see the
-    module docstring for why ctypes and not ``torch.set_num_threads`` or threadpoolctl)."""
+    """Give the calling thread an OpenMP team of ``threads`` (other threads keep theirs; why
+    ctypes and not ``torch.set_num_threads`` or threadpoolctl: docs/gpu.md#host-memory-and-cores)."""
     torch.get_num_threads()  # torch's lazy per-thread init first, so it does not undo ours
     runtime = _openmp_runtime()
     if runtime is None:

@@ -1,14 +1,6 @@
 """Overlapped CPU optimizer: the optimizer thread, the futures a load of a unit waits for, and the acts
 of the update policy.
 
-One step of a stage holding units u0 u1 u2 (time →), the two main modes:
-
-    training thread   | F u0 | F u1 | F u2 | B u2 | B u1 | B u0 | all-reduce | next F u0 | F u1 ...
-    D2H worker        |      |      |      |  +acc u2 | +acc u1 | +acc u0 |       (arrival messages)
-    optimizer thread  in-backward:          | AdamW u2 | AdamW u1 | AdamW u0 |    (norm² finite)
-                      deferred:                                    | AdamW u0 | AdamW u1 | AdamW u2 |
-    next step's load of u0 waits (gate) for u0's update only; u1's for u1's, and so on.
-
 Owns: one background optimizer thread per rank (with its own OpenMP team of ``optim.threads``), the
 step's :class:`GradReadiness` (readiness.py, on that thread: an arrival is a message from the D2H
 worker, :meth:`UnitUpdates.arrived`), carrying out what the :class:`UpdatePolicy` (policy.py)
@@ -20,13 +12,13 @@ step's all-reduce and skip decision (engine.py).
 Hand-offs (engine.py's thread table): the training thread creates each step's futures (one
 "measured" and one "updated" per unit final in the backward) and sends them to the optimizer thread
 with the step's arrivals (:meth:`UnitUpdates.begin_step`); the optimizer thread resolves them. A
-unit's in-backward update becomes the one its next load waits for at :meth:`UnitUpdates.end_backward`
-(every load of the step is issued by then; within a step a unit is final only after its blocks'
-last use). For a unit final in the backward the optimizer thread, in final order: calls the
-``on_final`` hook (test-only NaN injection), sums the gradient over the replicas (an all-reduce in
-the stage's group, which only this thread uses during the backward), takes its norm², and acts on
-the policy's verdict. Rollback is a copy (bit-exact, 12 B/param of private RAM), not AdamW's
-closed-form inverse, whose ~1 ulp error in ``exp_avg_sq`` a small clip coefficient c magnifies by 1/c².
+unit's in-backward update becomes the one its next load waits for at :meth:`UnitUpdates.end_backward`.
+For a unit final in the backward the optimizer thread, in final order: calls the ``on_final`` hook
+(test-only NaN injection), sums the gradient over the replicas (an all-reduce in the stage's group,
+which only this thread uses during the backward), takes its norm², and acts on the policy's
+verdict. A rollback is a copy of the backup (bit-exact, 12 B/param of private RAM).
+
+Why, with the modes' timeline: docs/optimizer.md#the-four-update-modes.
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ Modes:
         with coefficient 1 and a backup first; a step that clipped rolls them back and redoes them,
         a NaN/inf step rolls them back; once the stage's own norm exceeds ``max_grad_norm`` the
         step surely clips and the rest of its units are held for the all-reduce.
+
+Why, and what each costs: docs/optimizer.md#the-four-update-modes.
 """
 
 from __future__ import annotations

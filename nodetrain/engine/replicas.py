@@ -14,22 +14,11 @@ rank is the sum of the local world sizes before it), so with P ranks on every no
 which the nodes joined, which is just as good: only the mapping above must hold, and
 :meth:`Topology.from_env` checks it.
 
-One step across replicas (DESIGN invariant 2 still holds: the result equals one pipeline running
-the whole global batch):
-
-1. every rank gets the same global batch of N micro-batches (a pure function of seed and step) and
-   its replica keeps micro-batches ``[r·N/K, (r+1)·N/K)`` (:func:`replica_slice`); the loss scale
-   1 / (valid tokens of the *global* batch) is computed from the global labels, so no count needs
-   communicating;
-2. after the backward, each stage's gradient accumulators in the host store are summed over the K
-   ranks that own the same units (an all-reduce in the stage's group, :class:`ReplicaGradSum`);
-3. the global gradient norm² is the sum over the stages of replica 0 only (every replica holds the
-   same summed gradient: counting all would give K × the norm²), the clip coefficient follows, and
-   every replica runs the same AdamW update on the same numbers.
-
 Owns: the :class:`Topology` (pure), the per-node and per-stage process groups, the batch slice
 and the cross-replica gradient sum. Does not own: P2P inside a replica (pipeline.py, given
 :attr:`Topology.pipeline_ranks`), the store (store.py) or the step's order (engine.py).
+
+Why, and one step across replicas: docs/design.md#across-replicas and docs/launch.md#several-nodes.
 """
 
 from __future__ import annotations

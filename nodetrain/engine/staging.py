@@ -8,12 +8,6 @@ micro-batches through a set of its own. Does not own: which buffer is free (``Wi
 bounds the offloads and ships in flight to the number of buffers, so buffer ``n % num_buffers`` is
 reused only after job ``n - num_buffers`` was accumulated) nor the accumulation itself (accumulate.py).
 
-Why: a device→host copy into pageable memory goes through the driver's own bounce buffer and
-blocks the issuing thread (a few GB/s); into page-locked memory it is a DMA that runs on its
-stream at link speed (tens of GB/s) while the host does other work. See PyTorch's "pinned memory
-buffers" note (docs.pytorch.org/docs/stable/notes/cuda.html) and ``torch.Tensor.copy_`` /
-``torch.cuda.Event``.
-
 Flow of one offload (the same calls on CPU and CUDA; on CPU the copy is a plain synchronous copy,
 there is no stream and no event, so the buffer rotation is exercised by the CPU tests as well):
     issue()      caller's thread: the D2H stream waits for the compute queued so far (a GPU-side
@@ -22,11 +16,11 @@ there is no stream and no event, so the buffer rotation is exercised by the CPU 
     wait()       D2H worker: blocks on that event, drops the device gradients (their memory goes
                  back to the compute stream only after the copy finished), returns the host views.
 
-Page-locking: each buffer is its own anonymous ``mmap`` (page-aligned, whole pages) registered with
-``cudaHostRegister`` on CUDA, as the host store's transfer copies are (store.py ``pin``), so the
-pinned bytes are the requested ones rounded up to a page (``pinned_nbytes``). Not
-``torch.empty(pin_memory=True)``: torch's CachingHostAllocator rounds each block up to a power of two
-(a 1.1 GB buffer pins 2 GB) and keeps it cached after it is freed.
+Page-locking: each buffer is its own anonymous ``mmap`` registered with ``cudaHostRegister`` on
+CUDA (store.py ``pin``), so the pinned bytes are the requested ones rounded up to a page
+(``pinned_nbytes``).
+
+Why page-locked, and why not ``torch.empty(pin_memory=True)``: docs/gpu.md#host-memory-and-cores.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ RAM, pricing the step in both modes with the planner's model (``step_time.step_t
 rate in place of the profile's and the engine's own peak FLOP/s), and the one log line. Does not
 own: the rule (``exposure.choose_speculative``), the model (``plan/exposure.py``) or running the
 updates (overlap.py).
+
+Why, and the default job's figures: docs/optimizer.md#speculative-updates.
 """
 
 from __future__ import annotations

@@ -1,56 +1,31 @@
 """Streaming window: the device buffers a stage's blocks pass through, and the copies in and out.
 
-One forward + backward of a 3-block stage with 2 slots (time →; F/B b1 = compute on block 1):
-
-    H2D worker  | b0→s0 | b1→s1 | b2→s0 |       |       | b1→s1 | b0→s0 |       |
-    compute     |       | F b0  | F b1  | F b2  | B b2  |  ···  | B b1  | B b0  |
-    D2H worker  |       |       |       |       |       | b2 grads +→ host fp32 | b1 +→ | b0 +→ | flush
-    acquire() waits for the load of its slot; release() frees the slot and issues the next load;
-    B b2 reuses F b2's slot (no H2D); offload() queues each backward's gradients to the D2H worker.
-
 Owns: ``slots`` device buffers (one block's weights each), one buffer per resident block (loaded
-once per sequence instead of at every use), the H2D prefetch of the next blocks of a known load
-sequence, the D2H offload of gradients into the host store's fp32 accumulators, and the bytes
-and busy seconds of both directions. Each direction runs on its own copy worker thread; on CUDA
-each worker issues its copies on its own CUDA stream, ordered against the compute stream with
-events. On CPU the "device" buffers are separate tensors and the workers copy asynchronously, so
-the protocol below is exercised for real (tests slow the workers, ``Faults.before_copy``, to expose
-a missing wait).
-Gradients leave the device through host staging buffers, one per slot (staging.py: page-locked
-on CUDA, copied on a D2H stream of their own; the D2H worker waits for the copy, then accumulates).
+once per sequence), the H2D prefetch of the next blocks of a known load sequence, the D2H offload of
+gradients into the host store's fp32 accumulators through host staging buffers (staging.py, one per
+slot), and the bytes and busy seconds of both directions. Each direction runs on its own copy worker
+thread (on CUDA on its own stream, ordered against compute with events; on CPU the same protocol on
+separate tensors, with ``Faults.before_copy`` to slow the workers in tests).
 
 Protocol (the j-th streamed load of the sequence uses slot ``j % slots``; consecutive equal entries
 of the sequence share one load: the later ones reuse its slot, with no H2D and no second slot):
     acquire()  waits until the next load is in its slot (or resident buffer), returns the views;
     release()  marks compute on it issued and issues the next streamed load into the freed slot;
     offload()  copies the block's gradients into staging buffer ``n % slots`` (async on CUDA) and
-               queues their accumulation; at most ``slots`` in flight, so a buffer is rewritten
-               only after its last accumulation; the first offload into an accumulator since
-               begin() overwrites it, so the optimizer never spends a pass zeroing it; a resident
-               block's gradients are added into its device accumulator instead, shipped once;
+               queues their accumulation, at most ``slots`` in flight; the first offload into an
+               accumulator since begin() overwrites it; a resident block's gradients are added into
+               its device fp32 accumulator instead (DESIGN invariant 8), shipped once by its last
+               backward of the step (``begin(..., backwards=)`` gives the count);
     flush()    waits for every queued offload (before the optimizer reads the accumulators).
-A resident block's one load per sequence is issued when the prefetch reaches its first use, so
-the in-order H2D worker never blocks a needed load behind it. ``gate(block)`` (optional) returns
-futures a load must wait for before copying (the optimizer's updates of the block's units); a reused
-load is not gated again: within a sequence a unit is updated only after its blocks' last use.
-
-Which loads a schedule reuses: docs/design.md, "Window reuse".
-
-A resident block also keeps an fp32 gradient accumulator on the device (DESIGN invariant 8):
-``offload()`` adds its gradients there (first backward of the step: a copy), in the order the host
-would have added them, and only the block's last backward of the step (``begin(..., backwards=)``
-gives the count) queues one D2H copy of the accumulator into the store (4 bytes/parameter per step,
-whatever the micro-batch count). That ship takes a staging buffer like an offload (same rotation and
-bound) and streams the accumulator through its two halves in chunks, each chunk's copy overlapping
-the host's landing of the previous one (page-locked DMA on CUDA, not a copy into pageable memory).
-The host side of every offload, ship and row offload goes through ``HostAccumulator``
-(accumulate.py): fp32 += compute dtype in cache-sized chunks of one reused scratch, no temporaries.
-The waits enter the ``stall``, ``d2h_wait`` and ``optim`` phases of ``timeline`` (breakdown.py).
-
+    gate(block) (optional) returns futures a load must wait for before copying (the optimizer's
+               updates of the block's units); a reused load is not gated again.
 Row blocks (``rows``: the embedding, one [V, D] binding) never enter a slot: ``gather_rows`` copies
-only the rows a micro-batch uses (H2D U × D instead of V × D) and ``offload_rows`` scatter-adds
-their gradient rows into the fp32 accumulator (``index_add_``), zeroing it at the first offload of
-the sequence (O(V × D) once per step, not per micro-batch), on the same D2H worker and staging.
+the rows a micro-batch uses (U × D) and ``offload_rows`` scatter-adds their gradient rows into the
+fp32 accumulator (zeroed at the sequence's first offload). Host-side adds go through
+``HostAccumulator`` (accumulate.py); the waits enter ``timeline``'s ``stall``, ``d2h_wait`` and
+``optim`` phases (breakdown.py).
+
+Why, with the timeline and which loads a schedule reuses: docs/design.md#the-window.
 """
 
 from __future__ import annotations

@@ -1,31 +1,15 @@
-"""Lean AdamW (``optim.state=lean``): 7.5 host bytes per parameter instead of 18, same update rule.
+"""Lean AdamW (``optim.state=lean``): 7.53 host bytes per parameter instead of 18, same update rule.
 
-Owns: AdamW over the lean host store layout (store.py ``LEAN_FIELDS``), unit by unit, with the same
-interface as :class:`nodetrain.optim.adamw.StoreAdamW` (overlap.py, engine.py and checkpointing call either).
-Does not own: the number formats (quant.py) or the layout (store.py).
+Owns: AdamW over the lean host store layout (store.py ``LEAN_FIELDS``: bf16 master weights, 4-bit
+``exp_avg`` in blocks of 128, 8-bit ``exp_avg_sq`` in blocks of 2048, each with fp32 absmax block
+scales, and an fp32 gradient), unit by unit, with the same interface as
+:class:`nodetrain.optim.adamw.StoreAdamW` (overlap.py, engine.py and checkpointing call either).
+Each chunk's update decodes to fp32, runs ``torch._fused_adamw_`` as ``full`` does, re-encodes
+the moments (``exp_avg`` stochastically, ``exp_avg_sq`` to nearest) and rounds the weights to bf16
+with random bits seeded by (seed, unit, step), so a resumed run repeats it bit for bit. Does not
+own: the number formats (quant.py) or the layout (store.py).
 
-Where each byte of a parameter goes (``StoreLayout(state="lean")``):
-
-    compute      2     bf16 master weights, stochastically rounded (Zamirai et al. 2020); they ARE the
-                       transfer copy streamed to the device, so no separate fp32 master or bf16 copy
-    exp_avg      0.5   first moment, 4-bit dynamic-exponent codes in blocks of 128 (Li et al. 2023)
-                 0.031 its fp32 absmax per 128-element block
-    exp_avg_sq   1     second moment, 8-bit dynamic codes in blocks of 2048 (Dettmers et al. 2021), never
-                       rounded to 0 (Li et al.'s zero-point exclusion; a 4-bit second moment would
-                       also need their rank-1 normalisation, not worth 0.5 B here)
-                 0.002 its fp32 absmax per 2048-element block
-    grad         4     fp32 gradient accumulator: streamed units still add each micro-batch's bf16
-                       gradient on the host, and a bf16 sum of many micro-batches would lose the small
-                       ones; kept exact so the update sees the same gradient as ``full``
-    total        7.53  (+ 4 for a tied embedding's second accumulator, + page alignment per field)
-
-One update of a chunk (cache-sized, block-aligned): decode the chunk's moments to fp32 scratch, widen its
-bf16 weights to fp32, run ``torch._fused_adamw_`` on those (the kernel ``full`` uses, so clip scale,
-found_inf and the arithmetic are the same), then re-encode the moments — the first stochastically (so a
-moment whose gradient stopped decays as AdamW's does, in expectation), the second to nearest — and round
-the weights stochastically back to bf16. The random draws come from a generator seeded by (seed, unit,
-step): an update is a pure function of the state, so a resumed run repeats it bit for bit. The stored
-format is unchanged (a lean checkpoint of before reads the same).
+Why, the byte table and the papers: docs/optimizer.md#lean-host-state.
 """
 
 from __future__ import annotations

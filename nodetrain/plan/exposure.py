@@ -1,33 +1,14 @@
 """Exposed optimizer time: the seconds of a step's CPU AdamW that the next step waits for, per update mode.
 
-One stage, units u0 u1 u2, the step's pipeline ends at P (all-reduce), the next step starts at T0:
+Owns: a max-plus model of the engine's pipeline schedule (:func:`pipeline_times`) and of the
+optimizer thread's FIFO queue in each of :data:`MODES` (``engine/overlap.py`` runs that queue),
+giving how late the next step's first use of each unit is (:func:`exposed_s`), and the rule that
+picks speculative or deferred updates (:func:`choose_speculative`). Pure arithmetic on seconds;
+``step_time.py`` turns a model, a batch shape and rates into the seconds. Does not own: the modes'
+rules (``engine/policy.py``), the rates or FLOPs (step_time.py), the bytes (costs.py), or running
+anything.
 
-    compute       | ... B u2 | B u1 | B u0 |P T0| F u0 | F u1 | F u2 | ...      (no optimizer in the way)
-    in-backward            | AdamW u2 | AdamW u1 | AdamW u0 |                  (released when final)
-    deferred                                   | AdamW u0 | AdamW u1 | AdamW u2 |  (released at P)
-    the next step, block by block: load_k ends at max(load_{k-1}, done_k) + l_k (one H2D worker, in
-    order, each load waiting for its unit's update), F u_k starts at max(F u_{k-1} ends, load_k
-    ends), the first at the stage's pipeline fill at the earliest; the same chain without the
-    updates is the baseline, and the step is late by how much later the chain ends.
-
-Owns: a max-plus model of the engine's pipeline schedule (:func:`pipeline_times`: each stage runs
-its actions in order, a forward waits for the previous stage's forward of the same micro-batch, a
-backward for the next stage's backward), and of the optimizer thread's FIFO queue in each mode
-(``engine/overlap.py``), giving how late the next step's first use of each unit is
-(:func:`exposed_s`), and the rule that picks speculative or deferred updates
-(:func:`choose_speculative`). Pure arithmetic on seconds; ``step_time.py`` turns a model, a batch
-shape and rates into the seconds. Does not own: the rates or FLOPs (step_time.py), the bytes
-(costs.py), or running anything.
-
-Modes (``policy.update_kind``): ``serial`` (``optim.overlap=false``: every update on the training
-thread after P), ``deferred`` (clipping: all released at P, in forward order), ``in_backward`` (no
-clipping: released when final, in that order; the all-reduce waits until the last one has started,
-``UnitUpdates.wait_measured``), ``speculative`` (as in-backward plus each unit's backup), and
-``speculative_clipped`` (a speculative step that clips: the speculative updates, then at the
-all-reduce a rollback and redo of every unit in forward order, deferred-like; an upper bound, since
-units held once the stage's own norm exceeds the threshold skip the first update). A unit another
-stage reads (the tied embedding on stage 0) is released at the all-reduce in every mode and waited
-for before the step ends (the engine's barrier), which delays every stage's next step.
+Why, with the timeline this models: docs/optimizer.md#how-much-adamw-a-step-waits-for.
 """
 
 from __future__ import annotations
@@ -50,8 +31,8 @@ MODES = ("serial", "deferred", "in_backward", "speculative", "speculative_clippe
 
 CLIP_FRACTION = 0.3
 """Fraction of steps assumed to clip when speculative updates are priced (each such step pays the
-rollback and redo): the default job clipped 18 of 60 steps (README, "The optimizer"), most of them in
-the warm-up. An assumption: the engine cannot know it at start-up."""
+rollback and redo): the default job clipped 18 of 60 steps, most of them in the warm-up
+(bench/RESULTS.md#speculative-updates). An assumption: the engine cannot know it at start-up."""
 
 SPECULATE_GAIN = 0.02
 """``optim.speculative=auto`` speculates only when that shortens the predicted step by more than this

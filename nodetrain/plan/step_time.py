@@ -9,27 +9,12 @@ bytes (``costs.py``: store, stage memory, a step's traffic), hardware profiles o
 Shapes as in ``costs.py``: n = B·T tokens per micro-batch, T = sequence length, e = compute-dtype
 bytes, S = stages, M = micro-batches per round, G = rounds per step (grad_accum).
 
-The step (:func:`step_time`): the window overlaps H2D, compute, D2H and the host accumulation on
-each stage. 1F1B runs the G rounds as one pipeline round of G·M micro-batches, GPipe as G rounds of M
-(``pipeline.step_rounds``). The pipeline is the engine's schedule of those rounds played out
-(``exposure.pipeline_times``: a forward waits for the previous stage's forward of its
-micro-batch, a backward for the next stage's backward), each stage's forward and backward of a
-micro-batch taking its share of the stage's per-micro-batch max(compute, H2D, D2H,
-accumulation); with equal stages that is the (M' + S − 1) slots per round of GPipe
-(arXiv:1811.06965) and 1F1B, with unequal ones the slowest stage's micro-batches plus the others'
-fill and drain. Compute is matmul, attention and elementwise work and fixed overheads
-(:class:`ComputeRates`). The CPU optimizer adds what the next step waits for in
-``update_mode`` (:attr:`StepTime.exposure`, every mode's; ``serial``: all of it). The node's DRAM must carry
-every stage's host bytes: in the exposed seconds only the optimizers run, each stage's at most
-at its rate, so the step is at least ``exposed + (host bytes − what they moved) / DRAM bandwidth``.
+The step (:func:`step_time`): per stage max(compute, H2D, D2H, accumulation) per micro-batch,
+played out on the engine's schedule (``exposure.pipeline_times``), plus the optimizer seconds the
+next step waits for in ``update_mode`` (:attr:`StepTime.exposure`), bounded below by the node's
+DRAM and, with ``shared_cores``, by the stages' CPU seconds (:attr:`StepTime.core_s`).
 
-When the stages share the node's cores (``shared_cores``: a CPU profile, the device is the CPU),
-a stage's copies, gradient accumulation and optimizer run on the cores its compute runs on, so
-each stage's CPU seconds (:attr:`StepTime.core_s`) count: its threads share its
-``shared_cores // S`` cores (at least 1), so its micro-batches take at least its in-step CPU
-seconds (all but the optimizer's) over those, and the step at least its CPU seconds over them; a
-stage idle in the bubble leaves its cores to the others, so the step is at least every stage's
-CPU seconds over ``shared_cores`` (work-conserving), not only the critical path.
+Why, and the model in full: docs/planner.md#the-step-time-model.
 """
 
 from __future__ import annotations
