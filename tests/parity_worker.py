@@ -221,7 +221,8 @@ def run_spec(spec: dict, device: torch.device) -> None:
         for b in model.bindings[block]:
             if b.unit != block:
                 assert b.local_name == "lm_head.weight", b
-                bound = states[b.unit][master_field][b.offset : b.offset + b.numel]
+                state = states[b.unit] if b.unit in states else _unit_state(engine, b.unit)  # another stage's
+                bound = state[master_field][b.offset : b.offset + b.numel]
                 weights["lm_head.weight"] = bound.view(b.shape).clone()
     save_file(weights, str(out / f"weights_rank{rank}.safetensors"))
     if spec.get("export_grads"):
