@@ -1,7 +1,8 @@
 """Run nodetrain's Engine for a few steps and report the device memory it held; started by torchrun.
 
 Not a test itself: ``test_memory.py`` launches it and compares each rank's figures with the planner's
-``costs.stage_memory`` for the same config. One spec (JSON):
+``costs.stage_memory`` for the same config. One or more specs (JSON files, run one after another
+in the launch's one process group, each with an engine of its own):
 
     {"arch": "LlamaForCausalLM", "hf": {...}, "overrides": {"pipeline.schedule": "1f1b", ...},
      "out_dir": "<dir>", "run_id": "<names the store file>"}
@@ -11,7 +12,7 @@ engine's own high-water marks, ``P2P.peak_*``), "window_bytes" (the slots it all
 "in_flight_peak" (most micro-batches whose block inputs the stage runner kept at once, read after
 each of its forwards)}.
 
-    python -m torch.distributed.run --nproc_per_node 3 tests/memory_worker.py spec.json
+    python -m torch.distributed.run --nproc_per_node 3 tests/memory_worker.py spec.json [spec.json ...]
 """
 
 from __future__ import annotations
@@ -42,9 +43,14 @@ def _config(spec: dict) -> Config:
     return cfg
 
 
-def main(spec_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
+def main(spec_paths: list[str]) -> None:
     dist.init_process_group("gloo")
+    for spec_path in spec_paths:
+        run_spec(json.loads(Path(spec_path).read_text()))
+    dist.destroy_process_group()
+
+
+def run_spec(spec: dict) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = _config(spec)
     validate(cfg, world, int(os.environ["LOCAL_WORLD_SIZE"]))
@@ -84,8 +90,7 @@ def main(spec_path: str) -> None:
     (Path(spec["out_dir"]) / f"rank{rank}.json").write_text(json.dumps(report))
     dist.barrier()
     engine.close()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])

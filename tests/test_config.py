@@ -166,6 +166,14 @@ INVALID = [
     (["model.hf.num_hidden_layers=1"], 2, ["pipeline.stages", "model.hf.num_hidden_layers"]),
     (["model=qwen3_tiny"], 6, ["pipeline.stages", "model.hf.num_hidden_layers"]),
     (["pipeline.schedule=zb"], 2, ["pipeline.schedule"]),
+    # the refusals tests/test_train_cli.py used to launch under torchrun, with the same overrides
+    (["model.hf.num_hidden_layers=2"], 4, ["pipeline.stages=4: more stages than decoder layers"]),
+    (
+        ["train.micro_batch_size=2", "pipeline.microbatches=2", "train.batch_size=10"],
+        2,
+        ["train.batch_size=10: not a"],
+    ),
+    (["pipeline.schedule=zigzag"], 2, ["pipeline.schedule=zigzag: not one of"]),
     (["pipeline.microbatches=0"], 2, ["pipeline.microbatches"]),
     (["train.micro_batch_size=0"], 2, ["train.micro_batch_size"]),
     (["train.seq_len=1"], 2, ["train.seq_len"]),

@@ -3,14 +3,16 @@
 Cheapest first: the stop/bad-step bookkeeping and P2P's handle pruning (pure, milliseconds); bad data
 refused by the start-up chain train.py runs before the store exists (in-process, one table); then the
 real entry point under torchrun (gloo, CPU): a rank raising with 4 ranks, a hang bounded by
-``dist.timeout_s``, ``kill -9`` of a rank followed by a run that cleans a stale store and spares a
-live one, and a NaN gradient skipped on every stage, checked against plain transformers + AdamW.
+``dist.timeout_s``, ``kill -9`` of a rank, and a NaN gradient skipped on every stage, checked against
+plain transformers + AdamW, by a run that also cleans a stale store (what kill -9 leaks) and spares
+a live one.
 The 2-rank failure is tests/test_sweeps.py's failing sweep; SIGTERM with a checkpoint is in
 tests/test_checkpoint_runs.py (it reuses that file's uninterrupted reference run).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -302,9 +304,9 @@ def _store_maker(shm_dir: Path, run_id: str) -> tuple[subprocess.Popen, Path]:
     return proc, Path(proc.stdout.readline().strip())
 
 
-def test_kill9_of_a_rank_then_the_next_run_removes_stale_stores_only(
-    tmp_path: Path, corpus, shm_dir: Path
-) -> None:
+def test_kill9_of_a_rank_leaves_no_store(tmp_path: Path, corpus, shm_dir: Path) -> None:
+    """kill -9 of rank 1 mid-run: the job fails and its store is gone (unlinked once mapped). What
+    kill -9 can leak, and the next run cleans, is checked on the NaN run below (:func:`_leaked_stores`)."""
     overrides = [*TINY, *corpus, f"store.dir={shm_dir}"]
     first = _launch(2, [*overrides, "train.steps=500"], tmp_path / "a")
     try:
@@ -324,17 +326,25 @@ def test_kill9_of_a_rank_then_the_next_run_removes_stale_stores_only(
     assert rc != 0 and "exitcode  : -9" in out
     assert not list(shm_dir.iterdir()), "the killed run left its store (it is unlinked once mapped)"
 
-    # What kill -9 can leak: a store whose creator died before every rank mapped it; and a live run's.
+
+@contextlib.contextmanager
+def _leaked_stores(shm_dir: Path):
+    """What kill -9 can leak into ``shm_dir``: a store whose creator died before every rank mapped
+    it, and a live run's. Yields ``check(out)``, which asserts that the run whose output is ``out``
+    removed the dead one, by name, and spared the live one (its contents too); the live one's
+    process is ended (removing its store) on leaving."""
     live, live_path = _store_maker(shm_dir, "alive")  # first: its creation would remove the dead one
     dead, dead_path = _store_maker(shm_dir, "killed-before-attach")
     dead.kill()
     dead.wait()
-    try:
-        rc, out, _ = _finish(_launch(2, [*overrides, "train.steps=1"], tmp_path / "b"))
-        assert rc == 0, out[-4000:]
+
+    def check(out: str) -> None:
         assert f"removed stale host store {dead_path} (5.0 MB) of dead process {dead.pid}" in out
         assert not dead_path.exists()
         assert live_path.exists() and torch.from_file(str(live_path), size=250_000).eq(7.0).all()
+
+    try:
+        yield check
     finally:
         live.terminate()  # its SIGTERM handler removes its store (store.py)
         live.wait(timeout=60)
@@ -390,6 +400,8 @@ def _reference(model_dir: Path, batches, variant: str = ""):
 
 
 def test_nan_gradient_is_skipped_on_every_stage(tmp_path: Path, corpus, shm_dir: Path) -> None:
+    """A NaN gradient on the last stage at step NAN_AT is skipped on every stage (weights equal plain
+    transformers + AdamW without that step); the launch also cleans the stores kill -9 leaks."""
     model_dir = tmp_path / "hf"
     torch.manual_seed(11)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**NAN_HF)).save_pretrained(model_dir)
@@ -405,8 +417,10 @@ def test_nan_gradient_is_skipped_on_every_stage(tmp_path: Path, corpus, shm_dir:
     overrides += ["train.dtype=float32", f"train.steps={NAN_STEPS}", "optim.max_grad_norm=0.3"]
     overrides += [f"optim.{k}={v}" for k, v in OPTIM.items()]
     overrides += ["test.nan_rank=1", f"test.nan_step={NAN_AT}", "checkpoint.export_dtype=float32"]
-    rc, out, _ = _finish(_launch(2, overrides, tmp_path))
-    assert rc == 0, out[-4000:]
+    with _leaked_stores(shm_dir) as removed_the_stale_store_only:  # one launch checks both
+        rc, out, _ = _finish(_launch(2, overrides, tmp_path))
+        assert rc == 0, out[-4000:]
+        removed_the_stale_store_only(out)
     (run,) = (tmp_path / "runs").iterdir()
     records = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in records] == [int(s == NAN_AT) for s in range(1, NAN_STEPS + 1)]

@@ -17,9 +17,12 @@ engine before it (gloo sends reported complete only once waited, so P2P held the
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import run_torchrun
 
 from nodetrain.config.schema import ModelConfig
 from nodetrain.engine.pipeline import (
@@ -158,8 +161,11 @@ def test_a_streamed_embedding_is_gathered_by_rows_not_slotted() -> None:
 # ----------------------------------------------------------------------------- the real engine
 
 
-def _run(tmp_path: Path, shm_dir: Path, torchrun, schedule: str, m: int, g: int) -> list[dict]:
-    out = tmp_path / schedule
+CASES = [("1f1b", 2, 2), ("gpipe", 2, 2)]
+"""(schedule, micro-batches M, accumulation rounds G) of the one launch below."""
+
+
+def _spec(out: Path, store_dir: Path, schedule: str, m: int, g: int) -> Path:
     out.mkdir()
     overrides = {
         "train.dtype": "float32",
@@ -173,18 +179,33 @@ def _run(tmp_path: Path, shm_dir: Path, torchrun, schedule: str, m: int, g: int)
         "stream.slots": 2,
         "stream.device_budget": 0,
         "optim.threads": 1,
-        "store.dir": str(shm_dir),
+        "store.dir": str(store_dir),
     }
     spec = {"arch": "LlamaForCausalLM", "hf": HF, "overrides": overrides, "out_dir": str(out),
             "run_id": f"memory-{schedule}"}  # fmt: skip
     (out / "spec.json").write_text(json.dumps(spec))
-    torchrun(3, WORKER, str(out / "spec.json"), timeout_s=240)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
+    return out / "spec.json"
 
 
-@pytest.mark.parametrize(("schedule", "m", "g"), [("1f1b", 2, 2), ("gpipe", 2, 2)])
-def test_planner_reserves_what_the_engine_holds(tmp_path, shm_dir, torchrun, schedule, m, g) -> None:
-    ranks = _run(tmp_path, shm_dir, torchrun, schedule, m, g)
+@pytest.fixture(scope="module")
+def engine_reports(tmp_path_factory) -> dict[str, list[dict]]:
+    """One 3-rank launch of memory_worker.py running every case of CASES in turn: per schedule, the
+    ranks' reports; the store directory (in /dev/shm) must be empty afterwards."""
+    tmp = tmp_path_factory.mktemp("memory")
+    store_dir = Path(tempfile.mkdtemp(prefix="nt-test-", dir="/dev/shm"))
+    try:
+        specs = [_spec(tmp / schedule, store_dir, schedule, m, g) for schedule, m, g in CASES]
+        run_torchrun(3, WORKER, *map(str, specs), timeout_s=240)
+        left = sorted(p.name for p in store_dir.iterdir())
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
+    assert not left, f"files left in the store directory: {left}"
+    return {c[0]: [json.loads((tmp / c[0] / f"rank{r}.json").read_text()) for r in range(3)] for c in CASES}
+
+
+@pytest.mark.parametrize(("schedule", "m", "g"), CASES)
+def test_planner_reserves_what_the_engine_holds(engine_reports, schedule, m, g) -> None:
+    ranks = engine_reports[schedule]
     shape = shape_of(HFModel(build_hf_config(ModelConfig(name="memory", arch="LlamaForCausalLM", hf=HF))))
     buffer_bytes = B * T * HF["hidden_size"] * 4  # one [B, T, D] fp32 activation or its gradient
     for r in ranks:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -89,18 +91,35 @@ def _wait_for(root: Path, pattern: str, text: str, job: subprocess.Popen, timeou
         time.sleep(0.1)
 
 
+@pytest.fixture(scope="module")
+def stopped_at_step_2(tmp_path_factory, corpus) -> Path:
+    """A run directory (``train.steps=6``) that stopped after its step-2 checkpoint
+    (checkpoint.stop_after_steps=2): one launch, copied by each test that resumes it."""
+    tmp = tmp_path_factory.mktemp("stopped_at_step_2")
+    store = Path(tempfile.mkdtemp(prefix="nt-test-", dir="/dev/shm"))
+    run = tmp / "run"
+    overrides = [*TINY, *corpus, f"store.dir={store}", "train.steps=6", f"hydra.run.dir={run}"]
+    try:
+        rc, out, _ = _finish(_launch(2, [*overrides, "checkpoint.stop_after_steps=2"], tmp))
+        left = sorted(p.name for p in store.iterdir())
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+    assert rc == 0, out[-4000:]
+    assert not left, f"files left in the store directory: {left}"
+    return run
+
+
 @pytest.mark.parametrize("how", ["sigterm", "kill9_launcher"])
 def test_a_stop_during_a_long_evaluation_is_honoured_within_seconds(
-    tmp_path: Path, corpus, shm_dir: Path, how: str
+    tmp_path: Path, corpus, shm_dir: Path, stopped_at_step_2: Path, how: str
 ) -> None:
     """A run resumed at step 2 evaluates 100,000 batches at step 3, showing its progress (rank 0,
     every 5 s); a SIGTERM to torchrun, or kill -9 of torchrun (the ranks' parent-death SIGTERM), ends
     it between two batches on every rank: step 3 is saved (checkpoint.on_signal=save) and the ranks
     are gone well before torchrun's 30 s shutdown kill (they used to evaluate on, unsupervised)."""
     run = tmp_path / "run"
+    shutil.copytree(stopped_at_step_2, run, symlinks=True)
     overrides = [*TINY, *corpus, f"store.dir={shm_dir}", "train.steps=6", f"hydra.run.dir={run}"]
-    rc, out, _ = _finish(_launch(2, [*overrides, "checkpoint.stop_after_steps=2"], tmp_path))
-    assert rc == 0, out[-4000:]
     overrides += ["checkpoint.resume=auto", "train.eval_every=3", "train.eval_batches=100000"]
     job = _launch(2, overrides, tmp_path)
     ranks: list[psutil.Process] = []
@@ -159,12 +178,13 @@ def test_a_signal_during_data_preparation_ends_the_launch_within_seconds(
 ) -> None:
     """Ctrl-C while the BPE merges in Rust (tens of seconds on this corpus): the launch ends within
     seconds, says so, and leaves no half-built dataset (it used to wait for the BPE to finish)."""
-    rng = np.random.default_rng(0)
-    letters = list("abcdefghijklmnopqrstuvwxyz")
-    words = np.array(["".join(rng.choice(letters, rng.integers(3, 12))) for _ in range(200_000)])
-    with (tmp_path / "big.txt").open("w") as f:  # ~27 MB of made-up words: a BPE of 30k ids merges long
-        for line in words[rng.integers(0, len(words), (20_000, 200))]:
-            f.write(" ".join(line) + "\n")
+    rng = np.random.default_rng(0)  # 200,000 made-up words of 3-11 letters, each with a space after
+    words = rng.integers(ord("a"), ord("z") + 1, (200_000, 12), dtype=np.uint8)
+    words[np.arange(12) >= rng.integers(3, 12, (200_000, 1))] = 0  # a 0 is no character (dropped)
+    words = np.concatenate([words, np.full((200_000, 1), ord(" "), np.uint8)], axis=1)
+    lines = words[rng.integers(0, len(words), (20_000, 200))].reshape(20_000, -1)  # 200 words a line
+    lines = np.concatenate([lines, np.full((20_000, 1), ord("\n"), np.uint8)], axis=1)
+    (tmp_path / "big.txt").write_bytes(lines[lines != 0].tobytes())  # ~32 MB: a BPE of 30k ids merges long
     overrides = [*TINY, f"data.source={tmp_path / 'big.txt'}", f"data.dir={tmp_path / 'prepared'}"]
     overrides += ["data.vocab_size=30000", f"store.dir={shm_dir}", "train.steps=1"]
     job = _launch(2, overrides, tmp_path)
