@@ -24,7 +24,9 @@ FLOORS: tuple[tuple[str, ...], ...] = (
         "nodetrain.plan.compute",
         "nodetrain.plan.costs",
         "nodetrain.plan.exposure",
+        "nodetrain.plan.shape",
         "nodetrain.plan.step_time",
+        "nodetrain.plan.tier",
     ),  # the cost model the engine and the planner share
     ("nodetrain.engine",),  # one rank's step
     ("nodetrain.plan",),  # the planner and its report

@@ -153,6 +153,10 @@ FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("hardware.device_memory_gb", lambda v: v >= 0, "must be >= 0", "use 0 on a CPU profile"),
     ("hardware.host_link_gbps", lambda v: v > 0, "must be > 0", "the host link's GB/s per direction"),
     ("hardware.host_memory_gb", lambda v: v > 0, "must be > 0", "the node's RAM in GB"),
+    *(
+        (f"hardware.{key}", lambda v: v >= 0, "must be >= 0", "use 0 for a node without NVMe drives")
+        for key in ("nvme_read_gbps", "nvme_write_gbps", "nvme_capacity_gb")
+    ),
     ("hardware.host_memory_bandwidth_gbps", lambda v: v > 0, "must be > 0", "the node's GB/s"),
     (
         "hardware.core_memory_bandwidth_gbps",
