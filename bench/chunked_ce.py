@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nodetrain.engine.linear_ce import IGNORE_INDEX, chunk_tokens, linear_cross_entropy
+from nodetrain.cost.memory import chunk_tokens
+from nodetrain.engine.linear_ce import IGNORE_INDEX, linear_cross_entropy
 from nodetrain.model import HFModel
 
 

@@ -37,8 +37,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from nodetrain.engine.staging import GradStaging  # noqa: E402
-from nodetrain.engine.window import Window  # noqa: E402
+from nodetrain.engine.device.staging import GradStaging  # noqa: E402
+from nodetrain.engine.device.window import Window  # noqa: E402
 from nodetrain.model import Binding  # noqa: E402
 from nodetrain.store import HostStore, StoreLayout  # noqa: E402
 

@@ -43,6 +43,7 @@ from bench._engine import base_config, init_single_process, model_config  # noqa
 from bench._sync_count import SyncCounter  # noqa: E402
 from nodetrain.config.schema import validate  # noqa: E402
 from nodetrain.engine.engine import Engine  # noqa: E402
+from nodetrain.engine.startup import build_engine
 from nodetrain.model import HFModel, build_hf_config  # noqa: E402
 
 VOCAB = 4096
@@ -89,7 +90,7 @@ def build_engine(args, m: int, device_budget: int, device: torch.device, store_d
     cfg.data.vocab_size, cfg.store.dir = VOCAB, store_dir
     validate(cfg, 1)
     model = HFModel(build_hf_config(cfg.model))
-    return Engine(cfg, model, rank=0, world_size=1, local_rank=0, run_id=run_id, device=device)
+    return build_engine(cfg, model, rank=0, world_size=1, local_rank=0, run_id=run_id, device=device)
 
 
 def measure(eng: Engine, m: int, args, cuda: bool) -> dict:

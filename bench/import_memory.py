@@ -175,7 +175,7 @@ def worker(spec_path: str) -> None:
     import torch.distributed as dist
 
     from nodetrain.checkpoint import check_model_dir, load_units
-    from nodetrain.engine.engine import Engine
+    from nodetrain.engine.startup import build_engine
 
     spec = json.loads(Path(spec_path).read_text())
     dist.init_process_group("gloo")
@@ -196,7 +196,7 @@ def worker(spec_path: str) -> None:
         load = lambda store, units: _safe_open_load(model_dir, store, units)  # noqa: E731
     else:
         load = lambda store, units: load_units(index, store, units)  # noqa: E731
-    engine = Engine(
+    engine = build_engine(
         cfg,
         model,
         rank=rank,

@@ -35,8 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from nodetrain.config.registry import register_configs, to_typed  # noqa: E402
-from nodetrain.config.schema import grad_accum_of, validate  # noqa: E402
+from nodetrain.config.schema import validate  # noqa: E402
 from nodetrain.engine.engine import Engine  # noqa: E402
+from nodetrain.engine.startup import build_engine
 from nodetrain.plan.planner import model_of  # noqa: E402
 
 
@@ -130,11 +131,11 @@ def main() -> None:
     validate(cfg, world)
     model = model_of(cfg)
     base_pss = _rollup_kb()["Pss"] * 1024  # interpreter, libraries, process group: before any state
-    engine = Engine(
+    engine = build_engine(
         cfg, model, rank=rank, world_size=world, local_rank=int(os.environ["LOCAL_RANK"]),
         run_id=f"bench{os.getppid()}", device=torch.device("cpu"),
     )  # fmt: skip
-    num_mb = grad_accum_of(cfg) * cfg.pipeline.microbatches
+    num_mb = engine.run.batch.global_microbatches
     shape = (num_mb, cfg.train.micro_batch_size, cfg.train.seq_len)
     gen = torch.Generator().manual_seed(cfg.seed)
     tokens = torch.randint(0, model.config.vocab_size, (shape[0], shape[1], shape[2] + 1), generator=gen)

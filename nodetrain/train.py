@@ -46,9 +46,13 @@ from omegaconf import DictConfig, OmegaConf
 from nodetrain.checkpoint import Checkpointing
 from nodetrain.checkpoint.checkpointing import choose_resume
 from nodetrain.checkpoint.state import CheckpointError, config_hash, read_state, step_dir_name, verify_import
+from nodetrain.config.batch import BatchShape
 from nodetrain.config.checks import DataError, no_effect
 from nodetrain.config.registry import register_configs, to_typed
-from nodetrain.config.schema import CONFIG_DIR, Config, grad_accum_of, validate
+from nodetrain.config.schema import CONFIG_DIR, Config, validate
+from nodetrain.core.batch import resolve_batch
+from nodetrain.core.topology import Topology
+from nodetrain.cost.shape import shape_of
 from nodetrain.data import datasets as data
 from nodetrain.data import reader
 from nodetrain.data.checks import (
@@ -61,9 +65,10 @@ from nodetrain.data.checks import (
 )
 from nodetrain.data.progress import TaskProgress
 from nodetrain.engine.engine import Engine
-from nodetrain.engine.replicas import Topology
+from nodetrain.engine.startup import build_engine
 from nodetrain.model import HFModel, build_hf_config, router_aux_of
-from nodetrain.plan.planner import preflight, resolve_auto
+from nodetrain.plan.host import preflight
+from nodetrain.plan.planner import model_of
 from nodetrain.run.faults import BadSteps, Stopped, StopRequest, stop_with_launcher
 from nodetrain.run.jobs import REFUSALS, Job, Release, current_job, fail_fast, refusals_of
 from nodetrain.run.metrics import MetricsLogger
@@ -129,21 +134,21 @@ def _on_rank0(fn):
     return box[0]
 
 
-def _step_batch(ds, cfg: Config, index: int, num_mb: int):
+def _step_batch(ds, batch: BatchShape, seed: int, index: int, num_mb: int):
     """[num_mb, B, T] inputs, labels and position ids (None: 0..T-1) of batch ``index`` (a pure
     function of seed and index); records data (``data.format=records``) has packed positions."""
-    b, t = cfg.train.micro_batch_size, cfg.train.seq_len
+    b, t = batch.micro_batch_size, batch.seq_len
     if isinstance(ds, reader.TokenDataset):
-        x, y = reader.batch(ds, cfg.seed, index, num_mb * b, t)
+        x, y = reader.batch(ds, seed, index, num_mb * b, t)
         return x.view(num_mb, b, t), y.view(num_mb, b, t), None
-    return tuple(torch.from_numpy(a).view(num_mb, b, t) for a in ds.batch(cfg.seed, index, num_mb * b))
+    return tuple(torch.from_numpy(a).view(num_mb, b, t) for a in ds.batch(seed, index, num_mb * b))
 
 
 def _evaluate(engine: Engine, val, cfg: Config, signals: StopRequest, step: int) -> float | None:
     """Mean validation loss over ``train.eval_batches`` batches, or None when a stop was requested
     (every rank asks :meth:`StopRequest.agreed` before each batch, so all leave it together); rank 0
     shows the progress of an evaluation that lasts (data/progress.py: a line every 5 s on a pipe)."""
-    m, n, total, tokens = cfg.pipeline.microbatches, cfg.train.eval_batches, 0.0, 0
+    m, n, total, tokens = engine.run.batch.microbatches, cfg.train.eval_batches, 0.0, 0
     shown = dist.get_rank() == 0 and n > 1
     with (
         TaskProgress(f"evaluation at step {step}", n, "batches") if shown else contextlib.nullcontext() as bar
@@ -154,7 +159,7 @@ def _evaluate(engine: Engine, val, cfg: Config, signals: StopRequest, step: int)
                     "stop requested: the evaluation at step %d ends after %d of %d batches", step, i, n
                 )
                 return None
-            x, y, pos = _step_batch(val, cfg, i, m)
+            x, y, pos = _step_batch(val, engine.run.batch, cfg.seed, i, m)
             loss, k = engine.eval_loss(x, y, pos)
             total, tokens = total + loss * k, tokens + k
             if bar is not None:
@@ -228,10 +233,9 @@ def _claim_and_run(cfg: Config, run_dir: Path, resolved: dict, job: Job, signals
     world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
     validate(cfg, world, local)
     stages = cfg.pipeline.stages or local or world
-    cfg, choices = resolve_auto(cfg, num_stages=stages, nodes=max(1, world // stages))
+    batch, choices = resolve_batch(cfg, shape_of(model_of(cfg)), stages, max(1, world // stages))
     for line in choices:  # the same arithmetic on every rank: the same choice
         log.info("%s", line)
-    validate(cfg, world, local)
     ranks = _init_distributed(cfg.dist.timeout_s, cfg.dist.backend)
     if ranks[0] == 0:
         for line in no_effect(cfg):
@@ -242,13 +246,13 @@ def _claim_and_run(cfg: Config, run_dir: Path, resolved: dict, job: Job, signals
     _on_rank0(lambda: check_writable("store.dir", Path(cfg.store.dir), create=False))
     ckpt_dir = Path(_on_rank0(lambda: outputs.acquire(resolved, search)))  # locks held by rank 0
     try:
-        return _run(cfg, run_dir, resolved, job, ckpt_dir, signals, *ranks)
+        return _run(cfg, batch, run_dir, resolved, job, ckpt_dir, signals, *ranks)
     finally:
         outputs.release()
 
 
 def _checkpointing(
-    cfg, run_dir, resolved, model, data_dir, tokenizer_dir, ckpt_dir, resume=None, stop=None
+    cfg, batch, run_dir, resolved, model, data_dir, tokenizer_dir, ckpt_dir, resume=None, stop=None
 ) -> Checkpointing:
     """The run's :class:`Checkpointing`; a ``model.init_from`` directory without weights
     (``FileNotFoundError``) or one that cannot initialise this model (``ValueError``) is the user's to
@@ -264,6 +268,7 @@ def _checkpointing(
             ckpt_dir=ckpt_dir,
             resume_path=resume,
             stop=stop,
+            batch=batch,
         )
 
 
@@ -284,17 +289,19 @@ def _prepare(cfg: Config, data_cfg, resume: str | None) -> tuple[str, str]:
     return str(data_dir), data_cfg.tokenizer
 
 
-def _run(cfg, run_dir, resolved, job, ckpt_dir, signals, rank, world_size, local_rank, device) -> list[dict]:
+def _run(
+    cfg, batch, run_dir, resolved, job, ckpt_dir, signals, rank, world_size, local_rank, device
+) -> list[dict]:
     """The run itself, while rank 0 holds the output directories (see :func:`run`): set-up, the
     training loop, teardown."""
     topology, release = Topology.from_env(cfg.pipeline.stages), Release()
-    resume, data_dir, data_cfg, train_ds, val_ds, model = _data_and_model(cfg, ckpt_dir, topology)
+    resume, data_dir, data_cfg, train_ds, val_ds, model = _data_and_model(cfg, batch, ckpt_dir)
     _check_fit(cfg, model, topology, ckpt_dir)
-    ckpt = _checkpointing(cfg, run_dir, resolved, model, data_dir, data_cfg.tokenizer, ckpt_dir, resume,
+    ckpt = _checkpointing(cfg, batch, run_dir, resolved, model, data_dir, data_cfg.tokenizer, ckpt_dir, resume,
                           lambda: signals.requested)  # fmt: skip
     _tell_signals(signals, ckpt)
-    engine = Engine(cfg, model, rank=rank, world_size=world_size, local_rank=local_rank, run_id=job.id,
-                    device=device, init_from=ckpt.init_fn(), topology=topology)  # fmt: skip
+    engine = build_engine(cfg, model, rank=rank, world_size=world_size, local_rank=local_rank, run_id=job.id,
+                          device=device, init_from=ckpt.init_fn(), topology=topology, batch=batch)  # fmt: skip
     try:
         ckpt.check_import()  # collective: imported NaN/inf refused by name, before anything is written
         records, metrics = _loop(cfg, job, resolved, engine, ckpt, ckpt_dir, signals, train_ds, val_ds)
@@ -305,7 +312,7 @@ def _run(cfg, run_dir, resolved, job, ckpt_dir, signals, rank, world_size, local
     return records
 
 
-def _data_and_model(cfg, ckpt_dir: Path, topology: Topology):
+def _data_and_model(cfg, batch: BatchShape, ckpt_dir: Path):
     """The checkpoint to resume (verified, before the data it decides), the prepared data (rank 0
     prepares; a resume keeps its tokenizer) and its splits, and the model sized to their vocabulary:
     ``(resume, data_dir, data_cfg, train_ds, val_ds, model)``. Their problems are the user's
@@ -317,11 +324,11 @@ def _data_and_model(cfg, ckpt_dir: Path, topology: Topology):
     data_dir, tokenizer = _on_rank0(data_refusals(lambda: _prepare(cfg, data_cfg, resume)))
     data_dir, data_cfg = Path(data_dir), dataclasses.replace(data_cfg, tokenizer=tokenizer)
     with refusals_of((ValueError, OSError), DataError):
-        train_ds, val_ds = open_splits(data_dir, cfg, topology.num_replicas)
+        train_ds, val_ds = open_splits(data_dir, cfg, batch)
         # an imported (maybe padded) embedding's rows
         init_rows = check_init_vocab(cfg.model, train_ds, data_cfg.tokenizer)
         hf_config = build_hf_config(cfg.model, vocab_size=init_rows or train_ds.vocab_size)
-        model = HFModel(hf_config, router_aux_of(cfg, hf_config, topology.num_replicas))
+        model = HFModel(hf_config, router_aux_of(cfg, hf_config, batch.global_microbatches))
         check_vocab(model.config.vocab_size, train_ds, data_cfg.tokenizer, cfg.model.init_from)
     return resume, data_dir, data_cfg, train_ds, val_ds, model
 
@@ -366,9 +373,8 @@ def _newest(ckpt: Checkpointing) -> str:
 
 def _loop(cfg, job, resolved, engine, ckpt, ckpt_dir, signals, train_ds, val_ds):
     """The training loop: (the per-step records, the metrics logger). Collective on every rank."""
-    rank, topology = dist.get_rank(), engine.topo
-    k = topology.num_replicas  # the global batch: every replica's micro-batches
-    num_mb = grad_accum_of(cfg, k) * cfg.pipeline.microbatches * k
+    rank = dist.get_rank()
+    num_mb = engine.run.batch.global_microbatches  # every replica builds the global batch
     metrics = _metrics_logger(cfg, job, resolved, rank == 0, ckpt.wandb_run_id, ckpt.start_step, ckpt_dir)
     ckpt.wandb_run_id = metrics.run_id or ckpt.wandb_run_id  # kept in trainer_state.json (rank 0)
     records, bad = [], BadSteps(cfg.train.max_bad_steps)
@@ -396,7 +402,7 @@ def _steps(cfg, engine, ckpt, metrics, signals, train_ds, val_ds, num_mb, record
         metrics.log({"step": 0, "val_loss": val})
     for step in range(start, cfg.train.steps):
         engine.faults.maybe_fail(rank, step + 1)  # test-only (test.fail_*, run/inject.py)
-        x, y, pos = _step_batch(train_ds, cfg, step, num_mb)
+        x, y, pos = _step_batch(train_ds, engine.run.batch, cfg.seed, step, num_mb)
         asked = signals.requested or metrics.failed is not None
         r = engine.train_step(step, x, y, stop=asked, position_ids=pos)
         bad.count(r.skipped)

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from nodetrain.checkpoint import load_hf_weights
 from nodetrain.config.schema import Config, ModelConfig, validate
-from nodetrain.engine.engine import Engine
+from nodetrain.engine.startup import build_engine
 from nodetrain.model import HFModel, build_hf_config
 
 
@@ -50,7 +50,7 @@ def main(spec_path: str) -> None:
     def init_from(store, units):
         load_hf_weights(spec["model_dir"], store, units, model)
 
-    engine = Engine(
+    engine = build_engine(
         cfg,
         model,
         rank=rank,

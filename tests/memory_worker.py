@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nodetrain.config.schema import Config, ModelConfig, grad_accum_of, validate
-from nodetrain.engine.engine import Engine
+from nodetrain.config.schema import Config, ModelConfig, validate
+from nodetrain.engine.startup import build_engine
 from nodetrain.model import HFModel, build_hf_config
 
 
@@ -55,7 +55,7 @@ def run_spec(spec: dict) -> None:
     cfg = _config(spec)
     validate(cfg, world, int(os.environ["LOCAL_WORLD_SIZE"]))
     model = HFModel(build_hf_config(cfg.model))
-    engine = Engine(
+    engine = build_engine(
         cfg,
         model,
         rank=rank,
@@ -73,7 +73,7 @@ def run_spec(spec: dict) -> None:
         return out
 
     runner.forward = counted_forward
-    num_mb = grad_accum_of(cfg) * cfg.pipeline.microbatches
+    num_mb = engine.run.batch.global_microbatches
     gen = torch.Generator().manual_seed(0)
     shape = (num_mb, cfg.train.micro_batch_size, cfg.train.seq_len)
     for step in range(cfg.train.steps):

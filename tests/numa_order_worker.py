@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import nodetrain.engine.engine as engine_module
 from nodetrain.config.schema import Config, ModelConfig, validate
-from nodetrain.engine.engine import Engine
+from nodetrain.engine.startup import build_engine
 from nodetrain.model import HFModel, build_hf_config
 from nodetrain.store import HostStore
 
@@ -75,7 +75,7 @@ def main(store_dir: str, out_dir: str) -> None:
     events: list = []
     _record(events)
     local_rank = int(os.environ["LOCAL_RANK"])
-    engine = Engine(
+    engine = build_engine(
         cfg,
         model,
         rank=rank,

@@ -57,8 +57,8 @@ from safetensors.torch import load_file, save_file
 
 from nodetrain.checkpoint import load_hf_weights
 from nodetrain.config.schema import Config, ModelConfig, validate
-from nodetrain.engine.engine import Engine
-from nodetrain.engine.replicas import Topology
+from nodetrain.core.topology import Topology
+from nodetrain.engine.startup import build_engine
 from nodetrain.model import HFModel, build_hf_config, router_aux_of
 
 
@@ -169,7 +169,7 @@ def run_spec(spec: dict, device: torch.device) -> None:
 
     proc = psutil.Process()
     uss_before = proc.memory_full_info().uss
-    engine = Engine(
+    engine = build_engine(
         cfg,
         model,
         rank=rank,
@@ -234,7 +234,7 @@ def run_spec(spec: dict, device: torch.device) -> None:
         "memory": memory,
         "adamw_steps": None,
         "speculative": engine.updates.speculative,
-        "update_choice": engine.update_choice.line,
+        "update_choice": engine.run.update.line,
         "tier_bytes": [getattr(engine.optimizer, k, 0) for k in ("read_bytes", "write_bytes")],
     }
     if spec.get("export_state"):

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nodetrain.engine.replicas import ReplicaGradSum, Topology, node_group, stage_group
+from nodetrain.core.topology import Topology
+from nodetrain.engine.comm.replicas import ReplicaGradSum, node_group, stage_group
 
 WORLD_TIMEOUT_S = 120.0
 GROUP_TIMEOUT_S = 77.0

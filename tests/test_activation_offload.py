@@ -29,7 +29,7 @@ import torch
 from conftest import single_process_world
 
 from bench._engine import base_config, model_config
-from nodetrain.engine.engine import Engine
+from nodetrain.engine.startup import build_engine
 from nodetrain.model import HFModel, build_hf_config
 
 V, T, B, D = 256, 8, 2, 32
@@ -59,7 +59,7 @@ def _engine(shm_dir, schedule: str, accum: int, m: int, offload: bool) -> Engine
     cfg.data.vocab_size, cfg.store.dir = V, str(shm_dir)
     model = HFModel(build_hf_config(cfg.model))
     assert model.has_dropout
-    return Engine(cfg, model, rank=0, world_size=1, local_rank=0, run_id=f"offload{next(_ids)}",
+    return build_engine(cfg, model, rank=0, world_size=1, local_rank=0, run_id=f"offload{next(_ids)}",
                   device=torch.device("cpu"))  # fmt: skip
 
 

@@ -45,10 +45,11 @@ from nodetrain.checkpoint.resume import (
     restore_steps,
 )
 from nodetrain.config.schema import ModelConfig, OptimConfig
+from nodetrain.cost.memory import store_layout
+from nodetrain.cost.shape import shape_of
 from nodetrain.data import reader
 from nodetrain.model import HFModel, build_hf_config
 from nodetrain.optim.adamw import StoreAdamW
-from nodetrain.plan.costs import shape_of, store_layout
 from nodetrain.run.outputs import checkpoint_bytes
 from nodetrain.store import HostStore, StoreLayout
 

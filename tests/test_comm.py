@@ -22,10 +22,12 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import nodetrain.engine.replicas as replicas
-from nodetrain.engine.comm import Comm, P2POp, WrongDevice
-from nodetrain.engine.pipeline import P2P, Transfer
-from nodetrain.engine.replicas import ReplicaGradSum, Topology
+import nodetrain.engine.comm.replicas as replicas
+from nodetrain.core.schedule import Transfer
+from nodetrain.core.topology import Topology
+from nodetrain.engine.comm.comm import Comm, P2POp, WrongDevice
+from nodetrain.engine.comm.p2p import P2P
+from nodetrain.engine.comm.replicas import ReplicaGradSum
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA0 = torch.device("cuda", 0)
@@ -127,7 +129,7 @@ def test_only_comm_calls_tensor_collectives() -> None:
     offenders = []
     for path in (ROOT / "nodetrain").rglob("*.py"):
         rel = path.relative_to(ROOT / "nodetrain").as_posix()
-        if rel == "engine/comm.py" or rel.startswith("checkpoint/"):
+        if rel == "engine/comm/comm.py" or rel.startswith("checkpoint/"):
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if TENSOR_COLLECTIVES.search(line):
@@ -146,7 +148,7 @@ def replica_engine(monkeypatch, tmp_path, one_rank_world):
     import torch.distributed as dist
 
     import nodetrain.engine.engine as engine_mod
-    import nodetrain.engine.setup as setup_mod
+    import nodetrain.engine.startup as startup
     from bench._engine import base_config, model_config
     from nodetrain.model import HFModel, build_hf_config
 
@@ -166,7 +168,7 @@ def replica_engine(monkeypatch, tmp_path, one_rank_world):
                 dist.all_reduce(t, group=group)
 
     monkeypatch.setattr(replicas, "stage_group", lambda topo, timeout_s, kind="stage": f"group:{kind}")
-    monkeypatch.setattr(setup_mod, "node_group", lambda topo, timeout_s: None)
+    monkeypatch.setattr(startup, "node_group", lambda topo, timeout_s: None)
     monkeypatch.setattr(engine_mod, "Comm", lambda device: Comm(device, dist=StubbedDist()))
     engines = []
 
@@ -181,10 +183,10 @@ def replica_engine(monkeypatch, tmp_path, one_rank_world):
         )
         cfg.data.vocab_size, cfg.store.dir = 64, str(tmp_path)
         model = HFModel(build_hf_config(cfg.model))
-        eng = engine_mod.Engine(cfg, model, rank=0, world_size=1, local_rank=0, run_id=f"thr{len(engines)}",
+        eng = startup.build_engine(cfg, model, rank=0, world_size=1, local_rank=0, run_id=f"thr{len(engines)}",
                                 device=torch.device("cpu"), topology=Topology(0, 1, 2))  # fmt: skip
         engines.append(eng)
-        n = eng.grad_accum * 2 * 2  # accumulation rounds × micro-batches × replicas
+        n = eng.run.batch.global_microbatches  # accumulation rounds × micro-batches × replicas
         x = torch.randint(0, 64, (n, 1, 8), generator=torch.Generator().manual_seed(0))
         for step in range(2):
             eng.train_step(step, x, x)

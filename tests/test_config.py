@@ -17,17 +17,11 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
+from nodetrain.config.batch import BatchShape
 from nodetrain.config.checks import no_effect
 from nodetrain.config.fields import FIELD_CHECKS, float_fields
 from nodetrain.config.registry import register_configs, to_typed
-from nodetrain.config.schema import (
-    HF_KEYS,
-    SUPPORTED_ARCHS,
-    Config,
-    ConfigError,
-    grad_accum_of,
-    validate,
-)
+from nodetrain.config.schema import HF_KEYS, SUPPORTED_ARCHS, Config, ConfigError, validate
 from nodetrain.model import build_hf_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -325,13 +319,13 @@ def test_config_dir_defines_the_model_and_hf_override_changes_it(tmp_path: Path)
 
 
 def test_batch_size_derives_grad_accum() -> None:
-    assert grad_accum_of(_compose(["train.grad_accum=3"])) == 3
+    assert BatchShape.of(_compose(["train.grad_accum=3"])).grad_accum == 3
     cfg = _compose(["train.batch_size=32"])  # micro_batch_size 4 × microbatches 4 = 16 per round
     validate(cfg, world_size=2)
-    assert grad_accum_of(cfg) == 2
+    assert BatchShape.of(cfg).grad_accum == 2
     cfg = _compose(["train.batch_size=32", "train.grad_accum=2"])
     validate(cfg, world_size=2)
-    assert grad_accum_of(cfg) == 2
+    assert BatchShape.of(cfg).grad_accum == 2
 
 
 @pytest.mark.parametrize("override", ["train.foo=1", "model.hf_typo=1"])

@@ -10,17 +10,9 @@ from __future__ import annotations
 import pytest
 
 from nodetrain.config.schema import OptimConfig
-from nodetrain.engine.pipeline import build_schedule
-from nodetrain.engine.policy import update_kind
-from nodetrain.plan.exposure import (
-    CLIP_FRACTION,
-    SPECULATE_GAIN,
-    OptimizerExposure,
-    UnitTiming,
-    choose_speculative,
-    exposed_s,
-    pipeline_times,
-)
+from nodetrain.core.schedule import build_schedule
+from nodetrain.core.update import SPECULATE_GAIN, choose_speculative, update_kind
+from nodetrain.cost.exposure import CLIP_FRACTION, OptimizerExposure, UnitTiming, exposed_s, pipeline_times
 
 # ----------------------------------------------------------------------------- the schedule
 

@@ -26,9 +26,9 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 
 from nodetrain.config.constants import SUPPORTED_ARCHS
 from nodetrain.config.schema import ModelConfig
+from nodetrain.engine.device.window import Window
 from nodetrain.engine.linear_ce import IGNORE_INDEX
 from nodetrain.engine.stage import StageRunner
-from nodetrain.engine.window import Window
 from nodetrain.model import HFModel, build_hf_config
 from nodetrain.model.families import FAMILIES
 from nodetrain.model.moe import RouterAux, switch_aux_loss
@@ -264,7 +264,7 @@ def test_logged_loss_is_transformers_outputs_loss(form: str, tmp_path, shm_dir, 
     layer and one micro-batch, where transformers' pooled form and the per-layer one are equal."""
     from bench._engine import base_config
     from nodetrain.checkpoint import load_hf_weights
-    from nodetrain.engine.engine import Engine
+    from nodetrain.engine.startup import build_engine
     from nodetrain.model import router_aux_of
     from nodetrain.run.faults import BadSteps
     from nodetrain.train import _record
@@ -289,7 +289,7 @@ def test_logged_loss_is_transformers_outputs_loss(form: str, tmp_path, shm_dir, 
     def init_from(store, units):
         load_hf_weights(tmp_path, store, units, model)
 
-    engine = Engine(cfg, model, rank=0, world_size=1, local_rank=0, run_id=f"aux-{form}",
+    engine = build_engine(cfg, model, rank=0, world_size=1, local_rank=0, run_id=f"aux-{form}",
                     device=torch.device("cpu"), init_from=init_from)  # fmt: skip
     try:
         r = engine.train_step(0, ids, labels)

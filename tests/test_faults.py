@@ -40,8 +40,8 @@ from nodetrain.config.schema import Config, DataConfig, FaultInjectionConfig, Mo
 from nodetrain.data import datasets as data
 from nodetrain.data import reader
 from nodetrain.data.checks import check_vocab, open_splits
-from nodetrain.engine.comm import Comm
-from nodetrain.engine.pipeline import P2P
+from nodetrain.engine.comm.comm import Comm
+from nodetrain.engine.comm.p2p import P2P
 from nodetrain.model import build_hf_config
 from nodetrain.run import inject
 from nodetrain.run.faults import BadSteps, NonFiniteError, StopRequest

@@ -31,12 +31,12 @@ import time
 import pytest
 import torch
 
-import nodetrain.engine.activations as activations
-import nodetrain.engine.staging as staging
-import nodetrain.engine.window as stream
-from nodetrain.engine.activations import SavedOffload
-from nodetrain.engine.copy_worker import CopyWorker
-from nodetrain.engine.window import Window
+import nodetrain.engine.device.activations as activations
+import nodetrain.engine.device.staging as staging
+import nodetrain.engine.device.window as stream
+from nodetrain.engine.device.activations import SavedOffload
+from nodetrain.engine.device.copy_worker import CopyWorker
+from nodetrain.engine.device.window import Window
 from nodetrain.model import Binding
 from nodetrain.run.breakdown import Timeline, measured_peak_flops
 from nodetrain.run.inject import NO_FAULTS, Faults

@@ -18,10 +18,10 @@ import pytest
 import torch
 from torch.autograd.profiler import profile
 
-import nodetrain.engine.staging as staging
-from nodetrain.engine.accumulate import HostAccumulator
-from nodetrain.engine.staging import GradStaging, page_round
-from nodetrain.engine.window import Window
+import nodetrain.engine.device.staging as staging
+from nodetrain.engine.device.staging import GradStaging, page_round
+from nodetrain.engine.device.window import Window
+from nodetrain.engine.host.accumulate import HostAccumulator
 from nodetrain.model import Binding
 from nodetrain.run.inject import Faults
 from nodetrain.store import HostStore, StoreLayout

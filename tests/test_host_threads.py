@@ -12,14 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nodetrain.engine.copy_worker import CopyWorker
-from nodetrain.engine.host_threads import (
-    bind_rank_threads,
-    bind_threads,
-    numa_binding,
-    parse_cpulist,
-    split_cores,
-)
+from nodetrain.core.cores import split_cores
+from nodetrain.engine.device.copy_worker import CopyWorker
+from nodetrain.engine.host.binding import bind_rank_threads, bind_threads, numa_binding, parse_cpulist
 from nodetrain.store import PAGE_BYTES, StoreLayout
 
 WORKER = Path(__file__).resolve().parent / "numa_order_worker.py"

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from transformers import AutoConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from nodetrain.engine.linear_ce import IGNORE_INDEX, chunk_tokens, linear_cross_entropy
+from nodetrain.cost.memory import chunk_tokens
+from nodetrain.engine.linear_ce import IGNORE_INDEX, linear_cross_entropy
 from nodetrain.model import HFModel
 
 VOCAB, HIDDEN, B, T = 128_256, 32, 2, 24  # Llama-3's vocabulary

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import pytest
 from conftest import run_torchrun
+from cost_cases import memory as stage_memory
 
 from nodetrain.config.schema import ModelConfig
-from nodetrain.engine.pipeline import (
+from nodetrain.core.schedule import (
     Action,
     build_schedule,
     in_flight_peak,
@@ -33,8 +34,8 @@ from nodetrain.engine.pipeline import (
     p2p_live_peak,
     step_rounds,
 )
+from nodetrain.cost.shape import shape_of
 from nodetrain.model import HFModel, build_hf_config
-from nodetrain.plan.costs import shape_of, stage_memory
 
 WORKER = Path(__file__).resolve().parent / "memory_worker.py"
 HF = {

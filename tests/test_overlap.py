@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from nodetrain.config.schema import OptimConfig
-from nodetrain.engine.host_threads import limit_thread
-from nodetrain.engine.overlap import UnitUpdates
-from nodetrain.engine.policy import policy_for
-from nodetrain.engine.window import Window
+from nodetrain.core.update import policy_for
+from nodetrain.engine.device.window import Window
+from nodetrain.engine.host.binding import limit_thread
+from nodetrain.engine.host.overlap import UnitUpdates
 from nodetrain.model import Binding
 from nodetrain.model.hf import Unit
 from nodetrain.optim.adamw import StoreAdamW
@@ -295,7 +295,7 @@ def test_grad_norm_runs_on_the_accumulation_team(monkeypatch, optim, one_rank_wo
     try:
         engine, _ = make_engine(cfg, "norm-team")
         x = torch.randint(
-            0, TINY_VOCAB, (engine.grad_accum * 2, 1, 8), generator=torch.Generator().manual_seed(0)
+            0, TINY_VOCAB, (engine.run.batch.global_microbatches, 1, 8), generator=torch.Generator().manual_seed(0)
         )
         engine.train_step(0, x, x)
         engine.wait_optimizer()

@@ -40,7 +40,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from nodetrain.config.constants import SUPPORTED_ARCHS
-from nodetrain.engine.pipeline import build_schedule, step_rounds
+from nodetrain.core.schedule import build_schedule, step_rounds
 
 WORKER = Path(__file__).resolve().parent / "parity_worker.py"
 IGNORE = -100

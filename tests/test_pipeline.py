@@ -18,7 +18,7 @@ import random
 
 import pytest
 
-from nodetrain.engine.pipeline import Action, Transfer, build_schedule, p2p_groups, partition, step_rounds
+from nodetrain.core.schedule import Action, Transfer, build_schedule, p2p_groups, partition, step_rounds
 
 SCHEDULE_KINDS = ("gpipe", "1f1b")
 SHAPES = [(s, m) for s in range(1, 9) for m in range(1, 13)]  # (stages, micro-batches)

@@ -26,7 +26,8 @@ from nodetrain.config.schema import (
     HardwareConfig,
     ModelConfig,
 )
-from nodetrain.plan.planner import host_problems, make_plan
+from nodetrain.plan.host import host_problems
+from nodetrain.plan.planner import make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -158,7 +159,7 @@ def test_config_a_step_time_by_hand() -> None:
     """The 10 GB device keeps every block resident (automatic budget): each is loaded once per step
     and offloads its fp32 gradient once (4 B/param), whatever the micro-batch count."""
     plan = make_plan(_config_a())
-    assert plan.resident == [frozenset({0, 1}), frozenset({2, 3})]
+    assert plan.resident == (frozenset({0, 1}), frozenset({2, 3}))
     t = plan.time
     n, tq, e = 32, 16, 2
     attn = 16 * n * tq * 4 * 16  # one layer: 4 × forward attention 4·n·T·H·Q
@@ -228,7 +229,7 @@ def test_config_a_streamed_transfers_by_hand() -> None:
     cfg = _config_a()
     cfg.stream.device_budget = 0
     plan = make_plan(cfg)
-    assert plan.resident == [frozenset(), frozenset()]
+    assert plan.resident == (frozenset(), frozenset())
     t0, t1 = plan.time.traffic
     n, d, e = 32, 64, 2
     rows = n * d * e  # the embedding moves the gathered rows only
@@ -559,7 +560,7 @@ def test_auto_micro_batch_and_microbatches_pick_the_smallest_fast_batch() -> Non
     cfg.hardware.device_memory_gb = 2.0 + 0.0015  # 1.5 MB usable: micro-batches of 11-16 fit
     cfg.train.micro_batch_size, cfg.pipeline.microbatches = "auto", "auto"
     plan = make_plan(cfg)
-    b, m = plan.cfg.train.micro_batch_size, plan.cfg.pipeline.microbatches
+    b, m = plan.batch.micro_batch_size, plan.batch.microbatches
     rates = {}
     for bb in (1, 2, 4, 8, 16, 32):
         for mm in (2, 4, 8, 16):
@@ -574,7 +575,7 @@ def test_auto_micro_batch_and_microbatches_pick_the_smallest_fast_batch() -> Non
     want = min((k for k, r in rates.items() if r >= 0.98 * best), key=lambda k: (k[0] * k[1], k[1]))
     assert (b, m) == want
     assert plan.fits and plan.time.tokens / plan.time.step_s == pytest.approx(rates[want])
-    (line,) = plan.choices
+    (line,) = [c for c in plan.choices if "train.micro_batch_size" in c]  # the budget's lines follow
     assert f"train.micro_batch_size={b}, pipeline.microbatches={m}" in line and "tokens/s" in line
 
 
@@ -582,7 +583,7 @@ def test_auto_sizes_divide_the_batch_and_refuse_when_nothing_fits() -> None:
     cfg = _config_a()
     cfg.train.batch_size, cfg.pipeline.microbatches = 24, "auto"
     plan = make_plan(cfg)
-    m = plan.cfg.pipeline.microbatches
+    m = plan.batch.microbatches
     assert 24 % (2 * m) == 0 and plan.time.tokens == 24 * 16
     cfg = _config_a()
     cfg.hardware.device_memory_gb = 2.0 + 0.0001  # 100 kB: not even one sequence
@@ -595,5 +596,6 @@ def test_auto_device_budget_is_the_engines_automatic_one() -> None:
     cfg = _config_a()
     cfg.stream.device_budget = "auto"
     plan = make_plan(cfg)
-    assert plan.cfg.stream.device_budget == -1 and "stream.device_budget=auto" in plan.choices[0]
+    assert _config_a().stream.device_budget == -1 and "stream.device_budget=auto" in plan.choices[0]
+    assert plan.run.budgets == make_plan(_config_a()).run.budgets and min(plan.run.budgets) > 0
     assert plan.resident == make_plan(_config_a()).resident

@@ -16,8 +16,8 @@ import transformers
 import yaml
 
 from nodetrain.config.schema import ModelConfig
+from nodetrain.cost.shape import shape_of
 from nodetrain.model import HFModel, build_hf_config
-from nodetrain.plan.costs import shape_of
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 

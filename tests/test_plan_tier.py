@@ -10,14 +10,15 @@ import dataclasses
 
 import pytest
 import torch
+from cost_cases import memory as stage_memory
+from cost_cases import step as step_time
+from cost_cases import traffic
 from test_step_time import SHAPE, _rates
 
 from nodetrain.config.schema import Config, HardwareConfig, ModelConfig
-from nodetrain.engine.pipeline import build_schedule
-from nodetrain.plan.costs import stage_memory, stage_traffic, store_layout
+from nodetrain.cost.memory import store_layout
+from nodetrain.cost.tier import tier_bytes
 from nodetrain.plan.planner import make_plan
-from nodetrain.plan.step_time import step_time
-from nodetrain.plan.tier import tier_bytes
 
 PAGE = 4096
 
@@ -82,9 +83,8 @@ def test_activation_offload_keeps_two_micro_batches_and_crosses_the_link() -> No
         off = stage_memory(SHAPE, range(0, 2), 0, stages, **kw, offload_activations=True)
         assert plain.saved_bytes == kept * per_mb and off.saved_bytes == 2 * per_mb
         assert off.window_bytes == plain.window_bytes and off.transient_bytes == plain.transient_bytes
-    actions = build_schedule("1f1b", 2, 0, 6)
-    plain = stage_traffic(SHAPE, range(0, 2), actions, n=n, itemsize=e)
-    off = stage_traffic(SHAPE, range(0, 2), actions, n=n, itemsize=e, offload_activations=True)
+    plain = traffic(SHAPE, range(0, 2), 0, 2, m=6, g=1, n=n, itemsize=e)
+    off = traffic(SHAPE, range(0, 2), 0, 2, m=6, g=1, n=n, itemsize=e, offload_activations=True)
     assert off.h2d_bytes - plain.h2d_bytes == 6 * per_mb
     assert off.d2h_bytes - plain.d2h_bytes == 6 * per_mb
 

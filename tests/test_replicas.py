@@ -34,8 +34,9 @@ from test_parity import (
     save_seeded_model,
 )
 
-from nodetrain.config.schema import Config, ConfigError, grad_accum_of, validate
-from nodetrain.engine.replicas import Topology, replica_slice
+from nodetrain.config.batch import BatchShape
+from nodetrain.config.schema import Config, ConfigError, validate
+from nodetrain.core.topology import Topology, replica_slice
 
 # ----------------------------------------------------------------------------- pure rules
 
@@ -89,7 +90,7 @@ def _config(**overrides) -> Config:
 def test_config_accepts_world_of_stages_times_nodes() -> None:
     cfg = _config(train={"batch_size": 32, "micro_batch_size": 2}, pipeline={"microbatches": 4})
     validate(cfg, world_size=4, local_world_size=2)  # stages = 0 → 2 per node, 2 nodes
-    assert grad_accum_of(cfg, num_replicas=2) == 2 and grad_accum_of(cfg) == 4
+    assert BatchShape.of(cfg, num_replicas=2).grad_accum == 2 and BatchShape.of(cfg).grad_accum == 4
     cfg.pipeline.stages = 2
     validate(cfg, world_size=4, local_world_size=2)
     cfg.pipeline.stages = 4

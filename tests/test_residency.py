@@ -10,21 +10,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import nodetrain.engine.window as stream
-from nodetrain.engine.residency import (
-    ALLOCATOR_MARGIN_BYTES,
-    CUBLAS_MARGIN_BYTES,
-    MARGIN_BYTES,
-    NCCL_MARGIN_BYTES,
-    auto_device_budget,
+import nodetrain.engine.device.window as stream
+from nodetrain.core.placement import (
     choose_resident,
     device_budget_bytes,
     ranks_on_device,
     saved_transfer_bytes,
-    stage_activation_bytes,
+    stage_budget,
 )
-from nodetrain.engine.window import Window
+from nodetrain.engine.host.measure import free_device_bytes
+from nodetrain.cost.memory import ALLOCATOR_MARGIN_BYTES, CUBLAS_MARGIN_BYTES, MARGIN_BYTES, NCCL_MARGIN_BYTES
+from nodetrain.engine.device.window import Window
 from nodetrain.model import Binding
 from nodetrain.run.inject import Faults
 from nodetrain.store import HostStore, StoreLayout
@@ -63,42 +59,51 @@ def test_choose_resident_ranks_saved_bytes_per_device_byte() -> None:
 
 
 def test_budget_uses_the_planners_activation_model(monkeypatch, caplog) -> None:
-    """The automatic budget's activations are ``costs.stage_memory``'s, stage by stage equal to what
-    ``python -m nodetrain.plan`` prints for the same config (config A of test_plan.py, on a GPU
-    profile); the budget is free − window − activations − margin, with the margin logged."""
+    """The automatic budget (``core.run_shape.resolve``, read by the engine and the planner alike) is
+    usable − window − activations − margin, the window and activations ``cost.memory.stage_memory``'s
+    with every block streamed, stage by stage what ``python -m nodetrain.plan`` prints for the same
+    config (config A of test_plan.py, on a GPU profile); its log line names each part."""
+    from cost_cases import memory
     from test_plan import _config_a
 
-    from nodetrain.model import HFModel, build_hf_config
     from nodetrain.plan.planner import make_plan
 
     cfg = _config_a()
-    plan, model = make_plan(cfg), HFModel(build_hf_config(cfg.model))
-    cuda = torch.device("cuda", 0)
-    for st in plan.stages:
-        acts = stage_activation_bytes(
-            cfg.train, cfg.pipeline, cfg.stream.slots, model, st.blocks, st.stage, 2, 1, cuda
+
+    def streamed(plan, st):
+        return memory(
+            plan.shape, st.blocks, st.stage, plan.num_stages, m=plan.batch.microbatches,
+            g=plan.batch.grad_accum, schedule=cfg.pipeline.schedule, b=plan.batch.micro_batch_size,
+            t=cfg.train.seq_len, slots=cfg.stream.slots, itemsize=2,
+            offload_activations=cfg.stream.offload_activations,
         )
-        assert acts == st.activation_bytes > 0, st
-    cfg.pipeline.schedule, cfg.pipeline.microbatches = "gpipe", 6  # 6 in flight without the offload
-    without = make_plan(cfg).stages[0].activation_bytes
-    cfg.stream.offload_activations = True  # two micro-batches' saved inputs on the device (issue 23)
-    plan = make_plan(cfg)
-    for st in plan.stages:
-        acts = stage_activation_bytes(
-            cfg.train, cfg.pipeline, cfg.stream.slots, model, st.blocks, st.stage, 2, 1, cuda, True
-        )
-        assert acts == st.activation_bytes > 0, st
+
+    for offload in (False, True):
+        cfg.stream.offload_activations = offload  # two micro-batches' saved inputs on the device (issue 23)
+        plan = make_plan(cfg)
+        for st, usable, budget in zip(plan.stages, plan.run.machine.device_bytes, plan.run.budgets, strict=True):
+            free = streamed(plan, st)
+            assert free.activation_bytes == st.activation_bytes > 0, st
+            assert budget == usable - free.window_bytes - free.activation_bytes - MARGIN_BYTES > 0
+            line = f"stream.device_budget=auto on stage {st.stage}: {usable / 1e9:.2f} GB usable"
+            assert any(x.startswith(line) and x.endswith(f"= {budget / 1e9:.2f} GB") for x in plan.run.lines)
+        if not offload:
+            cfg.pipeline.schedule, cfg.pipeline.microbatches = "gpipe", 6  # 6 in flight without the offload
+            without = make_plan(cfg).stages[0].activation_bytes
     assert plan.stages[0].activation_bytes < without
+    # the margin is named by part: NCCL's buffers 1 GiB, cuBLAS's workspaces 128 MiB, the allocator
+    assert MARGIN_BYTES == NCCL_MARGIN_BYTES + CUBLAS_MARGIN_BYTES + ALLOCATOR_MARGIN_BYTES == 2 << 30
+    from nodetrain.plan.report import _budget_line
+
+    assert "2.15 GB margin (NCCL buffers 1.07 + cuBLAS workspaces 0.13 + allocator 0.94" in _budget_line(plan)[0]
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * 2**30, 80 * 2**30))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    with caplog.at_level("INFO", logger="nodetrain.engine.residency"):
-        assert auto_device_budget(cuda, 3 << 30, 1 << 30) == (10 - 3 - 1) * 2**30 - MARGIN_BYTES
-    # the margin is named by part: NCCL's buffers 1 GiB, cuBLAS's workspaces 128 MiB, the allocator
-    assert MARGIN_BYTES == NCCL_MARGIN_BYTES + CUBLAS_MARGIN_BYTES + ALLOCATOR_MARGIN_BYTES == 2 << 30
-    assert "2.15 GB margin (NCCL buffers 1.07 + cuBLAS workspaces 0.13 + allocator 0.94)" in caplog.text
+    with caplog.at_level("INFO", logger="nodetrain.engine.host.measure"):
+        assert free_device_bytes(torch.device("cuda", 0)) == 10 * 2**30
     assert "10.74 GB free / 1 rank(s) on cuda:0" in caplog.text
-    assert auto_device_budget(torch.device("cpu"), 0, 0) == 0
+    assert free_device_bytes(torch.device("cpu")) == 0
+    assert stage_budget("auto", 0, free) == 0  # the CPU: every block streams
 
 
 def test_ranks_sharing_a_gpu_split_its_free_memory(monkeypatch, caplog) -> None:
@@ -114,9 +119,8 @@ def test_ranks_sharing_a_gpu_split_its_free_memory(monkeypatch, caplog) -> None:
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 * gib, 80 * gib))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with caplog.at_level("INFO", logger="nodetrain.engine.residency"):
-        budget = auto_device_budget(torch.device("cuda", 0), 2 * gib, gib)
-    assert budget == 20 * gib - 3 * gib - MARGIN_BYTES
+    with caplog.at_level("INFO", logger="nodetrain.engine.host.measure"):
+        assert free_device_bytes(torch.device("cuda", 0)) == 20 * gib
     assert "/ 2 rank(s) on cuda:0" in caplog.text
 
 
@@ -244,7 +248,9 @@ def test_planner_counts_the_windows_resident_bytes(store, resident) -> None:
     the slots sized by the largest streamed block but a streamed embedding (gathered by rows, as the
     engine streams it), and each resident block's weights plus its fp32 gradient accumulator, 8
     B/element in fp32."""
-    from nodetrain.plan.costs import ModelShape, stage_memory
+    from cost_cases import memory
+
+    from nodetrain.cost.shape import ModelShape
 
     shape = ModelShape(
         unit_numels=UNIT_NUMELS,
@@ -260,9 +266,7 @@ def test_planner_counts_the_windows_resident_bytes(store, resident) -> None:
         head_dim=4,
         qk_norm=False,
     )
-    mem = stage_memory(
-        shape, range(4), 0, 1, b=1, t=2, m=2, g=1, schedule="1f1b", slots=2, itemsize=4, resident=resident
-    )
+    mem = memory(shape, range(4), 0, 1, m=2, g=1, resident=resident, b=1, t=2, slots=2, itemsize=4)
     rows = [] if 0 in resident else [0]  # the engine's rule: a streamed embedding travels as rows
     window = Window(store, BINDINGS, BLOCKS, 2, "cpu", resident=resident, rows=rows)
     try:

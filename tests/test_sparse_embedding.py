@@ -16,9 +16,9 @@ import torch.nn.functional as F
 import transformers
 
 from nodetrain.engine import linear_ce
+from nodetrain.engine.device.window import Window
 from nodetrain.engine.linear_ce import IGNORE_INDEX
 from nodetrain.engine.stage import StageRunner
-from nodetrain.engine.window import Window
 from nodetrain.model import Binding, HFModel
 from nodetrain.run.inject import Faults
 from nodetrain.store import HostStore, StoreLayout

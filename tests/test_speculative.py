@@ -39,9 +39,9 @@ from test_update_in_backward import (
 )
 
 from nodetrain.config.schema import OptimConfig
-from nodetrain.engine.overlap import UnitUpdates
-from nodetrain.engine.policy import policy_for, update_mode
-from nodetrain.engine.window import Window
+from nodetrain.core.update import policy_for, update_mode
+from nodetrain.engine.device.window import Window
+from nodetrain.engine.host.overlap import UnitUpdates
 from nodetrain.optim.adamw import StoreAdamW, clip_coef
 from nodetrain.plan.planner import make_plan
 from nodetrain.run.inject import Faults

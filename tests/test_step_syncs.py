@@ -30,7 +30,7 @@ from transformers import masking_utils
 
 from bench._engine import base_config, model_config
 from bench._sync_count import SyncCounter
-from nodetrain.engine.engine import Engine
+from nodetrain.engine.startup import build_engine
 from nodetrain.engine.linear_ce import IGNORE_INDEX
 from nodetrain.engine.stage import StageRunner
 from nodetrain.model import HFModel, build_hf_config
@@ -63,7 +63,7 @@ def engines(shm_dir):
         )
         cfg.data.vocab_size, cfg.store.dir = V, str(shm_dir)
         model = HFModel(build_hf_config(cfg.model))
-        eng = Engine(cfg, model, rank=0, world_size=1, local_rank=0, run_id=f"syncs{next(_ids)}",
+        eng = build_engine(cfg, model, rank=0, world_size=1, local_rank=0, run_id=f"syncs{next(_ids)}",
                      device=torch.device("cpu"))  # fmt: skip
         assert (0 in eng.window.resident) == dense
         built.append(eng)

@@ -5,12 +5,13 @@ planner's choice of rates per dtype and profile (``pricing.priced_step``)."""
 from __future__ import annotations
 
 import pytest
+from cost_cases import step as step_time
 
 from nodetrain.config.schema import Config, HardwareConfig, ModelConfig
-from nodetrain.plan.compute import block_elementwise_bytes
-from nodetrain.plan.costs import ModelShape
+from nodetrain.cost.compute import block_elementwise_bytes
+from nodetrain.cost.shape import ModelShape
+from nodetrain.cost.step_time import HostRates
 from nodetrain.plan.planner import make_plan
-from nodetrain.plan.step_time import HostRates, step_time
 
 # Untied Llama: V=300, D=64, H=4, K=2, Q=16, F=128; units embed, L0, L1, head (final norm + lm_head).
 D, F, V, H, K, Q = 64, 128, 300, 4, 2, 16

@@ -13,10 +13,10 @@ import time
 import pytest
 import torch
 
-import nodetrain.engine.window as stream
-from nodetrain.engine.copy_worker import CopyWorker
-from nodetrain.engine.pipeline import build_schedule
-from nodetrain.engine.window import Window
+import nodetrain.engine.device.window as stream
+from nodetrain.core.schedule import build_schedule
+from nodetrain.engine.device.copy_worker import CopyWorker
+from nodetrain.engine.device.window import Window
 from nodetrain.model import Binding
 from nodetrain.run.inject import Faults
 from nodetrain.store import HostStore, StoreLayout

@@ -16,11 +16,11 @@ import torch
 from test_overlap import BINDINGS, BLOCKS, CFG, TINY_VOCAB, UNITS, store, tiny_engine_config  # noqa: F401  (store: a fixture)
 
 from nodetrain.config.schema import OptimConfig
+from nodetrain.core.update import policy_for
 from nodetrain.engine import threads
-from nodetrain.engine.overlap import UnitUpdates
-from nodetrain.engine.policy import policy_for
-from nodetrain.engine.readiness import GradReadiness
-from nodetrain.engine.window import Window
+from nodetrain.engine.device.window import Window
+from nodetrain.engine.host.overlap import UnitUpdates
+from nodetrain.engine.host.readiness import GradReadiness
 from nodetrain.optim.adamw import StoreAdamW
 
 MODES = {
@@ -49,7 +49,7 @@ def test_every_mode_writes_state_from_its_owner_only(mode: str, checking, one_ra
         assert engine.updates.policy.kind == mode
         gen = torch.Generator().manual_seed(0)
         for step in range(2):
-            x = torch.randint(0, TINY_VOCAB, (engine.grad_accum * 2, 1, 8), generator=gen)
+            x = torch.randint(0, TINY_VOCAB, (engine.run.batch.global_microbatches, 1, 8), generator=gen)
             assert not engine.train_step(step, x, x).skipped
         engine.wait_optimizer()
     finally:

@@ -25,9 +25,10 @@ from safetensors.torch import load_file
 from test_parity import HF_BASE, Case, make_batches, parity_spec, save_seeded_model
 
 from nodetrain.config.schema import Config, ConfigError, ModelConfig, StoreConfig, validate
+from nodetrain.cost.memory import store_layout
+from nodetrain.cost.shape import shape_of
 from nodetrain.model import HFModel, build_hf_config
 from nodetrain.optim.tier_files import TIER_FIELDS, TierLayout
-from nodetrain.plan.costs import shape_of, store_layout
 from nodetrain.plan.host import preflight
 
 # fmt: off

@@ -51,10 +51,10 @@ from test_parity import (
 from test_replicas import _launch_two_nodes
 
 from nodetrain.config.schema import OptimConfig
-from nodetrain.engine.overlap import UnitUpdates
-from nodetrain.engine.policy import policy_for, update_mode
-from nodetrain.engine.readiness import final_order
-from nodetrain.engine.window import Window
+from nodetrain.core.step_plan import final_order
+from nodetrain.core.update import policy_for, update_mode
+from nodetrain.engine.device.window import Window
+from nodetrain.engine.host.overlap import UnitUpdates
 from nodetrain.optim.adamw import StoreAdamW
 from nodetrain.run.inject import Faults
 

@@ -44,7 +44,8 @@ from nodetrain.checkpoint.resume import (
 )
 from nodetrain.checkpoint.tensors import read_index
 from nodetrain.checkpoint.writer import CheckpointWriter
-from nodetrain.config.schema import Config, grad_accum_of
+from nodetrain.config.batch import BatchShape
+from nodetrain.config.schema import Config
 from nodetrain.data.tokenizer import vocabulary_sha256
 from nodetrain.model import HFModel
 from nodetrain.optim.adamw import lr_at
@@ -108,6 +109,8 @@ class Checkpointing:
         resume_path: the checkpoint to resume (:func:`choose_resume` on rank 0, the same on every
             rank), or None for a fresh start or import.
         stop: called while a save is waited for: True = a signal asked the run to stop (logged).
+        batch: the run's batch (``config/batch.py``, recorded as the data cursor's sequences per
+            step); default ``cfg``'s on one node.
 
     Raises:
         CheckpointError: the checkpoint to resume does not fit this model, or its state was edited.
@@ -125,8 +128,10 @@ class Checkpointing:
         ckpt_dir: Path | None = None,
         resume_path: str | None = None,
         stop=None,
+        batch: BatchShape | None = None,
     ):
         self.cfg, self.model, self.resolved, self.run_dir = cfg, model, resolved, Path(run_dir)
+        self.batch = batch or BatchShape.of(cfg)
         self.data_dir, self.tokenizer_dir = data_dir, tokenizer_dir
         c = cfg.checkpoint
         self.dir = Path(c.dir).expanduser() if c.dir else self.run_dir / "checkpoints"
@@ -278,7 +283,7 @@ class Checkpointing:
 
     def _run_state(self, step: int) -> dict[str, Any]:
         o, t = self.cfg.optim, self.cfg.train
-        sequences = t.micro_batch_size * self.cfg.pipeline.microbatches * grad_accum_of(self.cfg)
+        sequences = self.batch.sequences_per_step
         units = self.model.units
         return {
             "step": step,

@@ -1,6 +1,6 @@
 """The one config schema: the dataclasses Hydra's ConfigStore holds as ``base_config``.
 
-Owns: field names, types, defaults and units; derived values (``grad_accum_of``). The hardware
+Owns: field names, types, defaults and units (a step's batch as numbers: config/batch.py). The hardware
 profile and planner groups live in nodetrain/config/hardware.py; the registration, the resolvers
 (``run_id``) and ``to_typed`` in nodetrain/config/registry.py. Does not own: the start-up checks
 (nodetrain/config/checks.py; ``validate``, ``ConfigError``, ``HF_KEYS`` and ``SUPPORTED_ARCHS`` are
@@ -37,7 +37,6 @@ __all__ = [
     "StreamConfig",
     "FaultInjectionConfig",
     "TrainConfig",
-    "grad_accum_of",
     "validate",
 ]
 
@@ -157,7 +156,7 @@ class TrainConfig:
     """Sequences per optimizer step over all nodes (the global batch); 0 = micro_batch_size ×
     pipeline.microbatches × grad_accum × nodes. When > 0 it must be a multiple of micro_batch_size ×
     pipeline.microbatches × nodes, and grad_accum becomes batch_size / (micro_batch_size ×
-    pipeline.microbatches × nodes) (see ``grad_accum_of``), so adding nodes keeps the global batch."""
+    pipeline.microbatches × nodes) (``config.batch.grad_accum_for``), so adding nodes keeps the global batch."""
     dtype: str = "bfloat16"
     """Compute dtype of the streamed transfer copy and the device math: bfloat16 | float32.
     Master weights and optimizer state are always fp32. float16 is refused (no loss scaler: its
@@ -429,18 +428,3 @@ class Config:
     seed: int = 1234
     """Seeds the random init, the data order (sampling is a pure function of seed and step) and each
     rank's RNGs (dropout) at step 0."""
-
-
-def grad_accum_of(cfg: Config, num_replicas: int = 1) -> int:
-    """Effective pipeline rounds per optimizer step of each replica (call after ``validate``).
-
-    Args:
-        num_replicas: pipelines sharing the global batch (nodes; see nodetrain/engine/replicas.py).
-
-    Returns:
-        ``train.batch_size / (train.micro_batch_size × pipeline.microbatches × num_replicas)`` when
-        ``train.batch_size`` > 0, else ``train.grad_accum``.
-    """
-    if cfg.train.batch_size > 0:
-        return cfg.train.batch_size // (cfg.train.micro_batch_size * cfg.pipeline.microbatches * num_replicas)
-    return cfg.train.grad_accum

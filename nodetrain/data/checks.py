@@ -23,7 +23,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from nodetrain.config.schema import Config, DataConfig, ModelConfig, grad_accum_of
+from nodetrain.config.batch import BatchShape
+from nodetrain.config.schema import Config, DataConfig, ModelConfig
 from nodetrain.data import datasets as data
 from nodetrain.data import reader
 from nodetrain.data.tokenizer import has_tokenizer, vocabulary_sha256
@@ -209,13 +210,13 @@ def _check_length(ds: reader.TokenDataset, num_sequences: int, seq_len: int, bat
         )
 
 
-def open_splits(data_dir: str | Path, cfg: Config, num_replicas: int = 1):
+def open_splits(data_dir: str | Path, cfg: Config, batch: BatchShape | None = None):
     """Open ``train.bin`` and ``val.bin`` of a prepared dataset and check their length.
 
     Args:
         data_dir: the directory ``data.prepare`` wrote.
-        cfg: the validated run config (batch shape, evaluation).
-        num_replicas: pipelines sharing the global batch (nodes).
+        cfg: the validated run config (evaluation, ``data.format``).
+        batch: the run's batch (``config/batch.py``); default ``cfg``'s on one node.
 
     Returns:
         (train, val) ``reader.TokenDataset``.
@@ -224,34 +225,32 @@ def open_splits(data_dir: str | Path, cfg: Config, num_replicas: int = 1):
         FileNotFoundError, ValueError: as ``reader.TokenDataset.open`` (missing, truncated or corrupt
             files); a split shorter than one batch (see the module docstring), naming the file.
     """
-    t, m = cfg.train, cfg.pipeline.microbatches
+    batch = batch or BatchShape.of(cfg)
     if cfg.data.format == "records":
-        return _open_records(Path(data_dir), cfg, num_replicas)
+        return _open_records(Path(data_dir), cfg, batch)
     train = reader.TokenDataset.open(data_dir, "train")
     val = reader.TokenDataset.open(data_dir, "val")
-    step_seqs = grad_accum_of(cfg, num_replicas) * m * t.micro_batch_size * num_replicas
-    batch = "one optimizer step (grad_accum × pipeline.microbatches × train.micro_batch_size × nodes)"
-    _check_length(train, step_seqs, t.seq_len, batch, "more text in data.source, or a smaller batch/seq_len")
-    if t.eval_every:
+    step = "one optimizer step (grad_accum × pipeline.microbatches × train.micro_batch_size × nodes)"
+    fix = "more text in data.source, or a smaller batch/seq_len"
+    _check_length(train, batch.sequences_per_step, batch.seq_len, step, fix)
+    if cfg.train.eval_every:
         fix = "a larger data.val_fraction, more text, or train.eval_every=0"
-        _check_length(val, m * t.micro_batch_size, t.seq_len, "one evaluation batch", fix)
+        _check_length(val, batch.eval_sequences, batch.seq_len, "one evaluation batch", fix)
     return train, val
 
 
-def _open_records(data_dir: Path, cfg: Config, num_replicas: int):
+def _open_records(data_dir: Path, cfg: Config, batch: BatchShape):
     from nodetrain.data.sft import RecordsDataset
 
-    t, m = cfg.train, cfg.pipeline.microbatches
+    t, b = cfg.train, batch
     train, val = RecordsDataset.open(data_dir, "train"), RecordsDataset.open(data_dir, "val")
-    accum = grad_accum_of(cfg, num_replicas)
-    step_rows = accum * m * t.micro_batch_size * num_replicas
     shape = (
-        f"train.grad_accum={accum} × pipeline.microbatches={m} × train.micro_batch_size={t.micro_batch_size}"
-        f" × {num_replicas} node(s)"
+        f"train.grad_accum={b.grad_accum} × pipeline.microbatches={b.microbatches} × train.micro_batch_size="
+        f"{b.micro_batch_size} × {b.num_replicas} node(s)"
     )
     for ds, need, what in (
-        (train, step_rows, f"one optimizer step ({shape})"),
-        (val, m * t.micro_batch_size, "one eval (pipeline.microbatches × train.micro_batch_size)"),
+        (train, b.sequences_per_step, f"one optimizer step ({shape})"),
+        (val, b.eval_sequences, "one eval (pipeline.microbatches × train.micro_batch_size)"),
     ):
         if ds.num_rows < need and (ds is train or t.eval_every):
             records = f"{ds.num_records} record(s)" if ds.num_records is not None else "its records"

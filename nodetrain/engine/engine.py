@@ -45,36 +45,31 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from nodetrain.config.constants import DTYPES
-from nodetrain.config.schema import Config, grad_accum_of
-from nodetrain.engine.activations import saved_offload
-from nodetrain.engine.comm import Comm
-from nodetrain.engine.host_threads import bind_rank_threads
-from nodetrain.engine.overlap import UnitUpdates
-from nodetrain.engine.pipeline import P2P, p2p_groups, partition
-from nodetrain.engine.policy import policy_for
-from nodetrain.engine.replicas import ReplicaGradSum, Topology, replica_slice
-from nodetrain.engine.residency import resident_blocks
-from nodetrain.engine.setup import make_optimizer, open_store, peak_flops
+from nodetrain.config.schema import Config
+from nodetrain.core.run_shape import RunShape
+from nodetrain.core.schedule import p2p_groups
+from nodetrain.core.step_plan import StepPlan, row_blocks
+from nodetrain.core.topology import replica_slice
+from nodetrain.core.update import policy_for
+from nodetrain.cost.shape import shape_of
+from nodetrain.engine.comm.comm import Comm
+from nodetrain.engine.comm.p2p import P2P
+from nodetrain.engine.comm.replicas import ReplicaGradSum
+from nodetrain.engine.device.activations import saved_offload
+from nodetrain.engine.device.window import Window
+from nodetrain.engine.host.overlap import UnitUpdates
 from nodetrain.engine.stage import IGNORE_INDEX, StageRunner
 from nodetrain.engine.step_batch import StepBatch
-from nodetrain.engine.step_plan import StepPlan
 from nodetrain.engine.threads import check_writer
-from nodetrain.engine.tier_setup import tier_opener, tier_skip
-from nodetrain.engine.update_choice import choose_update_mode
-from nodetrain.engine.window import Window
 from nodetrain.model import HFModel
 from nodetrain.optim.adamw import clip_coef, lr_at
-from nodetrain.run.breakdown import (
-    StepBreakdown,
-    Timeline,
-    flops_per_token,
-)
+from nodetrain.run.breakdown import StepBreakdown, Timeline, flops_per_token
 from nodetrain.run.inject import Faults
 
 __all__ = ["Engine", "StepResult", "DTYPES"]
@@ -116,64 +111,48 @@ class StepResult:
 class Engine:
     """This rank's stage: owns a contiguous range of units and trains them.
 
+    Built by :func:`~nodetrain.engine.startup.build_engine` (which opens the store and resolves the
+    run first); construction only wires the parts together.
+
     Args:
         cfg: the validated run config.
+        run: the resolved run (``core.run_shape.resolve``): the batch, this stage's step and resident
+            blocks, the update mode.
         model: the HF adapter (templates + units).
-        rank, world_size: this rank in the (single-node) pipeline; stage = rank.
-        local_rank: rank on the node (local rank 0 creates the host store).
-        run_id: names the store file.
-        device: compute device (CPU, or this rank's CUDA device).
-        init_from: optional callable ``(store, units) -> None`` that fills master weights of the
-            given units (checkpoint import); default is random init.
-        topology: stage and replica of this rank when several nodes each run a replica of the
-            pipeline (see replicas.py); default: one pipeline over the world, stage = rank.
-        faults: test-only fault injection (run/inject.py); default: ``Faults.from_config(cfg)``.
+        opened: what the rank opened before (``startup.Opened``: topology, device, cores, peak, host
+            store, optimizer).
+        faults: test-only fault injection (run/inject.py).
     """
 
-    def __init__(self, cfg: Config, model: HFModel, *, rank: int, world_size: int, local_rank: int,
-                 run_id: str, device: torch.device, init_from=None, topology: Topology | None = None,
-                 faults: Faults | None = None):  # fmt: skip
-        self.cfg, self.model, self.device = cfg, model, device
-        self.topo = topo = topology or Topology.single(rank, world_size, local_rank)
+    def __init__(self, cfg: Config, run: RunShape, model: HFModel, opened, faults: Faults) -> None:
+        self.cfg, self.run, self.model, self.device = cfg, run, model, opened.device
+        self.topo = topo = opened.topo
         self.stage, self.num_stages = topo.stage, topo.num_stages
         self.dtype = DTYPES[cfg.train.dtype]
-        self.grad_accum = grad_accum_of(cfg, topo.num_replicas)
-        self.faults = faults or Faults.from_config(cfg)
-        self.stage_blocks = partition([model.block_cost(i) for i in range(len(model.units))], topo.num_stages)
-        self.blocks = self.stage_blocks[topo.stage]
+        self.faults = faults
+        self.plan = run.plans[topo.stage]
+        """This stage's step, the one expansion of its schedule (core/step_plan.py)."""
+        self.blocks = range(self.plan.blocks[0], self.plan.blocks[-1] + 1)
         self.units = [model.units[i] for i in self.blocks]
         self._is_last = topo.stage == topo.num_stages - 1
-        p = cfg.pipeline
-        self.plan = StepPlan.step(p.schedule, topo.num_stages, topo.stage, self.grad_accum, p.microbatches,
-                                  self.blocks, self._is_last)  # fmt: skip
-        """This stage's step, the one expansion of its schedule (step_plan.py)."""
-        # bind first: opening the store first-touches this rank's units' pages (NUMA placement)
-        self.host_threads = bind_rank_threads(
-            cfg.stream.accum_threads, cfg.optim.threads, device, topo.local_rank
-        )
-        self.store = open_store(model, self.dtype, cfg.optim.state, cfg.store, topo, cfg.dist.timeout_s,
-                                run_id, self.units, tier_skip(cfg))  # fmt: skip
-        tier = tier_opener(cfg, self.store, topo, run_id, self.faults)  # None: store.tier=ram
-        self.optimizer = make_optimizer(self.store, model, self.units, self.blocks, cfg.optim, cfg.seed,
-                                        device, init_from, tier)  # fmt: skip
+        self.host_threads, self.store, self.optimizer = opened.cores, opened.store, opened.optimizer
         self._tied_across = model.tied and topo.num_stages > 1
-        self.comm = Comm(device)
+        self.comm = Comm(self.device)
         # Two communicators for the cross-replica sums: the optimizer thread's (in-backward) and the
         # training thread's; NCCL forbids concurrent use of one from two threads (replicas.py).
         self.grad_sum = ReplicaGradSum(topo, cfg.dist.timeout_s, self.comm)
         self.grad_sum_optim = ReplicaGradSum(topo, cfg.dist.timeout_s, self.comm, kind="stage_optim")
         self._poison = self.faults.nan_hook(self.store, self.units[-1].index)  # None: off
-        # before the residency budget reads free device memory
-        self._peak = peak_flops(device, self.dtype, cfg.train.peak_flops, cfg.hardware)
-        uses = self.plan.uses(self.blocks)
-        resident = resident_blocks(cfg.train, cfg.pipeline, cfg.stream, model, self.blocks, topo.stage,
-                                   topo.num_stages, device, self.grad_accum, uses)  # fmt: skip
-        self.updates = self._make_updates(device, resident)
-        self.timeline = Timeline(device)
+        self._peak = opened.peak
+        resident = sorted(run.resident[topo.stage])
+        log.info("%s", run.placement_line(topo.stage, shape_of(model), self.dtype.itemsize))
+        self.updates = self._make_updates(resident)
+        self.timeline = Timeline(self.device)
         self.window = self._make_window(resident)
         self._loads = self.plan.window_loads(self.window.rows)  # the window's load sequence of a step
         self._arrivals = self.plan.arrivals(self.window.resident)  # a resident block's: once, at its last
-        shape = (cfg.train.micro_batch_size, cfg.train.seq_len, model.config.hidden_size)
+        b = run.batch
+        shape = (b.micro_batch_size, b.seq_len, model.config.hidden_size)
         offload = saved_offload(cfg.stream, self.plan, self.blocks, self._is_last, self.window, shape)
         self.runner = StageRunner(model, self.blocks, self.window, self.dtype, offload)
         self.p2p = P2P(topo.stage, topo.num_stages, shape, self.dtype, self.comm, topo.pipeline_ranks,
@@ -184,7 +163,7 @@ class Engine:
     # ---- set-up ------------------------------------------------------------------------------
 
     def _make_window(self, resident) -> Window:
-        rows = [0] if 0 in self.blocks and 0 not in resident else []  # a streamed embedding: by rows
+        rows = row_blocks(self.blocks, resident)  # a streamed embedding: by rows
         return Window(
             self.store,
             self.model.bindings,
@@ -200,21 +179,9 @@ class Engine:
             faults=self.faults,
         )
 
-    def _make_updates(self, device: torch.device, resident) -> UnitUpdates:
-        """The overlapped optimizer, with the policy ``optim`` chooses (logged with its reason);
-        ``optim.speculative=auto`` is resolved first, by measurement (update_choice.py; collective)."""
-        cfg = self.cfg
-        choice = choose_update_mode(cfg.optim, self.model, train=cfg.train, pipeline=cfg.pipeline,
-                                    hardware=cfg.hardware, rank_overhead_gb=cfg.plan.rank_overhead_gb,
-                                    stage_blocks=self.stage_blocks, topo=self.topo, comm=self.comm,
-                                    peak_flops=self._peak[0], split=self.host_threads, resident=resident,
-                                    grad_accum=self.grad_accum, device=device,
-                                    tier=cfg.store.tier)  # fmt: skip
-        self.update_choice = choice
-        """What ``optim.speculative`` became, and the start-up line saying why (``auto``)."""
-        if choice.line:
-            log.info("%s", choice.line)
-        policy = policy_for(replace(cfg.optim, speculative=choice.speculative))
+    def _make_updates(self, resident) -> UnitUpdates:
+        """The overlapped optimizer, with the policy the run resolved (logged with its reason)."""
+        policy = policy_for(self.cfg.optim, self.run.update.kind)
         log.info("optimizer updates: %s", policy.reason)
         return UnitUpdates(
             self.optimizer,
@@ -225,7 +192,7 @@ class Engine:
             threads=self.host_threads.optim_threads,
             grad_sum=self.grad_sum_optim,  # in-backward: each unit's replica sum, on the optimizer thread
             on_final=self._poison,
-            device=device,
+            device=self.device,
             faults=self.faults,
         )
 
@@ -273,13 +240,13 @@ class Engine:
         stop: bool = False,
         position_ids: torch.Tensor | None = None,
     ) -> StepResult:
-        """One optimizer step over ``grad_accum × pipeline.microbatches`` micro-batches, in the
+        """One optimizer step over the run's micro-batches (``run.batch.microbatches_per_step``), in the
         pipeline rounds of :func:`~nodetrain.engine.pipeline.step_rounds` (1F1B: one round of all of them).
 
         Args:
             step: 0-based optimizer step (sets the learning rate).
-            inputs: [N, B, T] int64 token ids of the global batch, N = grad_accum × microbatches ×
-                replicas (same on all ranks; each replica runs its N / replicas, see replicas.py).
+            inputs: [N, B, T] int64 token ids of the global batch, N = ``run.batch.global_microbatches``
+                (same on all ranks; each replica runs its N / replicas, see replicas.py).
             labels: [N, B, T] int64 next-token ids, -100 where no loss is taken.
             stop: this rank was asked to stop (a signal); shared with every rank in ``StepResult.stop``.
             position_ids: [N, B, T] int64 positions of packed documents (restarting at 0 for each,
@@ -291,9 +258,7 @@ class Engine:
         check_writer("training", "the engine's step")
         t0, cpu0 = time.perf_counter(), time.process_time()
         self.timeline.start()
-        self._check_batch(
-            inputs, labels, self.grad_accum * self.cfg.pipeline.microbatches * self.topo.num_replicas
-        )
+        self._check_batch(inputs, labels, self.run.batch.global_microbatches)
         tokens = int((labels != IGNORE_INDEX).sum())  # of the global batch: every replica scales by it
         inputs, labels, positions = self._replica_share(inputs, labels, position_ids)
         lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
@@ -427,8 +392,8 @@ class Engine:
         self.p2p.exchange(groups[-1], out, base)
 
     def _check_batch(self, inputs: torch.Tensor, labels: torch.Tensor, num_mb: int) -> None:
-        t = self.cfg.train
-        want = (num_mb, t.micro_batch_size, t.seq_len)
+        b = self.run.batch
+        want = (num_mb, b.micro_batch_size, b.seq_len)
         if tuple(inputs.shape) != want or tuple(labels.shape) != want:
             raise ValueError(
                 f"batch of shape {tuple(inputs.shape)}/{tuple(labels.shape)}; expected {want} "

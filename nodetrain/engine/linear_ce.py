@@ -22,32 +22,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["IGNORE_INDEX", "CHUNK_LOGITS_BYTES", "chunk_tokens", "linear_cross_entropy"]
+from nodetrain.cost.memory import chunk_tokens
+
+__all__ = ["IGNORE_INDEX", "linear_cross_entropy"]
 
 IGNORE_INDEX = -100
-
-
-CHUNK_LOGITS_BYTES = 512 << 20
-"""fp32 logits of one chunk (512 MiB: 1046 tokens at a 128k vocabulary, 4194 at 32k).
-
-Why this size: the chunk's logits, their softmax and gradient (about 3 × this) are all the memory
-the head adds, whatever the micro-batch's token count (full logits of 4 × 4096 tokens at 128k are
-8.4 GB, 25 GB with their softmax and gradient). Smaller chunks cost time: each chunk adds its
-weight gradient (V × D) into the fp32 sum, 8 bytes of traffic per element against the chunk's
-6 × c FLOPs per element (logits, input and weight gradients), i.e. ≈ 440 / c of the head's matmul
-time on a GPU doing ~1000 TFLOP/s over ~3 TB/s: 42% of the head at c = 1046, and the head is
-~6% of Llama-3-8B's FLOPs, so ~2.5% of the step. Liger-Kernel's rule (``cdiv(V, D)`` chunks)
-bounds the memory too, but at a small hidden size it makes thousands of one-token chunks whose
-additions dominate (measured on CPU: 19× slower than full logits at V = 128k, D = 64)."""
-
-
-def chunk_tokens(vocab: int) -> int:
-    """Tokens per chunk: as many as fit :data:`CHUNK_LOGITS_BYTES` of fp32 logits, at least 1.
-
-    Args:
-        vocab: V, the head's output rows.
-    """
-    return max(1, CHUNK_LOGITS_BYTES // (4 * vocab))
 
 
 HeadFn = Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]

@@ -29,13 +29,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nodetrain.engine.activations import LiveBytes, Offloaded, SavedOffload
+from nodetrain.core.step_plan import stage_loads, stage_offloads
+from nodetrain.engine.device.activations import LiveBytes, Offloaded, SavedOffload
+from nodetrain.engine.device.window import Window
 from nodetrain.engine.linear_ce import IGNORE_INDEX, linear_cross_entropy
 from nodetrain.engine.step_batch import to_device
-from nodetrain.engine.window import Window
 from nodetrain.model import HFModel
 
-__all__ = ["StageRunner", "EmbeddingRows", "IGNORE_INDEX", "stage_loads", "stage_offloads"]
+__all__ = ["StageRunner", "EmbeddingRows", "IGNORE_INDEX"]
 
 
 @dataclass(frozen=True)
@@ -62,23 +63,6 @@ def _replay_rng(rng):
         if rng[1] is not None:
             torch.cuda.set_rng_state(rng[1])
         yield
-
-
-def stage_loads(blocks: list[int], is_last: bool, rows, kind: str) -> list[int]:
-    """Blocks an action of ``kind`` ("F"/"B") of a stage with ``blocks`` loads through the window, in
-    order: a forward every block, a backward every block but the last stage's head, last first
-    (the head's gradients are taken in its forward); row blocks (``rows``) never go through it."""
-    recomputed = blocks[:-1] if is_last else blocks
-    order = blocks if kind == "F" else recomputed[::-1]
-    return [b for b in order if b not in rows]
-
-
-def stage_offloads(blocks: list[int], is_last: bool, kind: str) -> list[int]:
-    """Blocks whose gradients an action of ``kind`` offloads, in order: the head's at its forward,
-    every other block's at the backward, last block first."""
-    if kind == "F":
-        return blocks[-1:] if is_last else []
-    return (blocks[:-1] if is_last else blocks)[::-1]
 
 
 class StageRunner:

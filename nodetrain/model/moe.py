@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nodetrain.config.schema import Config, grad_accum_of
+from nodetrain.config.schema import Config
 
 __all__ = [
     "AUX_FORMS",
@@ -147,16 +147,15 @@ def aux_refusal(form: str, config: PretrainedConfig, moe: bool, has_aux: bool = 
     return None
 
 
-def router_aux_of(cfg: Config, config: PretrainedConfig, num_replicas: int = 1) -> RouterAux | None:
+def router_aux_of(cfg: Config, config: PretrainedConfig, num_microbatches: int) -> RouterAux | None:
     """The run's :class:`RouterAux` (``model.router_aux_loss``), or None: no auxiliary loss.
 
     Args:
         cfg: the validated run config (``build_hf_config`` has refused a form that cannot run).
         config: the run's HF config.
-        num_replicas: pipelines sharing the global batch; the step's micro-batches are all
-            replicas' (their gradients are summed, as the cross-entropy's token weights are global).
+        num_microbatches: micro-batches of the global batch (``BatchShape.global_microbatches``): every
+            replica's (their gradients are summed, as the cross-entropy's token weights are global).
     """
     if cfg.model.router_aux_loss != "per_layer":
         return None
-    num_microbatches = grad_accum_of(cfg, num_replicas) * cfg.pipeline.microbatches * num_replicas
     return RouterAux(float(config.router_aux_loss_coef), int(config.num_experts_per_tok), num_microbatches)

@@ -1,4 +1,5 @@
-"""Planner: the cost model (``costs``: memory, traffic, step time), the plan (``planner``) and its
-report (``report``); ``python -m nodetrain.plan`` (``__main__``). Must not import train; ``costs`` (also
-read by ``engine.residency``) imports no engine module at load time; ``planner`` never imports ``report``.
+"""Planner: will a config fit a node and how fast will it train: the plan (``planner``), its verdict
+(``verdict``) and report (``report``), ``python -m nodetrain.plan`` (``__main__``), and the training
+start-up host check (``host``). Stands on ``core/`` (every choice, resolved as the engine resolves it)
+and ``cost/`` (the arithmetic); never imports the engine or train; ``planner`` never imports ``report``.
 """

@@ -2,7 +2,7 @@
 
 Owns: the arithmetic of whether a store fits the node's RAM and its directory (``host_problems``) and
 the check a training run makes on one rank per node (``preflight``). Does not own: the store's
-bytes (``costs.py``), what a whole plan reports (``planner.py``).
+bytes (``cost/memory.py``), what a whole plan reports (``planner.py``).
 """
 
 from __future__ import annotations
@@ -16,16 +16,12 @@ import torch
 
 from nodetrain.config.schema import Config, ConfigError
 from nodetrain.config.tier_checks import tier_dir_problem, tier_space_problem
-from nodetrain.engine.policy import update_kind
+from nodetrain.core.update import update_kind
+from nodetrain.cost.memory import field_bytes, pin_overhead_bytes, store_layout
+from nodetrain.cost.shape import shape_of
+from nodetrain.cost.traffic import speculative_backup_bytes
 from nodetrain.model import HFModel
 from nodetrain.optim.tier_files import TierLayout
-from nodetrain.plan.costs import (
-    field_bytes,
-    pin_overhead_bytes,
-    shape_of,
-    speculative_backup_bytes,
-    store_layout,
-)
 from nodetrain.run.inject import Faults
 from nodetrain.store import StoreLayout, remove_stale_stores
 

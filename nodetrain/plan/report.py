@@ -9,13 +9,14 @@ import os
 from rich.console import Console
 from rich.table import Table
 
-from nodetrain.engine.residency import (
+from nodetrain.core.placement import AUTO
+from nodetrain.cost.exposure import CLIP_FRACTION
+from nodetrain.cost.memory import (
     ALLOCATOR_MARGIN_BYTES,
     CUBLAS_MARGIN_BYTES,
     MARGIN_BYTES,
     NCCL_MARGIN_BYTES,
 )
-from nodetrain.plan.exposure import CLIP_FRACTION
 from nodetrain.plan.planner import GB, Plan
 
 __all__ = ["render"]
@@ -44,15 +45,15 @@ def _gb(nbytes: float) -> str:
 
 
 def _header(plan: Plan) -> str:
-    cfg, hw, s = plan.cfg, plan.cfg.hardware, plan.shape
+    cfg, hw, s, batch = plan.cfg, plan.cfg.hardware, plan.shape, plan.batch
     devices = f"{hw.gpus_per_node} GPU(s)" if hw.gpus_per_node else "CPU only"
-    t, per_round = plan.time, cfg.train.micro_batch_size * cfg.train.seq_len * cfg.pipeline.microbatches
+    t, per_round = plan.time, batch.micro_batch_size * batch.seq_len * batch.microbatches
     active = f", {s.active_params / 1e9:,.3f}B active" if any(k for k, _ in s.routing) else ""
     params = f"{s.num_params / 1e9:,.3f}B parameters{active}"
     return (
         f"[bold]nodetrain plan[/]: model [bold]{cfg.model.name}[/] ({params}, "
         f"{s.num_layers} layers) on [bold]{hw.name}[/] ({devices}, {hw.host_memory_gb:,.0f} GB host RAM)\n"
-        f"batch: {cfg.train.micro_batch_size} × {cfg.train.seq_len} tokens × {cfg.pipeline.microbatches} "
+        f"batch: {batch.micro_batch_size} × {batch.seq_len} tokens × {batch.microbatches} "
         f"micro-batches × {t.tokens // per_round} round(s) = {t.tokens:,} tokens/step; {plan.num_stages} "
         f"stage(s), {cfg.pipeline.schedule}, {cfg.train.dtype}, {cfg.stream.slots} window slots"
     )
@@ -94,7 +95,7 @@ def _store_table(plan: Plan) -> Table:
 def _stage_table(plan: Plan) -> Table:
     where = "device" if plan.device_limit_bytes else "host (CPU stages)"
     table = Table(
-        title=f"Peak {where} memory per stage at micro_batch_size={plan.cfg.train.micro_batch_size} (GB)",
+        title=f"Peak {where} memory per stage at micro_batch_size={plan.batch.micro_batch_size} (GB)",
         title_justify="left",
     )
     cols = (
@@ -185,13 +186,12 @@ def _traffic_table(plan: Plan) -> Table:
 
 def _budget_line(plan: Plan) -> list[str]:
     """How the automatic residency budget is sized (GPU profiles, ``stream.device_budget`` -1/auto)."""
-    budget = plan.cfg.stream.device_budget
-    if not plan.device_limit_bytes or not (budget == "auto" or budget < 0):
+    if not plan.device_limit_bytes or plan.cfg.stream.device_budget not in AUTO:
         return []
     return [
         "automatic residency budget per stage: usable − window − activations (the table above) − "
         f"{MARGIN_BYTES / GB:.2f} GB margin (NCCL buffers {NCCL_MARGIN_BYTES / GB:.2f} + cuBLAS workspaces "
-        f"{CUBLAS_MARGIN_BYTES / GB:.2f} + allocator {ALLOCATOR_MARGIN_BYTES / GB:.2f}; residency.py)"
+        f"{CUBLAS_MARGIN_BYTES / GB:.2f} + allocator {ALLOCATOR_MARGIN_BYTES / GB:.2f}; core/placement.py)"
     ]
 
 

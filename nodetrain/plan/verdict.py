@@ -1,30 +1,47 @@
 """The planner's verdict: why a plan cannot start on its hardware, and what would make it faster.
 
 Owns: the problems (each with its numbers and a fix) and the hints a ``Plan`` prints. Does not own:
-the figures they quote (``planner.py``, ``costs.py``, ``step_time.py``), printing (``report.py``).
+the figures they quote (``planner.py``, ``core/fit.py``, ``cost/``), printing (``report.py``).
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from nodetrain.config.schema import Config
-from nodetrain.plan.costs import StageMemory
-from nodetrain.plan.step_time import StepTime
-from nodetrain.plan.tier import tier_problems
+from nodetrain.core.batch import BatchShape
+from nodetrain.core.fit import NodeFit
+from nodetrain.cost.memory import StageMemory
+from nodetrain.cost.step_time import StepTime
 
-if TYPE_CHECKING:
-    from nodetrain.plan.planner import _Node
-
-__all__ = ["problems", "hints"]
+__all__ = ["problems", "hints", "tier_problems"]
 
 GB = 1e9
 
 
-def problems(cfg: Config, node: _Node, stages: list[StageMemory], host_need: int, max_b: int) -> list[str]:
+def tier_problems(hw, tier: int, capacity_gb: float) -> list[str]:
+    """Why the tier cannot run on profile ``hw`` (empty when it can): no NVMe rates or capacity, or
+    ``tier`` bytes over the drives' ``capacity_gb``."""
+    missing = [k for k in ("nvme_read_gbps", "nvme_write_gbps", "nvme_capacity_gb") if not getattr(hw, k) > 0]
+    if missing:
+        return [
+            f"store.tier=nvme: hardware={hw.name} has no NVMe tier "
+            f"({', '.join(f'hardware.{k}=0' for k in missing)}); set the drives' datasheet figures "
+            "(GB/s, GB; nodetrain/config/hardware.py) or use store.tier=ram"
+        ]
+    if tier > capacity_gb * 1e9:
+        return [
+            f"store.tier=nvme: the tier needs {tier / 1e9:,.0f} GB but hardware.nvme_capacity_gb="
+            f"{capacity_gb:,.0f}; use optim.state=lean (fewer tier bytes) or larger drives"
+        ]
+    return []
+
+
+def problems(
+    cfg: Config, node: NodeFit, batch: BatchShape, stages: list[StageMemory], host_need: int, max_b: int
+) -> list[str]:
     """Why the run cannot start on this hardware, each with its numbers and a fix."""
-    hw, b, host = cfg.hardware, cfg.train.micro_batch_size, node.host_bytes
+    hw, b, host = cfg.hardware, batch.micro_batch_size, node.host_bytes
     problems = tier_problems(hw, node.tier_bytes, hw.nvme_capacity_gb) if cfg.store.tier == "nvme" else []
     if node.ram_store_bytes + node.overhead_bytes > host:
         per_param = node.ram_store_bytes / node.shape.num_params
@@ -53,9 +70,9 @@ def problems(cfg: Config, node: _Node, stages: list[StageMemory], host_need: int
     return problems
 
 
-def hints(cfg: Config, t: StepTime, max_b: int, num_stages: int) -> list[str]:
+def hints(batch: BatchShape, t: StepTime, max_b: int, num_stages: int) -> list[str]:
     """What would make the step faster."""
-    tr, hints = cfg.train, []
+    tr, hints = batch, []
     if t.bottleneck in ("H2D", "D2H"):
         ratio = max(t.h2d_s, t.d2h_s) / t.compute_s
         tokens = math.ceil(ratio * tr.micro_batch_size * tr.seq_len)
@@ -66,7 +83,7 @@ def hints(cfg: Config, t: StepTime, max_b: int, num_stages: int) -> list[str]:
     if t.bubble_s > 0.25 * t.step_s:
         hints.append(
             f"the pipeline bubble is {t.bubble_s / t.step_s:.0%} of the step: raise pipeline.microbatches "
-            f"(now {cfg.pipeline.microbatches}) to ≥ {4 * (num_stages - 1)}"
+            f"(now {batch.microbatches}) to ≥ {4 * (num_stages - 1)}"
         )
     if t.bottleneck == "optimizer cores":
         hints.append(

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nodetrain.engine.host_threads import limit_thread
-from nodetrain.engine.policy import Final, UpdatePolicy
-from nodetrain.engine.readiness import GradReadiness
+from nodetrain.core.update import Final, UpdatePolicy
+from nodetrain.engine.host.binding import limit_thread
+from nodetrain.engine.host.readiness import GradReadiness
 from nodetrain.engine.threads import Tally, check_writer, set_role
 from nodetrain.optim.adamw import StoreAdamW
 from nodetrain.run.inject import NO_FAULTS, Faults
@@ -88,7 +88,7 @@ class UnitUpdates:
         optimizer: the stage's AdamW over the host store.
         bindings: per block, the bindings it loads (``HFModel.bindings``).
         blocks: this stage's blocks.
-        policy: the update policy (policy.py's :func:`~nodetrain.engine.policy.policy_for`).
+        policy: the update policy (:func:`~nodetrain.core.update.policy_for`).
         shared_units: owned units that another stage also reads (the tied embedding on stage 0):
             always updated after the all-reduce, and waited for before the step ends.
         threads: OpenMP threads of the optimizer thread (≥ 1).

@@ -2,11 +2,10 @@
 
 Owns: a max-plus model of the engine's pipeline schedule (:func:`pipeline_times`) and of the
 optimizer thread's FIFO queue in each of :data:`MODES` (``engine/overlap.py`` runs that queue),
-giving how late the next step's first use of each unit is (:func:`exposed_s`), and the rule that
-picks speculative or deferred updates (:func:`choose_speculative`). Pure arithmetic on seconds;
-``step_time.py`` turns a model, a batch shape and rates into the seconds. Does not own: the modes'
-rules (``engine/policy.py``), the rates or FLOPs (step_time.py), the bytes (costs.py), or running
-anything.
+giving how late the next step's first use of each unit is (:func:`exposed_s`). Pure arithmetic on
+seconds; ``step_time.py`` turns a model, a batch shape and rates into the seconds. Does not own: the
+modes' rules and the choice between them (``core/update.py``), the rates or FLOPs (step_time.py), the
+bytes (traffic.py), or running anything.
 
 Why, with the timeline this models: docs/optimizer.md#how-much-adamw-a-step-waits-for.
 """
@@ -19,12 +18,10 @@ from dataclasses import dataclass
 __all__ = [
     "MODES",
     "CLIP_FRACTION",
-    "SPECULATE_GAIN",
     "UnitTiming",
     "OptimizerExposure",
     "pipeline_times",
     "exposed_s",
-    "choose_speculative",
 ]
 
 MODES = ("serial", "deferred", "in_backward", "speculative", "speculative_clipped")
@@ -33,11 +30,6 @@ CLIP_FRACTION = 0.3
 """Fraction of steps assumed to clip when speculative updates are priced (each such step pays the
 rollback and redo): the default job clipped 18 of 60 steps, most of them in the warm-up
 (bench/RESULTS.md#speculative-updates). An assumption: the engine cannot know it at start-up."""
-
-SPECULATE_GAIN = 0.02
-"""``optim.speculative=auto`` speculates only when that shortens the predicted step by more than this
-fraction: speculation costs 12 B/param of private host RAM and optimizer-thread work for a gain the
-model must show clearly, not within its own error."""
 
 
 @dataclass(frozen=True)
@@ -210,10 +202,3 @@ def _first_forward_late(units: list[UnitTiming], done: dict[int, float], start: 
         compute = max(compute, load) + u.forward_s
         base = max(base, base_load) + u.forward_s
     return compute - base
-
-
-def choose_speculative(deferred_step_s: float, speculative_step_s: float, backup_fits: bool) -> bool:
-    """``optim.speculative=auto``: speculate when the backups fit host RAM and the predicted step
-    (``step_time.step_time``, speculative priced at :data:`CLIP_FRACTION` clipped steps) is shorter than
-    the deferred one by more than :data:`SPECULATE_GAIN`."""
-    return backup_fits and speculative_step_s < (1 - SPECULATE_GAIN) * deferred_step_s

@@ -1,19 +1,18 @@
-"""The NVMe tier in the planner (``store.tier=nvme``): which store bytes leave host RAM for the
-node's NVMe drives, what reading and writing them once per step costs the optimizer thread, and
-whether the drives hold them.
+"""The NVMe tier as the cost model sees it (``store.tier=nvme``): which store bytes leave host RAM for
+the node's NVMe drives and what reading and writing them once per step costs the optimizer thread.
 
-Owns: the tier's bytes (``tier_bytes``), the optimizer thread's rate with the tier
-(``tier_optimizer_rate``: the slower of its CPU AdamW and the tier's I/O for the same parameters),
-and the tier's start-up problems (``tier_problems``). Does not own: the store layout
-(``nodetrain/store.py``), the engine's tier (being built in parallel), the step (``step_time.py``).
+Owns: the tier's bytes (``tier_bytes``) and the optimizer thread's rate with the tier
+(``tier_optimizer_rate``: the slower of its CPU AdamW and the tier's I/O for the same parameters).
+Does not own: the store layout (``nodetrain/store.py``), the engine's tier (``optim/tier.py``), the
+step (``step_time.py``) or whether the drives hold the tier (``plan/verdict.py``).
 """
 
 from __future__ import annotations
 
-from nodetrain.plan.costs import field_bytes
+from nodetrain.cost.memory import field_bytes
 from nodetrain.store import StoreLayout
 
-__all__ = ["TIER_FIELDS", "tier_bytes", "tier_optimizer_rate", "tier_problems"]
+__all__ = ["TIER_FIELDS", "ram_store_bytes", "tier_bytes", "tier_optimizer_rate"]
 
 TIER_FIELDS = {
     "full": ("master", "exp_avg", "exp_avg_sq"),
@@ -35,6 +34,15 @@ def tier_bytes(layout: StoreLayout, buffers: int) -> tuple[int, int]:
     return total, buffers * unit
 
 
+def ram_store_bytes(layout: StoreLayout, tier: str, buffers: int) -> int:
+    """Host RAM of the store: all of it with ``store.tier=ram``; with ``nvme`` all but the tier's
+    fields, plus the tier's pool of ``buffers`` buffers (:func:`tier_bytes`)."""
+    if tier != "nvme":
+        return layout.nbytes
+    on_nvme, pool = tier_bytes(layout, buffers)
+    return layout.nbytes - on_nvme + pool
+
+
 def tier_optimizer_rate(adamw_bytes_per_s: float, optimizer_bytes: float, tier_bytes: float, read: float,
                         write: float) -> float:  # fmt: skip
     """Host bytes/s the optimizer thread reaches over a stage's units when their tier fields
@@ -52,21 +60,3 @@ def tier_optimizer_rate(adamw_bytes_per_s: float, optimizer_bytes: float, tier_b
         raise ValueError(f"NVMe read={read} / write={write} bytes/s: both must be > 0 with a tier")
     io_s = tier_bytes / read + tier_bytes / write
     return min(adamw_bytes_per_s, optimizer_bytes / io_s)
-
-
-def tier_problems(hw, tier: int, capacity_gb: float) -> list[str]:
-    """Why the tier cannot run on profile ``hw`` (empty when it can): no NVMe rates or capacity, or
-    ``tier`` bytes over the drives' ``capacity_gb``."""
-    missing = [k for k in ("nvme_read_gbps", "nvme_write_gbps", "nvme_capacity_gb") if not getattr(hw, k) > 0]
-    if missing:
-        return [
-            f"store.tier=nvme: hardware={hw.name} has no NVMe tier "
-            f"({', '.join(f'hardware.{k}=0' for k in missing)}); set the drives' datasheet figures "
-            "(GB/s, GB; nodetrain/config/hardware.py) or use store.tier=ram"
-        ]
-    if tier > capacity_gb * 1e9:
-        return [
-            f"store.tier=nvme: the tier needs {tier / 1e9:,.0f} GB but hardware.nvme_capacity_gb="
-            f"{capacity_gb:,.0f}; use optim.state=lean (fewer tier bytes) or larger drives"
-        ]
-    return []

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from nodetrain.engine.copy_worker import CopyWorker, wait_copy
-from nodetrain.engine.pipeline import in_flight_peak
-from nodetrain.engine.staging import GradStaging, Staged
+from nodetrain.core.schedule import in_flight_peak
+from nodetrain.engine.device.copy_worker import CopyWorker, wait_copy
+from nodetrain.engine.device.staging import GradStaging, Staged
 from nodetrain.engine.threads import check_writer
 from nodetrain.run.breakdown import NULL_TIMELINE
 

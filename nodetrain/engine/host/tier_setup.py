@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from nodetrain.config.schema import Config
-from nodetrain.engine.replicas import Topology, node_group
+from nodetrain.core.topology import Topology
+from nodetrain.engine.comm.replicas import node_group
 from nodetrain.engine.threads import check_writer, set_role
 from nodetrain.optim.tier import TieredOptimizer
 from nodetrain.optim.tier_files import TIER_FIELDS, TierFile, TierLayout

@@ -37,9 +37,10 @@ from concurrent.futures import Future
 
 import torch
 
-from nodetrain.engine.accumulate import HostAccumulator
-from nodetrain.engine.copy_worker import CopyWorker, wait_copy
-from nodetrain.engine.staging import GradStaging
+from nodetrain.core.step_plan import reuses
+from nodetrain.engine.device.copy_worker import CopyWorker, wait_copy
+from nodetrain.engine.device.staging import GradStaging
+from nodetrain.engine.host.accumulate import HostAccumulator
 from nodetrain.engine.threads import check_writer
 from nodetrain.model import Binding
 from nodetrain.run.breakdown import NULL_TIMELINE
@@ -129,6 +130,7 @@ class Window:
         self._num_offloads = 0
         self._gate, self._on_arrival, self.timeline = gate, on_arrival, timeline
         self._seq: list[int] = []
+        self._reuse: list[bool] = []  # per position of the sequence: shares the previous load (core)
         self._loads: dict[int, tuple[Future, list[Future]]] = {}  # position -> (load, its gate)
         self._slot_at: dict[int, torch.Tensor] = {}  # position -> buffer of a streamed load
         self._resident_loads: dict[int, tuple[Future, list[Future]]] = {}  # block -> this sequence's
@@ -202,6 +204,7 @@ class Window:
         check_writer("training", "the window's sequence")
         assert not self._loads, "previous sequence not drained"
         self._seq, self.stall_s = list(sequence), 0.0
+        self._reuse = reuses(self._seq, self._resident)
         self._written.clear()
         self._backwards_left = {b: n for b, n in (backwards or {}).items() if b in self._grad_acc and n > 0}
         self._acc_started.clear()
@@ -231,10 +234,9 @@ class Window:
             self._cursor += 1
 
     def _reuses(self, k: int) -> bool:
-        """Position ``k`` uses the same streamed block as ``k - 1`` and so shares its load and slot."""
-        return (
-            0 < k < len(self._seq) and self._seq[k] == self._seq[k - 1] and self._seq[k] not in self._resident
-        )
+        """Position ``k`` uses the same streamed block as ``k - 1`` and so shares its load and slot
+        (``core.step_plan.reuses``, the rule the cost model counts loads by)."""
+        return 0 < k < len(self._seq) and self._reuse[k]
 
     def _load(self, block: int, buf: torch.Tensor) -> tuple[Future, list[Future]]:
         pieces, pos = [], 0

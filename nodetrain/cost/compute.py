@@ -4,9 +4,9 @@ Owns: a block's work per micro-batch (matmul and attention FLOPs, the bytes its 
 move, its share of a decoder layer's fixed overhead), the rates a device does each kind at
 (``ComputeRates``), and the model FLOPs used for MFU. Does not own: the step those seconds add up
 to (``step_time.py``: the pipeline, the host side, the optimizer), the activation bytes a layer keeps
-(``costs.py``), or measuring the rates (``bench/cpu_profile.py``).
+(``memory.py``), or measuring the rates (``bench/cpu_profile.py``).
 
-Shapes as in ``costs.py``: n = B·T tokens per micro-batch, T = sequence length, e = compute-dtype
+Shapes as in ``memory.py``: n = B·T tokens per micro-batch, T = sequence length, e = compute-dtype
 bytes, D / F / V = hidden, MLP and vocab sizes, H / Q = query heads and head dim.
 """
 
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nodetrain.plan.costs import ModelShape, layer_saved_per_token
+from nodetrain.cost.memory import layer_saved_per_token
+from nodetrain.cost.shape import ModelShape
 
 __all__ = [
     "model_flops",

@@ -1,12 +1,13 @@
 """Step time: the seconds a step's bytes and FLOPs cost on a hardware profile, as pure arithmetic.
 
 Owns: a step's time split into compute, H2D, D2H, host accumulation, CPU optimizer (and what of it
-the next step waits for: plan/exposure.py), host DRAM and pipeline bubble, the host rates it is
+the next step waits for: exposure.py), host DRAM and pipeline bubble, the host rates it is
 priced at (``HostRates``). Does not own: a block's compute work and its rates (``compute.py``), the
-bytes (``costs.py``: store, stage memory, a step's traffic), hardware profiles or verdicts
-(planner.py), measuring (``bench/``), or anything that needs torch.distributed.
+bytes (``traffic.py``, ``memory.py``), what each stage's step does (``core/step_plan.py``, handed
+over as :class:`~nodetrain.cost.work.StageWork`), hardware profiles or verdicts (``plan/``),
+measuring (``bench/``), or anything that needs torch.distributed.
 
-Shapes as in ``costs.py``: n = B·T tokens per micro-batch, T = sequence length, e = compute-dtype
+Shapes as in ``memory.py``: n = B·T tokens per micro-batch, T = sequence length, e = compute-dtype
 bytes, S = stages, M = micro-batches per round, G = rounds per step (grad_accum).
 
 The step (:func:`step_time`): per stage max(compute, H2D, D2H, accumulation) per micro-batch,
@@ -21,14 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from nodetrain.plan.compute import ComputeRates, block_seconds, model_flops, stage_compute
-from nodetrain.plan.costs import (
-    ModelShape,
-    StageTraffic,
-    optimizer_bytes_per_param,
-    stage_traffic,
-)
-from nodetrain.plan.exposure import (
+from nodetrain.cost.compute import ComputeRates, block_seconds, model_flops, stage_compute
+from nodetrain.cost.exposure import (
     CLIP_FRACTION,
     MODES,
     OptimizerExposure,
@@ -36,7 +31,10 @@ from nodetrain.plan.exposure import (
     exposed_s,
     pipeline_times,
 )
-from nodetrain.plan.tier import tier_optimizer_rate
+from nodetrain.cost.shape import ModelShape
+from nodetrain.cost.tier import tier_optimizer_rate
+from nodetrain.cost.traffic import StageTraffic, optimizer_bytes_per_param, stage_traffic
+from nodetrain.cost.work import StageWork
 
 __all__ = [
     "speculative_bytes_per_param",
@@ -162,28 +160,18 @@ class _Stages:
 
 
 def _stages(
-    shape, stage_blocks, *, b, t, m, g, itemsize, compute, rates, schedule, resident, shared_cores=0,
-    offload=False, tier=0.0,
-) -> _Stages:  # fmt: skip
-    from nodetrain.engine.pipeline import (  # pure; imported here: step_time stays light
-        build_schedule,
-        step_rounds,
-    )
-
-    n, s = b * t, len(stage_blocks)
-    rounds, per_round = step_rounds(schedule, g, m)
+    shape, works: list[StageWork], *, b, t, itemsize, compute, rates, shared_cores=0, offload=False, tier=0.0
+) -> _Stages:
+    n, s = b * t, len(works)
     accum_rate, _ = rates.rate(rates.accum_threads)
     out = _Stages([], [], [], [], [])
     share = max(1, shared_cores // s)  # a stage's threads share its cores (one each at least)
-    for k, blocks in enumerate(stage_blocks):
-        actions = build_schedule(schedule, s, k, per_round) * rounds  # the engine's rounds
-        x = stage_traffic(
-            shape, blocks, actions, n=n, itemsize=itemsize, resident=resident[k], offload_activations=offload
-        )
-        x = replace(x, tier_bytes=int(2 * tier * sum(shape.unit_numels[i] for i in blocks)))
-        parts = tuple(g * m * p for p in stage_compute(shape, blocks, n, t, itemsize, compute))
+    for w in works:
+        x = stage_traffic(shape, w, n=n, itemsize=itemsize, offload_activations=offload)
+        x = replace(x, tier_bytes=int(2 * tier * sum(shape.unit_numels[i] for i in w.blocks)))
+        parts = tuple(w.num_microbatches * p for p in stage_compute(shape, w.blocks, n, t, itemsize, compute))
         link = rates.link_bytes_per_s
-        out.actions.append(actions)
+        out.actions.append(list(w.actions))
         out.traffic.append(x)
         out.compute_parts.append(parts)
         out.seconds.append((sum(parts), x.h2d_bytes / link, x.d2h_bytes / link, x.accum_bytes / accum_rate))
@@ -192,11 +180,9 @@ def _stages(
     return out
 
 
-def _unit_timings(
-    shape, stage_blocks, st: _Stages, *, b, t, g, m, itemsize, compute, rates, resident, optim_rates
-):
-    """Per stage, its units' :class:`~nodetrain.plan.exposure.UnitTiming` (forward order), the
-    pipeline's end and each stage's fill, from :func:`~nodetrain.plan.exposure.pipeline_times` of
+def _unit_timings(shape, works: list[StageWork], st: _Stages, *, b, t, itemsize, compute, rates, optim_rates):
+    """Per stage, its units' :class:`~nodetrain.cost.exposure.UnitTiming` (forward order), the
+    pipeline's end and each stage's fill, from :func:`~nodetrain.cost.exposure.pipeline_times` of
     the engine's schedule.
 
     A block's forward and backward take its compute's share of the stage's per-micro-batch time
@@ -207,17 +193,18 @@ def _unit_timings(
     """
     n, e, last = b * t, itemsize, len(shape.unit_numels) - 1
     fwd, bwd, per_block = [], [], []
-    for k, blocks in enumerate(stage_blocks):
-        seconds = {i: block_seconds(shape, i, n, t, e, compute) for i in blocks}
+    for k, work in enumerate(works):
+        seconds = {i: block_seconds(shape, i, n, t, e, compute) for i in work.blocks}
         busy = sum(map(sum, seconds.values()))
-        stretch = st.busy[k] / (g * m) / busy if busy > 0 else 0.0
+        stretch = st.busy[k] / work.num_microbatches / busy if busy > 0 else 0.0
         per_block.append({i: (f * stretch, w * stretch) for i, (f, w) in seconds.items()})
         fwd.append(sum(f for f, _ in per_block[k].values()))
         bwd.append(sum(w for _, w in per_block[k].values()))
     times = pipeline_times(st.actions, fwd, bwd)
     step_end = max(end for stage in times for _, end in stage)
     stages = []
-    for k, blocks in enumerate(stage_blocks):
+    for k, work in enumerate(works):
+        blocks = work.blocks
         last_f = max(start for a, (start, _) in zip(st.actions[k], times[k], strict=True) if a.kind == "F")
         last_b = max(
             (start for a, (start, _) in zip(st.actions[k], times[k], strict=True) if a.kind == "B"),
@@ -229,7 +216,7 @@ def _unit_timings(
                 final = last_f + fwd[k]
             else:
                 final = last_b + sum(per_block[k][j][1] for j in blocks if j >= i)
-            rows = i == 0 and i not in resident[k]
+            rows = i == 0 and work.rows
             load = (n * shape.hidden if rows else shape.load_numels[i]) * e / rates.link_bytes_per_s
             numel = shape.unit_numels[i]
             units.append(
@@ -242,7 +229,7 @@ def _unit_timings(
                     redo_s=numel
                     * (speculative_bytes_per_param(True) - speculative_bytes_per_param(False))
                     / optim_rates[k],
-                    shared=shape.tied and len(stage_blocks) > 1 and i == 0,
+                    shared=shape.tied and len(works) > 1 and i == 0,
                 )
             )
         stages.append(units)
@@ -252,7 +239,7 @@ def _unit_timings(
 def _optim_rates(rates: HostRates, shape, stage_blocks, itemsize: int, measured, tier: float):
     """(per stage its optimizer thread's host bytes/s, what bounds the slowest): its AdamW's (measured,
     else ``rates.rate``), or with ``tier`` bytes/param on NVMe (read and written once a step, at the
-    rank's share of the drives) :func:`~nodetrain.plan.tier.tier_optimizer_rate` of both."""
+    rank's share of the drives) :func:`~nodetrain.cost.tier.tier_optimizer_rate` of both."""
     adamw, bound = rates.rate(rates.optim_threads)
     out = list(measured) if measured else [adamw] * len(stage_blocks)
     if tier <= 0:
@@ -266,30 +253,23 @@ def _optim_rates(rates: HostRates, shape, stage_blocks, itemsize: int, measured,
     return with_tier, "NVMe tier" if any(x < r for x, r in zip(with_tier, out, strict=True)) else bound
 
 
-def _exposure(shape, stage_blocks, st: _Stages, kw: dict, resident, optim_rates):
+def _exposure(shape, works: list[StageWork], st: _Stages, kw: dict, optim_rates):
     """(every mode's :class:`OptimizerExposure`, the pipeline's end: the step without the optimizer)."""
-    kw = {k: v for k, v in kw.items() if k in ("b", "t", "g", "m", "itemsize", "compute", "rates")}
-    stages, step_end, fills = _unit_timings(
-        shape, stage_blocks, st, **kw, resident=resident, optim_rates=optim_rates
-    )
+    stages, step_end, fills = _unit_timings(shape, works, st, **kw, optim_rates=optim_rates)
     figures = {mode: exposed_s(stages, step_end, mode, fills) for mode in MODES}
     return OptimizerExposure(**{f"{mode}_s": v for mode, v in figures.items()}), step_end
 
 
 def step_time(
     shape: ModelShape,
-    stage_blocks: list[range],
+    works: list[StageWork],
     *,
     b: int,
     t: int,
-    m: int,
-    g: int,
     itemsize: int,
     flops_per_s: float,
     rates: HostRates,
     update_mode: str = "deferred",
-    schedule: str = "1f1b",
-    resident: list[frozenset[int]] | None = None,
     optim_bytes_per_s: list[float] | None = None,
     clip_fraction: float = CLIP_FRACTION,
     attention_flops_per_s: float = 0.0,
@@ -303,10 +283,11 @@ def step_time(
     (the module's model, "The step").
 
     Args:
+        works: per stage, its step (``core.step_plan.StepPlan.work``: actions, loads, resident blocks);
+        b, t: micro-batch size and sequence length; itemsize: compute-dtype bytes;
         flops_per_s: achieved matmul FLOP/s of one stage's device; rates: the host side;
         update_mode: ``serial``, ``deferred``, ``in_backward`` or ``speculative`` (priced at
             ``clip_fraction`` clipped steps, its backups' and redos' bytes included);
-        resident: per stage, the blocks kept on the device (none when omitted);
         optim_bytes_per_s: per stage, its optimizer thread's host bytes/s (the engine's measurement);
             default: ``rates.rate(rates.optim_threads)`` for every stage;
         attention_flops_per_s, elementwise_bytes_per_s, layer_overhead_s: as :class:`ComputeRates`
@@ -321,21 +302,29 @@ def step_time(
     """
     if update_mode not in MODES[:4]:
         raise ValueError(f"update_mode={update_mode!r}: use one of {MODES[:4]}")
-    resident = resident or [frozenset()] * len(stage_blocks)
+    stage_blocks = [w.blocks for w in works]
     compute = ComputeRates(flops_per_s, attention_flops_per_s, elementwise_bytes_per_s, layer_overhead_s)
-    kw = dict(b=b, t=t, m=m, g=g, itemsize=itemsize, compute=compute, rates=rates)
+    kw = dict(b=b, t=t, itemsize=itemsize, compute=compute, rates=rates)
     st = _stages(
-        shape, stage_blocks, **kw, schedule=schedule, resident=resident, shared_cores=shared_cores,
-        offload=offload_activations, tier=tier_bytes_per_param,
-    )  # fmt: skip
+        shape, works, **kw, shared_cores=shared_cores, offload=offload_activations, tier=tier_bytes_per_param
+    )
     optim = _optim_rates(rates, shape, stage_blocks, itemsize, optim_bytes_per_s, tier_bytes_per_param)
     spec = update_mode == "speculative"
     traffic = _speculative_traffic(shape, stage_blocks, st.traffic, clip_fraction) if spec else st.traffic
-    exposure, pipeline = _exposure(shape, stage_blocks, st, kw, resident, optim[0])
+    exposure, pipeline = _exposure(shape, works, st, kw, optim[0])
     floors = _floors(
         st, traffic, rates, optim, exposure.of(update_mode, clip_fraction), pipeline, shared_cores
     )
-    return _result(shape, st, tuple(traffic), floors, exposure, update_mode, tokens=g * m * b * t, t=t)
+    return _result(
+        shape,
+        st,
+        tuple(traffic),
+        floors,
+        exposure,
+        update_mode,
+        tokens=works[0].num_microbatches * b * t,
+        t=t,
+    )
 
 
 @dataclass(frozen=True)

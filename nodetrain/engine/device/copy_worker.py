@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from nodetrain.engine.host_threads import limit_thread
+from nodetrain.engine.host.binding import limit_thread
 from nodetrain.engine.threads import Tally, set_role
 from nodetrain.run.inject import NO_FAULTS, Faults
 

@@ -1,9 +1,8 @@
 """A rank's host cores: their split between gradient accumulation and the optimizer, the OpenMP team
 of each worker thread, and binding to the NUMA node of the rank's GPU.
 
-Owns: the fair share of cores per rank, the split of that share between the D2H worker (which adds
-each offloaded gradient into the host store's fp32 accumulators) and the optimizer thread (AdamW),
-setting one thread's OpenMP team, and reading the NUMA topology from sysfs. Does not own: the
+Owns: the fair share of cores per rank (split between the D2H worker and the optimizer thread by
+``core.cores.split_cores``), setting one thread's OpenMP team, and reading the NUMA topology from sysfs. Does not own: the
 threads themselves (window.py's D2H worker, overlap.py's optimizer thread) or what they compute.
 
 Each worker sets its own OpenMP team with ``omp_set_num_threads`` (ctypes, per thread) in its
@@ -25,8 +24,9 @@ from pathlib import Path
 
 import torch
 
+from nodetrain.core.cores import CoreSplit, split_cores
+
 __all__ = [
-    "CoreSplit",
     "bind_rank_threads",
     "NumaBinding",
     "bind_threads",
@@ -35,7 +35,6 @@ __all__ = [
     "limit_thread",
     "numa_binding",
     "parse_cpulist",
-    "split_cores",
 ]
 
 log = logging.getLogger(__name__)
@@ -50,41 +49,6 @@ def fair_share_threads(ranks_sharing: int = 0) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     ranks = ranks_sharing or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, cores // max(1, ranks))
-
-
-@dataclass(frozen=True)
-class CoreSplit:
-    """OpenMP team sizes of a rank's two host workers."""
-
-    accum_threads: int
-    """The D2H worker: adds offloaded gradients into the host store's fp32 accumulators."""
-    optim_threads: int
-    """The optimizer thread: the CPU AdamW update."""
-    reason: str
-    """One line for the start-up log: where the numbers come from."""
-
-
-def split_cores(cores: int, accum_threads: int = 0, optim_threads: int = 0) -> CoreSplit:
-    """Split a rank's ``cores`` between gradient accumulation and the optimizer.
-
-    Both paths stream host memory (an fp32 add: 4 + e bytes read and 4 written per element; AdamW:
-    ~44), so each gets its own team. Auto (0) gives the optimizer half the share rounded up and the
-    accumulation the rest; one set explicitly leaves the rest to the other; each gets at least 1
-    (with 1 core the two teams share it).
-
-    Args:
-        cores: this rank's share of the node's cores (``fair_share_threads``), ≥ 1.
-        accum_threads: ``stream.accum_threads`` (0 = auto).
-        optim_threads: ``optim.threads`` (0 = auto).
-    """
-    assert cores >= 1 and accum_threads >= 0 and optim_threads >= 0, (cores, accum_threads, optim_threads)
-    optim = optim_threads or (max(1, cores - accum_threads) if accum_threads else (cores + 1) // 2)
-    accum = accum_threads or max(1, cores - optim)
-    keys = (("stream.accum_threads", accum, accum_threads), ("optim.threads", optim, optim_threads))
-    how = [f"{key}={value}" + ("" if given else " (auto)") for key, value, given in keys]
-    over = " (oversubscribed: the teams share cores)" if accum + optim > cores else ""
-    reason = f"host threads of this rank's {cores} core(s): {', '.join(how)}{over}"
-    return CoreSplit(accum, optim, reason)
 
 
 def _openmp_runtime() -> ctypes.CDLL | None:

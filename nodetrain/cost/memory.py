@@ -1,11 +1,11 @@
-"""Cost model: the bytes a model costs on the engine, as pure arithmetic.
+"""Memory: the bytes a model costs on the engine's host store and on each stage's device.
 
-Owns: host store bytes per field, each stage's peak device bytes (window + activations), and the
-bytes a step moves (H2D, D2H, and through host DRAM: the DMA, the gradient accumulation, the
-optimizer). Does not own: the seconds those cost (``step_time.py``, ``compute.py``), hardware
-profiles or verdicts (planner.py), measuring (``bench/``), or anything that needs torch.distributed.
-Byte counts of the store and the stage partition come from the engine's own code (``StoreLayout``,
-``partition`` in the caller), so the model cannot drift from what a run allocates.
+Owns: host store bytes per field, each stage's peak device bytes (window, resident blocks, saved
+activations, P2P buffers, one block's recompute + backward), the margins the device keeps free
+beyond them, and the head's chunk size. Does not own the bytes a step moves (``traffic.py``), the
+seconds (``step_time.py``, ``compute.py``), which blocks stay on the device (``core/placement.py``)
+or anything that needs torch.distributed. Byte counts of the store come from the engine's own
+``StoreLayout``, so the model cannot drift from what a run allocates.
 
 Shapes: B = micro-batch size, T = sequence length, n = B·T tokens, D = hidden size, F = MLP width,
 V = vocab, H / K = query / key-value heads, Q = head dim, e = compute-dtype bytes, S = stages,
@@ -18,12 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from nodetrain.plan.shape import ModelShape, shape_of
+from nodetrain.cost.shape import ModelShape
+from nodetrain.cost.work import StageWork
 from nodetrain.store import StoreLayout
 
 __all__ = [
-    "ModelShape",
-    "shape_of",
     "store_layout",
     "field_bytes",
     "pin_overhead_bytes",
@@ -33,11 +32,13 @@ __all__ = [
     "resident_bytes_per_param",
     "layer_saved_per_token",
     "saved_per_micro_batch",
-    "optimizer_bytes_per_param",
-    "speculative_backup_bytes",
-    "StageTraffic",
-    "load_sequence",
-    "stage_traffic",
+    "CHUNK_LOGITS_BYTES",
+    "chunk_tokens",
+    "OFFLOADED_IN_FLIGHT",
+    "MARGIN_BYTES",
+    "NCCL_MARGIN_BYTES",
+    "CUBLAS_MARGIN_BYTES",
+    "ALLOCATOR_MARGIN_BYTES",
 ]
 
 
@@ -80,6 +81,27 @@ def resident_bytes_per_param(itemsize: int) -> int:
     return itemsize + GRAD_ACC_ITEMSIZE
 
 
+NCCL_MARGIN_BYTES = 1 << 30
+"""NCCL's device buffers, not yet allocated when the budget reads the free memory (a communicator
+connects a peer at its first P2P or collective). Per connection and channel NCCL keeps one buffer
+per protocol: Simple ``NCCL_BUFFSIZE`` (default 4 MiB, NCCL's environment-variable docs), LL128
+120 × 640 threads × 8 steps × 8 B = 4.7 MiB and LL 8 × 512 × 8 × 16 B = 0.5 MiB (NVIDIA/nccl
+``src/init.cc``, ``src/include/device.h``); the channels grow with the link's bandwidth
+(NVIDIA/nccl#986). Measured: 544-688 MB per communicator on 4 × A100 with NVLink (NVIDIA/nccl#964).
+The engine's default group carries the P2P and the all-reduce: 1 GiB, an assumption for one
+communicator (NVLink SHARP, ``NCCL_NVLS_ENABLE``, takes more: NVIDIA/nccl#864)."""
+CUBLAS_MARGIN_BYTES = 128 << 20
+"""cuBLAS and cuBLASLt workspaces: 32 MiB each per (handle, stream) on Hopper and newer, 4 MiB
+before (cuBLAS docs, ``cublasSetWorkspace``; PyTorch's defaults since pytorch/pytorch#120925),
+for the compute stream and one more."""
+ALLOCATOR_MARGIN_BYTES = (2 << 30) - NCCL_MARGIN_BYTES - CUBLAS_MARGIN_BYTES
+"""PyTorch's caching allocator: sizes rounded up (512 B; above 10 MiB to 2 MiB multiples; 1-10 MiB
+requests carved from 20 MiB segments: ``c10/cuda/CUDACachingAllocator.cpp``) and fragmentation
+between activations of varied sizes; an assumption (0.875 GiB) that keeps the margin at 2 GiB."""
+MARGIN_BYTES = NCCL_MARGIN_BYTES + CUBLAS_MARGIN_BYTES + ALLOCATOR_MARGIN_BYTES
+"""Device bytes the automatic budget leaves free beyond what :func:`stage_memory` counts."""
+
+
 @dataclass(frozen=True)
 class StageMemory:
     """Device bytes one stage holds at its peak (on a CPU profile: host bytes of that rank)."""
@@ -104,10 +126,10 @@ class StageMemory:
     """Resident blocks' weights and fp32 gradient accumulators, ``load × (e + 4)`` each
     (``Window.resident_nbytes``)."""
     in_flight: int = 0
-    """Most micro-batches whose inputs the stage keeps at once (``pipeline.in_flight_peak`` of the
+    """Most micro-batches whose inputs the stage keeps at once (``core.schedule.in_flight_peak`` of the
     step's schedule: 1F1B min(S − s, G·M) in its one round, GPipe M)."""
     p2p_buffers: int = 0
-    """Most [B, T, D] P2P buffers alive at once (``pipeline.p2p_live_peak``; ``P2P.peak_buffers``)."""
+    """Most [B, T, D] P2P buffers alive at once (``core.schedule.p2p_live_peak``; ``P2P.peak_buffers``)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -187,6 +209,29 @@ def _layer_backward_peak(shape: ModelShape, n: int, e: int, grads: int, block: i
     )
 
 
+CHUNK_LOGITS_BYTES = 512 << 20
+"""fp32 logits of one chunk (512 MiB: 1046 tokens at a 128k vocabulary, 4194 at 32k).
+
+Why this size: the chunk's logits, their softmax and gradient (about 3 × this) are all the memory
+the head adds, whatever the micro-batch's token count (full logits of 4 × 4096 tokens at 128k are
+8.4 GB, 25 GB with their softmax and gradient). Smaller chunks cost time: each chunk adds its
+weight gradient (V × D) into the fp32 sum, 8 bytes of traffic per element against the chunk's
+6 × c FLOPs per element (logits, input and weight gradients), i.e. ≈ 440 / c of the head's matmul
+time on a GPU doing ~1000 TFLOP/s over ~3 TB/s: 42% of the head at c = 1046, and the head is
+~6% of Llama-3-8B's FLOPs, so ~2.5% of the step. Liger-Kernel's rule (``cdiv(V, D)`` chunks)
+bounds the memory too, but at a small hidden size it makes thousands of one-token chunks whose
+additions dominate (measured on CPU: 19× slower than full logits at V = 128k, D = 64)."""
+
+
+def chunk_tokens(vocab: int) -> int:
+    """Tokens per chunk: as many as fit :data:`CHUNK_LOGITS_BYTES` of fp32 logits, at least 1.
+
+    Args:
+        vocab: V, the head's output rows.
+    """
+    return max(1, CHUNK_LOGITS_BYTES // (4 * vocab))
+
+
 def _head_peak_bytes(shape: ModelShape, n: int, e: int, load: int) -> int:
     """Peak of the head's loss and gradients, taken chunk by chunk over tokens in its forward
     (``engine/linear_ce.py``) for ``n`` tokens and a head binding ``load`` elements (P).
@@ -197,8 +242,6 @@ def _head_peak_bytes(shape: ModelShape, n: int, e: int, load: int) -> int:
     one it makes, 3 × 4·c·V) and the lm_head's (the logits' gradient in the compute dtype c·V·e,
     with its fp32 source when e < 4, and the chunk's weight gradient P·e, added to the sums next).
     """
-    from nodetrain.engine.linear_ce import chunk_tokens  # the engine's own chunk size
-
     v, d = shape.vocab, shape.hidden
     c = min(n, chunk_tokens(v))
     logits = max(12 * c * v, c * v * (e + (4 if e < 4 else 0)) + load * e)
@@ -240,73 +283,62 @@ def _rows_backward_bytes(shape: ModelShape, n: int, e: int, on_cpu: bool) -> int
 
 def stage_memory(
     shape: ModelShape,
-    blocks: range,
-    stage: int,
-    num_stages: int,
+    work: StageWork,
     *,
     b: int,
     t: int,
-    m: int,
-    g: int,
-    schedule: str,
     slots: int,
     itemsize: int,
     on_cpu: bool = False,
-    resident=(),
     offload_activations: bool = False,
 ) -> StageMemory:
-    """Peak device bytes of ``stage`` (owning ``blocks``) for micro-batches of ``b × t`` tokens.
+    """Peak device bytes of one stage (``work``: its step) for micro-batches of ``b × t`` tokens.
 
     The parts are the engine's live tensors: the window's slots, resident blocks with their fp32
     accumulators, the saved block inputs of the micro-batches in flight and the P2P buffers alive
-    at once (both counted on the step's schedule, ``pipeline.build_schedule`` in the rounds of
-    ``pipeline.step_rounds``: :func:`~nodetrain.engine.pipeline.in_flight_peak`,
-    :func:`~nodetrain.engine.pipeline.p2p_live_peak`), and the transient peak of one block's
-    recompute + backward with the gradients queued for D2H. The peaks of the parts are added,
-    though they need not coincide (a bound, not a trace).
+    at once (both counted on the step's schedule: ``work.in_flight``, ``work.p2p_buffers``), and the
+    transient peak of one block's recompute + backward with the gradients queued for D2H. The peaks
+    of the parts are added, though they need not coincide (a bound, not a trace).
 
     Gradients queued for D2H: :func:`_queued_bytes`.
     Args:
-        shape: the model; blocks: this stage's block indices (from ``partition``).
-        b, t, m, g: micro-batch size, sequence length, micro-batches per round, rounds per step.
-        schedule: ``1f1b`` or ``gpipe``; slots: window slots; itemsize: compute-dtype bytes (e).
+        shape: the model; work: the stage's step (``StepPlan.work``: blocks, resident blocks, peaks).
+        b, t: micro-batch size and sequence length.
+        slots: window slots; itemsize: compute-dtype bytes (e).
         on_cpu: the device is the CPU (the stage's memory is host memory).
-        resident: blocks kept resident (residency.py): out of the slots' ``largest``, counted at
-            ``load × (e + 4)`` bytes each; their gradients accumulate on the device, none queue. A
-            streamed embedding (stage 0's block 0, not resident) is gathered by rows: never in a slot,
-            its backward :func:`_rows_backward_bytes`, its offload the used rows (≤ min(n, V) × D).
         offload_activations: only :data:`OFFLOADED_IN_FLIGHT` micro-batches' saved inputs on the device.
 
-    Raises:
-        ValueError: unknown schedule.
+    Resident blocks (``work.resident``) are out of the slots' ``largest``, counted at ``load × (e + 4)``
+    bytes each; their gradients accumulate on the device, none queue. A streamed embedding
+    (``work.rows``) is gathered by rows: never in a slot, its backward :func:`_rows_backward_bytes`,
+    its offload the used rows (≤ min(n, V) × D).
     """
-    n, e, d = b * t, itemsize, shape.hidden
+    n, e, d, blocks, resident = b * t, itemsize, shape.hidden, work.blocks, work.resident
     largest = max(shape.load_numels[i] for i in blocks)
-    rows, streamed, offloaded = _streamed(shape, blocks, resident, n)
-    in_flight, buffers = _schedule_peaks(schedule, num_stages, stage, m, g)
+    streamed, offloaded = _streamed(shape, work, n)
+    in_flight, buffers = work.in_flight, work.p2p_buffers
     on_device = min(in_flight, OFFLOADED_IN_FLIGHT) if offload_activations else in_flight
     queued = _queued_bytes(on_cpu, slots, offloaded, e)
     return StageMemory(
-        stage=stage,
+        stage=work.stage,
         blocks=blocks,
         window_bytes=slots * streamed * e,
         staging_bytes=slots * largest * e,
         saved_bytes=on_device * saved_per_micro_batch(shape, blocks, n, e),
         p2p_bytes=buffers * n * d * e,
-        transient_bytes=_transient_peak(shape, blocks, n, e, on_cpu, rows) + queued,
+        transient_bytes=_transient_peak(shape, blocks, n, e, on_cpu, work.rows) + queued,
         resident_bytes=sum(shape.load_numels[i] for i in resident) * resident_bytes_per_param(e),
         in_flight=in_flight,
         p2p_buffers=buffers,
     )
 
 
-def _streamed(shape: ModelShape, blocks: range, resident, n: int) -> tuple[bool, int, int]:
-    """(stage 0's embedding is gathered by rows, the largest slotted block's load, the most elements
-    one offload queues) for a stage owning ``blocks`` with ``resident`` kept on the device."""
-    rows = 0 in blocks and 0 not in resident  # a streamed embedding is gathered by rows, not slotted
-    slotted = [i for i in blocks if i not in resident and not (rows and i == 0)]
+def _streamed(shape: ModelShape, work: StageWork, n: int) -> tuple[int, int]:
+    """(the largest slotted block's load, the most elements one offload queues) of a stage's step."""
+    rows = work.rows  # a streamed embedding is gathered by rows, not slotted
+    slotted = [i for i in work.blocks if i not in work.resident and not (rows and i == 0)]
     streamed = max((shape.load_numels[i] for i in slotted), default=0)
-    return rows, streamed, max(streamed, min(n, shape.vocab) * shape.hidden if rows else 0)
+    return streamed, max(streamed, min(n, shape.vocab) * shape.hidden if rows else 0)
 
 
 def _queued_bytes(on_cpu: bool, slots: int, offloaded: int, e: int) -> int:
@@ -334,20 +366,6 @@ def saved_per_micro_batch(shape: ModelShape, blocks: range, n: int, e: int) -> i
     return sum(n * 8 if i == 0 else n * shape.hidden * e for i in blocks)
 
 
-def _schedule_peaks(schedule: str, num_stages: int, stage: int, m: int, g: int) -> tuple[int, int]:
-    """(micro-batches in flight, P2P buffers alive) at the peak of ``stage`` on the step's schedule."""
-    from nodetrain.engine.pipeline import (  # pure; imported here: costs stays light
-        build_schedule,
-        in_flight_peak,
-        p2p_live_peak,
-        step_rounds,
-    )
-
-    rounds, per_round = step_rounds(schedule, g, m)
-    actions = build_schedule(schedule, num_stages, stage, per_round)
-    return in_flight_peak(actions), p2p_live_peak(actions, rounds, stage, num_stages)
-
-
 def _transient_peak(shape: ModelShape, blocks: range, n: int, e: int, on_cpu: bool, rows: bool) -> int:
     """The largest recompute + backward peak of the stage's blocks (a streamed embedding's by rows)."""
     return max(
@@ -356,133 +374,3 @@ def _transient_peak(shape: ModelShape, blocks: range, n: int, e: int, on_cpu: bo
         else _block_peak_bytes(shape, i, n, e, on_cpu)
         for i in blocks
     )
-
-
-# ----------------------------------------------------------------------------- traffic
-
-
-def optimizer_bytes_per_param(itemsize: int) -> int:
-    """Host memory traffic of one CPU AdamW update per parameter: the fused AdamW reads master,
-    grad, exp_avg, exp_avg_sq (16) and writes master, exp_avg, exp_avg_sq (12); the global norm
-    reads the grad (4); refreshing the transfer copy reads master (4) and writes ``itemsize``;
-    zeroing the grad writes 4. (An active clip adds 8 more.)"""
-    return 40 + itemsize
-
-
-def speculative_backup_bytes(shape: ModelShape, speculative: bool) -> int:
-    """Private host RAM of ``optim.speculative``'s backups, all ranks of a node together: master
-    weights, ``exp_avg`` and ``exp_avg_sq`` of every unit updated during the backward, 12 bytes per
-    parameter (StoreAdamW.backup_unit); 0 without speculation."""
-    return 12 * shape.num_params if speculative else 0
-
-
-@dataclass(frozen=True)
-class StageTraffic:
-    """What one stage moves in one optimizer step (bytes), under the engine's transfer rules."""
-
-    loads: int
-    """H2D loads of blocks (a resident block's one load counted once)."""
-    h2d_bytes: int
-    """Host → device: every load's bytes (the embedding's: the gathered rows only)."""
-    d2h_bytes: int
-    """Device → host: streamed blocks' gradients per backward (e bytes), resident ones' once (fp32)."""
-    accum_bytes: int
-    """Host DRAM bytes the D2H worker touches adding gradients into the fp32 accumulators (reads of
-    the staged gradients, reads and writes of the accumulators; not the DMA itself)."""
-    optimizer_bytes: int
-    """Host DRAM bytes of the CPU AdamW over the stage's units (``optimizer_bytes_per_param``)."""
-    tier_bytes: int = 0
-    """NVMe bytes of the stage's tier fields per step (``store.tier=nvme``): each read and written once,
-    through host DRAM."""
-
-    @property
-    def host_bytes(self) -> int:
-        """Everything through host DRAM: the DMA reads (H2D) and writes (D2H), the host's passes and the
-        tier's NVMe reads and writes."""
-        return self.h2d_bytes + self.d2h_bytes + self.accum_bytes + self.optimizer_bytes + self.tier_bytes
-
-
-def load_sequence(shape: ModelShape, blocks: range, actions, resident=frozenset()) -> list[int]:
-    """The blocks one round of ``actions`` loads, in order, under the engine's rules.
-
-    A forward visits the stage's blocks in order, a backward in reverse, except the last stage's
-    head (it takes its gradients in the forward, so its backward needs no second load) and stage
-    0's embedding (it gathers rows outside the load sequence; its backward scatter-adds a row
-    gradient and needs no weights). Resident blocks
-    are loaded once per step, not here; a block used twice in a row is loaded once (1F1B's last
-    block between F(i + w) and B(i), the first between B(i) and F(i + 1 + w)).
-
-    Args:
-        shape: the model; blocks: this stage's blocks; actions: ``pipeline.build_schedule``'s list
-            for one round of G·M micro-batches; resident: blocks kept on the device.
-    """
-    last = len(shape.unit_numels) - 1
-    seq: list[int] = []
-    for a in actions:
-        order = (
-            [i for i in blocks if i != 0]
-            if a.kind == "F"
-            else [i for i in reversed(blocks) if i not in (0, last)]
-        )
-        for i in order:
-            if i not in resident and (not seq or seq[-1] != i):
-                seq.append(i)
-    return seq
-
-
-def _embed_sparse(block: int) -> bool:
-    """Stage 0's embedding moves gathered rows, not V×D (tied or not: the tied head, on the last
-    stage, binds the whole matrix as its own load)."""
-    return block == 0
-
-
-def stage_traffic(
-    shape: ModelShape,
-    blocks: range,
-    actions,
-    *,
-    n: int,
-    itemsize: int,
-    resident=frozenset(),
-    offload_activations: bool = False,
-) -> StageTraffic:
-    """Bytes one stage moves per step (see :func:`load_sequence` for which loads happen).
-
-    Gradients: a streamed block offloads ``load × e`` after each of its backwards (the last stage's
-    head after each forward) and the D2H worker adds it into the fp32 accumulator: it reads the
-    staged copy (e) and the accumulator (4) and writes the accumulator (4), except that the step's
-    first offload overwrites it (no read). A resident block accumulates on the device and offloads
-    its fp32 gradient once per step, copied into the accumulator (read 4 + write 4). Stage 0's
-    embedding gathers only the n used rows (n·D·e in) and offloads an n-row gradient (n·D·e
-    and the 8-byte ids out) that is scatter-added into an accumulator zeroed once per step.
-
-    With ``offload_activations`` every micro-batch's saved block inputs
-    (:func:`saved_per_micro_batch`) go D2H after its forward and come back H2D before its backward.
-
-    Args:
-        n: tokens per micro-batch (B·T); itemsize: compute-dtype bytes (e); the rest as
-            :func:`load_sequence`.
-    """
-    e, d = itemsize, shape.hidden
-    num_mb = sum(1 for a in actions if a.kind == "F")
-    seq = load_sequence(shape, blocks, actions, resident)
-    row_bytes = n * d * e
-    h2d = sum(shape.load_numels[i] * e for i in seq)
-    h2d += num_mb * row_bytes if 0 in blocks and 0 not in resident else 0  # the gathered rows
-    h2d += sum(shape.load_numels[i] * e for i in resident)
-    d2h = accum = 0
-    for i in blocks:
-        p = shape.load_numels[i]
-        if i in resident:
-            d2h, accum = d2h + 4 * p, accum + 8 * p
-        elif _embed_sparse(i):
-            d2h += num_mb * (row_bytes + 8 * n)
-            accum += 4 * p + num_mb * (row_bytes + 8 * n + 8 * n * d)
-        else:
-            d2h += num_mb * p * e
-            accum += num_mb * p * e + 4 * p + (num_mb - 1) * 8 * p
-    saved = num_mb * saved_per_micro_batch(shape, blocks, n, e) if offload_activations else 0
-    h2d, d2h = h2d + saved, d2h + saved
-    owned = sum(shape.unit_numels[i] for i in blocks)
-    opt = owned * optimizer_bytes_per_param(e)
-    return StageTraffic(len(seq) + len(resident), h2d, d2h, accum, opt)

@@ -1,9 +1,9 @@
 """When each unit's gradient is final in a step: the one place that says "unit u is final".
 
 Owns: the count of a step's gradient arrivals per unit (from the step's one expansion of the
-schedule, ``StepPlan.arrivals``), the order in which units become final (:func:`final_order`, a pure
-function of the schedule, so the replicas of a stage pair their per-unit all-reduces) and the check
-that they do so in that order. A unit bound by several blocks (the tied embedding on one stage) is
+schedule, ``StepPlan.arrivals``) and the check that units become final in the order
+``core.step_plan.final_order`` says (a pure function of the schedule, so the replicas of a stage pair
+their per-unit all-reduces). A unit bound by several blocks (the tied embedding on one stage) is
 final at the last arrival of any of them. Units another stage also reads (the tied embedding owned
 by stage 0 and bound by the last stage's head) and, when nothing is updated in the backward, every
 unit are *settled* instead: final after the flush, the tied sum and the replica sum
@@ -16,26 +16,10 @@ writing the counts. Does not own what happens to a final unit (policy.py, overla
 
 from __future__ import annotations
 
+from nodetrain.core.step_plan import final_order
 from nodetrain.engine.threads import check_writer
 
-__all__ = ["GradReadiness", "final_order"]
-
-
-def final_order(arrivals, units_of: dict[int, list[int]]) -> list[int]:
-    """The order in which units' gradients become final, given the blocks in arrival order.
-
-    A unit is final at the last arrival of any block binding it; units final at the same arrival
-    come in ``units_of[block]`` order (as :meth:`GradReadiness.arrived` returns them).
-
-    Args:
-        arrivals: block indices in the order their gradients reach the host store in a step.
-        units_of: per block, the units whose gradients it carries (counted ones only).
-    """
-    last: dict[int, tuple[int, int]] = {}
-    for pos, block in enumerate(arrivals):
-        for k, u in enumerate(units_of.get(block, ())):
-            last[u] = (pos, k)
-    return sorted(last, key=last.__getitem__)
+__all__ = ["GradReadiness"]
 
 
 class GradReadiness:

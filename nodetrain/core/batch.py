@@ -1,0 +1,111 @@
+"""The automatic batch: ``train.micro_batch_size=auto`` and ``pipeline.microbatches=auto`` turned into
+numbers once, and the step of a batch priced with its stages fitted, placed and its update mode chosen.
+
+Owns: :func:`resolve_batch`: among the candidates whose peak fits the device (fit.py), the smallest
+micro-batch size × count within :data:`AUTO_WITHIN` of the best tokens/s the step model predicts on the
+hardware profile (pricing.py); and :func:`priced_batch`, the one way a batch is priced (the engine's
+choices and the planner's report). Pure. Does not own the batch's counts (``config/batch.py``), the
+data that fills it (data/) or the schedule of its micro-batches (schedule.py).
+"""
+
+from __future__ import annotations
+
+from nodetrain.config.batch import BatchShape
+from nodetrain.config.schema import Config, ConfigError
+from nodetrain.core.fit import node_fit, profile_host_free_bytes
+from nodetrain.core.machine import Machine, profile_machine
+from nodetrain.core.placement import place_stages
+from nodetrain.core.pricing import priced_step
+from nodetrain.core.update import choose_update
+from nodetrain.cost.shape import ModelShape
+
+__all__ = ["AUTO_MAX_ROUNDS", "AUTO_WITHIN", "priced_batch", "resolve_batch"]
+
+AUTO_WITHIN = 0.02
+"""An automatic choice takes the smallest batch within this fraction of the best predicted tokens/s."""
+AUTO_MAX_ROUNDS = 8
+"""``pipeline.microbatches=auto`` tries S, 2S, 4S … up to this many × the stages."""
+
+
+def _candidates(cfg: Config, num_stages: int, nodes: int) -> list[tuple[int, int]]:
+    """(micro-batch size, micro-batches) pairs to try: the given value of each, or for ``auto`` powers
+    of two (sizes) and S, 2S, 4S … (micro-batches); with ``train.batch_size`` only pairs dividing it."""
+    b, m = cfg.train.micro_batch_size, cfg.pipeline.microbatches
+    sizes = [1 << k for k in range(17)] if b == "auto" else [b]
+    counts = [num_stages << k for k in range(AUTO_MAX_ROUNDS.bit_length())] if m == "auto" else [m]
+    if cfg.train.batch_size > 0:
+        fits = [(x, y) for x in sizes for y in counts if cfg.train.batch_size % (x * y * nodes) == 0]
+        if m == "auto" and not any(y for _, y in fits):
+            counts = list(range(1, AUTO_MAX_ROUNDS * num_stages + 1))
+            fits = [(x, y) for x in sizes for y in counts if cfg.train.batch_size % (x * y * nodes) == 0]
+        return fits
+    return [(x, y) for x in sizes for y in counts]
+
+
+def priced_batch(cfg: Config, shape: ModelShape, machine: Machine, batch: BatchShape, num_stages: int):
+    """The step of ``cfg`` at ``batch`` on ``machine``: its stages fitted (``fit.node_fit``), their
+    blocks placed (``placement.place_stages``) and its update mode chosen (``update.choose_update``),
+    priced in that mode (``serial`` with ``plan.overlap_optimizer=false``).
+
+    Returns:
+        (the ``NodeFit``, per stage its budget, per stage its resident blocks, the update choice, the
+        ``StepTime``).
+    """
+    fit = node_fit(cfg, shape, num_stages, batch.microbatches, batch.grad_accum, machine.hardware)
+    b = batch.micro_batch_size
+    streamed = [fit.stage(k, b) for k in range(num_stages)]
+    budgets, resident = place_stages(
+        cfg.stream.device_budget, shape, fit.plans, streamed, machine.device_bytes, fit.itemsize
+    )
+    works = [p.work(r) for p, r in zip(fit.plans, resident, strict=True)]
+    choice = choose_update(cfg, shape, works, machine, b)
+    mode = choice.kind if cfg.plan.overlap_optimizer else "serial"
+    step = choice.priced.get(mode) or priced_step(cfg, shape, works, machine, mode, b)
+    return fit, budgets, resident, choice, step
+
+
+def resolve_batch(
+    cfg: Config, shape: ModelShape, num_stages: int, nodes: int = 1
+) -> tuple[BatchShape, list[str]]:
+    """The batch of ``cfg``, with ``train.micro_batch_size`` and ``pipeline.microbatches`` resolved
+    from ``auto`` by the step model on ``cfg.hardware`` (one line each saying what was chosen and why).
+
+    Sizes and counts are chosen among those whose peak fits the device (``cost.memory.stage_memory``,
+    the one activation model, also behind the automatic device budget): the smallest micro-batch
+    size × count within :data:`AUTO_WITHIN` of the best predicted tokens/s (a smaller batch for the
+    same speed).
+
+    Args:
+        cfg: a validated config (``auto`` allowed in those keys); shape: its model; num_stages: stages;
+            nodes: pipeline replicas sharing ``train.batch_size``.
+
+    Raises:
+        ConfigError: no candidate fits (the message gives the way to see the memory of the smallest).
+    """
+    b_auto, m_auto = cfg.train.micro_batch_size == "auto", cfg.pipeline.microbatches == "auto"
+    if not (b_auto or m_auto):
+        return BatchShape.of(cfg, nodes), []
+    scored, machine = [], profile_machine(cfg, profile_host_free_bytes(cfg, shape), num_stages)
+    for b, m in _candidates(cfg, num_stages, nodes):
+        batch = BatchShape.of(cfg, nodes, b, m)
+        if node_fit(cfg, shape, num_stages, m, batch.grad_accum).fits(b):
+            t = priced_batch(cfg, shape, machine, batch, num_stages)[-1]
+            scored.append((t.tokens / t.step_s, b, m, t))
+    if not scored:
+        keys = " and ".join(
+            k for k, a in (("train.micro_batch_size", b_auto), ("pipeline.microbatches", m_auto)) if a
+        )
+        raise ConfigError(
+            f"{keys}=auto: no candidate fits {cfg.hardware.name} (see `python -m nodetrain.plan` with "
+            "train.micro_batch_size=1); shorten train.seq_len, use more stages or a larger device"
+        )
+    best = max(x[0] for x in scored)
+    rate, b, m, t = min(
+        (x for x in scored if x[0] >= (1 - AUTO_WITHIN) * best), key=lambda x: (x[1] * x[2], x[2])
+    )
+    line = (
+        f"planner chose train.micro_batch_size={b}, pipeline.microbatches={m} on "
+        f"hardware={cfg.hardware.name}: {rate:,.0f} tokens/s predicted ({t.bottleneck}-bound), the smallest "
+        f"batch within {AUTO_WITHIN:.0%} of the best of {len(scored)} that fit ({best:,.0f} tokens/s)"
+    )
+    return BatchShape.of(cfg, nodes, b, m), [line]

@@ -1,0 +1,120 @@
+"""The run's shape: every ``auto`` of the config turned into a number once, at start-up.
+
+Owns: :class:`RunShape` (frozen: the batch, every stage's step and placement, the update mode, and
+the lines saying what ``auto`` became and why) and :func:`resolve`, which makes it from a config, the
+model's shape and a :class:`~nodetrain.core.machine.Machine`. The engine, the planner, the report and
+the logs all read the same object; nothing downstream re-derives micro-batches per step, budgets,
+placements or the update mode. Pure: the engine measures its machine first (engine/startup.py).
+
+    cfg ─┐                                          ┌─ engine: its stage's plan, resident blocks, policy
+    shape ┼─ resolve_batch ─ plans ─ placement ─ update ─ RunShape ─┼─ planner: memory, step time, verdict
+    machine ┘                                       └─ logs: lines
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nodetrain.config.schema import Config
+from nodetrain.core.batch import BatchShape, priced_batch, resolve_batch
+from nodetrain.core.machine import Machine
+from nodetrain.core.placement import AUTO
+from nodetrain.core.step_plan import StepPlan
+from nodetrain.core.update import UpdateChoice
+from nodetrain.cost.memory import MARGIN_BYTES, resident_bytes_per_param
+from nodetrain.cost.shape import ModelShape
+from nodetrain.cost.work import StageWork
+
+__all__ = ["RunShape", "resolve"]
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What the run does, every ``auto`` resolved (identical on every rank).
+
+    Attributes:
+        batch: the step's batch (micro-batches per step: ``batch.microbatches_per_step``).
+        plans: per stage, its step (``StepPlan``: blocks, actions, loads, offloads).
+        budgets: per stage, the device bytes its resident blocks may take.
+        resident: per stage, the blocks kept on the device for the whole step.
+        update: the update mode and why (``core.update.UpdateChoice``).
+        machine: what it was resolved for.
+        lines: what each ``auto`` became and why, one line each, for the start-up log.
+    """
+
+    batch: BatchShape
+    plans: tuple[StepPlan, ...]
+    budgets: tuple[int, ...]
+    resident: tuple[frozenset[int], ...]
+    update: UpdateChoice
+    machine: Machine
+    lines: tuple[str, ...] = ()
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.plans)
+
+    @property
+    def stage_blocks(self) -> list[range]:
+        """Per stage, its blocks (contiguous unit indices, ``core.schedule.partition``)."""
+        return [range(p.blocks[0], p.blocks[-1] + 1) for p in self.plans]
+
+    @property
+    def works(self) -> list[StageWork]:
+        """Per stage, its step as the cost model counts it, with its resident blocks."""
+        return [p.work(r) for p, r in zip(self.plans, self.resident, strict=True)]
+
+    def placement_line(self, stage: int, shape: ModelShape, itemsize: int) -> str:
+        """One stage's budget and resident blocks, for the start-up log."""
+        resident, blocks = self.resident[stage], self.plans[stage].blocks
+        held = sum(shape.load_numels[i] for i in resident) * resident_bytes_per_param(itemsize)
+        return (
+            f"stage {stage}: device budget {self.budgets[stage] / 1e6:.1f} MB, {len(resident)} of "
+            f"{len(blocks)} blocks resident ({held / 1e6:.1f} MB with their fp32 gradient accumulators; "
+            "chosen by link bytes saved per device byte, the head first)"
+        )
+
+
+def _budget_lines(cfg: Config, machine: Machine, budgets, streamed) -> list[str]:
+    """What ``stream.device_budget=auto`` became on each stage (none when it was given in bytes)."""
+    if cfg.stream.device_budget not in AUTO:
+        return []
+    if machine.on_cpu:
+        return ["stream.device_budget=auto: 0 on the CPU (the device is host memory: every block streams)"]
+    return [
+        f"stream.device_budget=auto on stage {k}: {d / 1e9:.2f} GB usable - {m.window_bytes / 1e9:.2f} GB window - "
+        f"{m.activation_bytes / 1e9:.2f} GB activations - {MARGIN_BYTES / 1e9:.2f} GB margin = {x / 1e9:.2f} GB"
+        for k, (d, m, x) in enumerate(zip(machine.device_bytes, streamed, budgets, strict=True))
+    ]
+
+
+def resolve(
+    cfg: Config,
+    shape: ModelShape,
+    machine: Machine,
+    num_stages: int,
+    nodes: int = 1,
+    batch: BatchShape | None = None,
+) -> RunShape:
+    """Resolve every ``auto`` of ``cfg`` for ``shape`` on ``machine``, once.
+
+    The batch (:func:`~nodetrain.core.batch.resolve_batch`, unless ``batch`` is given: the engine
+    resolves it before preparing the data), each stage's step (``StepPlan``), its device budget and
+    resident blocks (``placement.place_stages`` over ``machine.device_bytes``) and the update mode
+    (``update.choose_update``).
+
+    Args:
+        cfg: a validated config; shape: its model; machine: what it runs on (or is planned for);
+        num_stages: stages per pipeline; nodes: pipeline replicas.
+
+    Raises:
+        ConfigError: an automatic batch that no candidate fits.
+    """
+    lines: list[str] = []
+    if batch is None:
+        batch, lines = resolve_batch(cfg, shape, num_stages, nodes)
+    fit, budgets, resident, update, _ = priced_batch(cfg, shape, machine, batch, num_stages)
+    streamed = [fit.stage(k, batch.micro_batch_size) for k in range(num_stages)]
+    lines += _budget_lines(cfg, machine, budgets, streamed)
+    lines += [update.line] if update.line else []
+    return RunShape(batch, fit.plans, budgets, resident, update, machine, tuple(lines))

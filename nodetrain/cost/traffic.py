@@ -1,0 +1,112 @@
+"""Traffic: the bytes one stage's step moves over the host link and through host DRAM.
+
+Owns: H2D and D2H bytes per step, the host's accumulation and optimizer bytes, and the private host
+RAM of speculative backups. Does not own which loads happen (``core/step_plan.py``, handed over as a
+:class:`~nodetrain.cost.work.StageWork`), the seconds they cost (``step_time.py``) or device memory
+(``memory.py``).
+
+Shapes: n = B·T tokens per micro-batch, D = hidden size, e = compute-dtype bytes, P = a block's
+elements (``ModelShape.load_numels``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nodetrain.cost.memory import saved_per_micro_batch
+from nodetrain.cost.shape import ModelShape
+from nodetrain.cost.work import StageWork
+
+__all__ = [
+    "optimizer_bytes_per_param",
+    "speculative_backup_bytes",
+    "StageTraffic",
+    "stage_traffic",
+]
+
+
+def optimizer_bytes_per_param(itemsize: int) -> int:
+    """Host memory traffic of one CPU AdamW update per parameter: the fused AdamW reads master,
+    grad, exp_avg, exp_avg_sq (16) and writes master, exp_avg, exp_avg_sq (12); the global norm
+    reads the grad (4); refreshing the transfer copy reads master (4) and writes ``itemsize``;
+    zeroing the grad writes 4. (An active clip adds 8 more.)"""
+    return 40 + itemsize
+
+
+def speculative_backup_bytes(shape: ModelShape, speculative: bool) -> int:
+    """Private host RAM of ``optim.speculative``'s backups, all ranks of a node together: master
+    weights, ``exp_avg`` and ``exp_avg_sq`` of every unit updated during the backward, 12 bytes per
+    parameter (StoreAdamW.backup_unit); 0 without speculation."""
+    return 12 * shape.num_params if speculative else 0
+
+
+@dataclass(frozen=True)
+class StageTraffic:
+    """What one stage moves in one optimizer step (bytes), under the engine's transfer rules."""
+
+    loads: int
+    """H2D loads of blocks (a resident block's one load counted once)."""
+    h2d_bytes: int
+    """Host → device: every load's bytes (the embedding's: the gathered rows only)."""
+    d2h_bytes: int
+    """Device → host: streamed blocks' gradients per backward (e bytes), resident ones' once (fp32)."""
+    accum_bytes: int
+    """Host DRAM bytes the D2H worker touches adding gradients into the fp32 accumulators (reads of
+    the staged gradients, reads and writes of the accumulators; not the DMA itself)."""
+    optimizer_bytes: int
+    """Host DRAM bytes of the CPU AdamW over the stage's units (``optimizer_bytes_per_param``)."""
+    tier_bytes: int = 0
+    """NVMe bytes of the stage's tier fields per step (``store.tier=nvme``): each read and written once,
+    through host DRAM."""
+
+    @property
+    def host_bytes(self) -> int:
+        """Everything through host DRAM: the DMA reads (H2D) and writes (D2H), the host's passes and the
+        tier's NVMe reads and writes."""
+        return self.h2d_bytes + self.d2h_bytes + self.accum_bytes + self.optimizer_bytes + self.tier_bytes
+
+
+def stage_traffic(
+    shape: ModelShape, work: StageWork, *, n: int, itemsize: int, offload_activations: bool = False
+) -> StageTraffic:
+    """Bytes one stage moves per step.
+
+    Loads: each of ``work.loads`` (the window's H2D copies into slots) moves its block (P·e), each
+    resident block once per step. Gradients: a streamed block offloads ``P × e`` after each of its
+    backwards (the last stage's head after each forward) and the D2H worker adds it into the fp32
+    accumulator: it reads the staged copy (e) and the accumulator (4) and writes the accumulator (4),
+    except that the step's first offload overwrites it (no read). A resident block accumulates on the
+    device and offloads its fp32 gradient once per step, copied into the accumulator (read 4 + write
+    4). Stage 0's embedding when it travels as rows (``work.rows``) gathers only the n used rows
+    (n·D·e in) and offloads an n-row gradient (n·D·e and the 8-byte ids out) that is scatter-added
+    into an accumulator zeroed once per step.
+
+    With ``offload_activations`` every micro-batch's saved block inputs (``saved_per_micro_batch``) go
+    D2H after its forward and come back H2D before its backward.
+
+    Args:
+        work: the stage's step (``StepPlan.work``); n: tokens per micro-batch (B·T); itemsize:
+            compute-dtype bytes (e).
+    """
+    e, d, blocks, resident = itemsize, shape.hidden, work.blocks, work.resident
+    num_mb = work.num_microbatches
+    row_bytes = n * d * e
+    h2d = sum(shape.load_numels[i] * e for i in work.loads)
+    h2d += num_mb * row_bytes if work.rows else 0  # the gathered rows
+    h2d += sum(shape.load_numels[i] * e for i in resident)
+    d2h = accum = 0
+    for i in blocks:
+        p = shape.load_numels[i]
+        if i in resident:
+            d2h, accum = d2h + 4 * p, accum + 8 * p
+        elif i == 0 and work.rows:
+            d2h += num_mb * (row_bytes + 8 * n)
+            accum += 4 * p + num_mb * (row_bytes + 8 * n + 8 * n * d)
+        else:
+            d2h += num_mb * p * e
+            accum += num_mb * p * e + 4 * p + (num_mb - 1) * 8 * p
+    saved = num_mb * saved_per_micro_batch(shape, blocks, n, e) if offload_activations else 0
+    h2d, d2h = h2d + saved, d2h + saved
+    owned = sum(shape.unit_numels[i] for i in blocks)
+    opt = owned * optimizer_bytes_per_param(e)
+    return StageTraffic(len(work.loads) + len(resident), h2d, d2h, accum, opt)

@@ -1,0 +1,44 @@
+"""What one stage does in a step, as the cost model counts it: the input every price here starts from.
+
+Owns: :class:`StageWork`, the counts of a stage's step (its actions, the loads the window copies, what
+stays on the device, the peaks its schedule implies). Built by the one rule of the step
+(``core/step_plan.py``: ``StepPlan.work``), so the engine runs and the cost model prices the same
+sequence. Does not own deciding any of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["StageWork"]
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """One stage's step as counts.
+
+    Attributes:
+        stage: the stage's index in its pipeline.
+        blocks: its blocks (contiguous unit indices).
+        actions: every action of the step in order (objects with ``kind`` "F"/"B" and ``mb``).
+        loads: the blocks the window copies H2D into slots, in order (reused loads, resident blocks and
+            rows left out).
+        resident: blocks kept on the device for the whole step (loaded once, fp32 gradient on it).
+        rows: stage 0's embedding travels as the rows a micro-batch uses.
+        in_flight: most micro-batches whose block inputs the stage keeps at once.
+        p2p_buffers: most [B, T, D] P2P buffers alive at once.
+    """
+
+    stage: int
+    blocks: range
+    actions: tuple
+    loads: tuple[int, ...]
+    resident: frozenset[int]
+    rows: bool
+    in_flight: int
+    p2p_buffers: int
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches of the step (forwards)."""
+        return sum(1 for a in self.actions if a.kind == "F")
