@@ -19,6 +19,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from nodetrain.config.schema import Config, ModelConfig, validate
+from nodetrain.engine.engine import Engine
 from nodetrain.engine.startup import build_engine
 from nodetrain.model import HFModel, build_hf_config
 
@@ -55,7 +56,9 @@ def make_engine(cfg: Config, run_id: str) -> tuple[Engine, HFModel]:
     cfg.store.dir = tempfile.mkdtemp(prefix="nt-bench-", dir="/dev/shm")
     validate(cfg, 1)
     model = HFModel(build_hf_config(cfg.model))
-    engine = build_engine(cfg, model, rank=0, world_size=1, local_rank=0, run_id=run_id, device=torch.device("cpu"))
+    engine = build_engine(
+        cfg, model, rank=0, world_size=1, local_rank=0, run_id=run_id, device=torch.device("cpu")
+    )
     os.rmdir(cfg.store.dir)  # the engine unlinked the store's name; the mapping lives on
     return engine, model
 

@@ -39,11 +39,15 @@ def compare(mcfg, args, m: int) -> tuple[dict, dict]:
     for on in (False, True):
         cfg = base_config(
             mcfg,
-            train={"seq_len": args.seq_len, "micro_batch_size": args.micro_batch, "steps": 10**6,
-                   "dtype": "float32"},
+            train={
+                "seq_len": args.seq_len,
+                "micro_batch_size": args.micro_batch,
+                "steps": 10**6,
+                "dtype": "float32",
+            },
             pipeline={"microbatches": m, "schedule": "gpipe"},
             stream={"device_budget": 0, "offload_activations": on},
-        )  # fmt: skip
+        )
         engines[on], steps[on] = make_engine(cfg, f"bench-offload-{m}-{on}")[0], iter(range(10**6))
 
     def step(on: bool) -> None:
@@ -73,15 +77,19 @@ def main() -> None:
     torch.set_num_threads(1)
     mcfg = model_config(args.model, VOCAB)
     print(f"{args.model}, GPipe, {args.micro_batch}×{args.seq_len} tokens per micro-batch, fp32, 1 stage")
-    print(f"  {'M':>3s} {'saved MB off':>12s} {'on':>7s} {'on÷off':>7s} {'moved MB':>9s} {'host MB':>8s} "
-          f"{'wall on÷off':>11s} {'CPU on÷off':>10s}")  # fmt: skip
+    print(
+        f"  {'M':>3s} {'saved MB off':>12s} {'on':>7s} {'on÷off':>7s} {'moved MB':>9s} {'host MB':>8s} "
+        f"{'wall on÷off':>11s} {'CPU on÷off':>10s}"
+    )
     for m in args.microbatches:
         last, times = compare(mcfg, args, m)
         off_b, on_b = last[False]["stage0/saved_peak_bytes"], last[True]["stage0/saved_peak_bytes"]
         moved, host = last[True]["stage0/act_d2h_bytes"], last[True]["stage0/saved_host_bytes"]
         wall, cpu = (times[True][i] / times[False][i] for i in (0, 1))
-        print(f"  {m:3d} {off_b / 1e6:12.2f} {on_b / 1e6:7.2f} {on_b / off_b:7.2f} {moved / 1e6:9.2f} "
-              f"{host / 1e6:8.2f} {wall:11.2f} {cpu:10.2f}")  # fmt: skip
+        print(
+            f"  {m:3d} {off_b / 1e6:12.2f} {on_b / 1e6:7.2f} {on_b / off_b:7.2f} {moved / 1e6:9.2f} "
+            f"{host / 1e6:8.2f} {wall:11.2f} {cpu:10.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -43,9 +43,14 @@ def _head(vocab: int, hidden: int):
     from transformers import AutoConfig
 
     hf = AutoConfig.for_model(
-        "llama", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, intermediate_size=2 * hidden,
-    )  # fmt: skip
+        "llama",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=2 * hidden,
+    )
     hf.architectures = ["LlamaForCausalLM"]
     model = HFModel(hf)
     block = len(model.units) - 1

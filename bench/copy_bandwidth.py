@@ -121,12 +121,18 @@ def main() -> None:
     result.update(device=str(device), mb_per_copy=numel * 2 / 1e6, repeats=args.repeats)
     (args.out / "copy_bandwidth.json").write_text(json.dumps(result, indent=2))
     print(f"copy bandwidth on {device}, {numel * 2 / 1e6:.0f} MB per copy (GB/s):")
-    print(f"  H2D  store (pinned={result['store_pinned']}) {result['h2d_store_gbps']:8.2f}"
-          f"   pageable {result['h2d_pageable_gbps']:8.2f}")  # fmt: skip
-    print(f"  D2H  staging (pinned={result['staging_pinned']}) {result['d2h_staging_gbps']:6.2f}"
-          f"   pageable {result['d2h_pageable_gbps']:8.2f}")  # fmt: skip
-    print(f"  Window.offload (copy + fp32 accumulate)  {result['offload_gbps']:8.2f}"
-          f"   = {result['offload_over_d2h_pageable']:.3f} × D2H pageable")  # fmt: skip
+    print(
+        f"  H2D  store (pinned={result['store_pinned']}) {result['h2d_store_gbps']:8.2f}"
+        f"   pageable {result['h2d_pageable_gbps']:8.2f}"
+    )
+    print(
+        f"  D2H  staging (pinned={result['staging_pinned']}) {result['d2h_staging_gbps']:6.2f}"
+        f"   pageable {result['d2h_pageable_gbps']:8.2f}"
+    )
+    print(
+        f"  Window.offload (copy + fp32 accumulate)  {result['offload_gbps']:8.2f}"
+        f"   = {result['offload_over_d2h_pageable']:.3f} × D2H pageable"
+    )
 
 
 if __name__ == "__main__":

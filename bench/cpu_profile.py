@@ -79,9 +79,14 @@ def _tiny_layer(arch: str, dtype: torch.dtype) -> Callable[[], None]:
 
     kind, prefix = SUPPORTED_ARCHS[arch], arch.removesuffix("ForCausalLM")
     cfg = transformers.AutoConfig.for_model(
-        kind, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=128,
-    )  # fmt: skip
+        kind,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+    )
     cfg._attn_implementation = "sdpa"
     module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
     layer = getattr(module, f"{prefix}DecoderLayer")(cfg, 0).to(dtype)

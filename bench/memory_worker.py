@@ -36,8 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from nodetrain.config.registry import register_configs, to_typed  # noqa: E402
 from nodetrain.config.schema import validate  # noqa: E402
-from nodetrain.engine.engine import Engine  # noqa: E402
-from nodetrain.engine.startup import build_engine
+from nodetrain.engine.startup import build_engine  # noqa: E402
 from nodetrain.plan.planner import model_of  # noqa: E402
 
 
@@ -132,9 +131,14 @@ def main() -> None:
     model = model_of(cfg)
     base_pss = _rollup_kb()["Pss"] * 1024  # interpreter, libraries, process group: before any state
     engine = build_engine(
-        cfg, model, rank=rank, world_size=world, local_rank=int(os.environ["LOCAL_RANK"]),
-        run_id=f"bench{os.getppid()}", device=torch.device("cpu"),
-    )  # fmt: skip
+        cfg,
+        model,
+        rank=rank,
+        world_size=world,
+        local_rank=int(os.environ["LOCAL_RANK"]),
+        run_id=f"bench{os.getppid()}",
+        device=torch.device("cpu"),
+    )
     num_mb = engine.run.batch.global_microbatches
     shape = (num_mb, cfg.train.micro_batch_size, cfg.train.seq_len)
     gen = torch.Generator().manual_seed(cfg.seed)

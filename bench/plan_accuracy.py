@@ -201,10 +201,19 @@ def _stage_rows(fixed, calibrated, cpu, breakdown: dict) -> None:
 
 
 def _parts(t) -> str:
-    parts = (("compute", t.compute_s), ("of it attention", t.attention_s), ("elementwise", t.elementwise_s),
-             ("overhead", t.overhead_s), ("H2D", t.h2d_s), ("D2H", t.d2h_s), ("accumulation", t.accum_s),
-             ("bubble", t.bubble_s), ("optimizer", t.optimizer_s), ("exposed", t.optimizer_exposed_s),
-             ("all stages' CPU / cores", t.shared_cores_s))  # fmt: skip
+    parts = (
+        ("compute", t.compute_s),
+        ("of it attention", t.attention_s),
+        ("elementwise", t.elementwise_s),
+        ("overhead", t.overhead_s),
+        ("H2D", t.h2d_s),
+        ("D2H", t.d2h_s),
+        ("accumulation", t.accum_s),
+        ("bubble", t.bubble_s),
+        ("optimizer", t.optimizer_s),
+        ("exposed", t.optimizer_exposed_s),
+        ("all stages' CPU / cores", t.shared_cores_s),
+    )
     return f"step {t.step_s:.2f} s, {t.bottleneck}-bound; " + ", ".join(f"{k} {v:.2f}" for k, v in parts)
 
 
@@ -265,7 +274,7 @@ def _time_report(name: str, nproc: int, overrides: list[str], repeat: int) -> tu
             f"{min(shares):.0%}-{max(shares):.0%}); all stages' CPU seconds "
             + ", ".join(f"{e:+.0%}" for e in cpu_errors)
             + f" (median {out[2][-1]:+.1%})"
-        )  # fmt: skip
+        )
         print(f"  calibrated, step {mid + 2}: {_parts(calibrated[mid].time)}")
         _stage_rows(fixed, calibrated[mid], per_cpu_s[mid], breakdowns[mid])
     return out

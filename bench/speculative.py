@@ -53,9 +53,15 @@ def make_runs(mcfg, args, xs: torch.Tensor, ys: torch.Tensor) -> tuple[dict, lis
                 train={"seq_len": args.seq_len, "micro_batch_size": b, "steps": 10**6, "dtype": "float32"},
                 pipeline={"microbatches": m},
                 stream={"device_budget": 0},
-                optim={"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 0, "threads": 1,
-                       "max_grad_norm": max_norm, "speculative": speculative},
-            )  # fmt: skip
+                optim={
+                    "lr": 1e-4,
+                    "min_lr": 1e-5,
+                    "warmup_steps": 0,
+                    "threads": 1,
+                    "max_grad_norm": max_norm,
+                    "speculative": speculative,
+                },
+            )
             engine = make_engine(cfg, f"bench-spec-{max_norm}-{speculative}")[0]
             engines.append(engine)
             results: list = []

@@ -109,8 +109,10 @@ def io_rates(args, tier_dir: Path) -> dict[str, float]:
     for way in ("write", "read"):
         ratio = rates[f"tier {way}"] / rates[f"plain {way}"]
         verdict = "met" if ratio >= GOAL_IO else "MISSED"
-        print(f"  {way:5s}: tier {rates[f'tier {way}']:.2f} GB/s, plain O_DIRECT {rates[f'plain {way}']:.2f} "
-              f"GB/s → tier ÷ plain {ratio:.2f} (goal ≥ {GOAL_IO}: {verdict})")  # fmt: skip
+        print(
+            f"  {way:5s}: tier {rates[f'tier {way}']:.2f} GB/s, plain O_DIRECT {rates[f'plain {way}']:.2f} "
+            f"GB/s → tier ÷ plain {ratio:.2f} (goal ≥ {GOAL_IO}: {verdict})"
+        )
     return rates
 
 
@@ -139,13 +141,19 @@ def step_ratio(args, tier_dir: Path, rates: dict[str, float]) -> None:
     moved = 2 * engines["nvme"].optimizer.tier.layout.nbytes
     io_s = moved / 2 / (rates["tier read"] * 1e9) + moved / 2 / (rates["tier write"] * 1e9)
     ratio = med["nvme"] / med["ram"]
-    print(f"step: {args.model}, {args.batch}×{args.seq_len} tokens/step, fp32, {args.threads} compute "
-          f"thread(s), store.tier_buffers={args.tier_buffers}")  # fmt: skip
+    print(
+        f"step: {args.model}, {args.batch}×{args.seq_len} tokens/step, fp32, {args.threads} compute "
+        f"thread(s), store.tier_buffers={args.tier_buffers}"
+    )
     hidden = "hidden" if io_s < med["ram"] else "NOT hidden"
-    print(f"  tier I/O {moved / 1e6:.0f} MB/step = {io_s * 1e3:.0f} ms at part 1's rates vs a "
-          f"{med['ram'] * 1e3:.0f} ms step: {hidden} by the planner's rule")  # fmt: skip
-    print(f"  step ms: ram {med['ram'] * 1e3:.0f}, nvme {med['nvme'] * 1e3:.0f} → tier ÷ RAM {ratio:.3f} "
-          f"(goal ≤ {GOAL_STEP}: {'met' if ratio <= GOAL_STEP else 'MISSED'})")  # fmt: skip
+    print(
+        f"  tier I/O {moved / 1e6:.0f} MB/step = {io_s * 1e3:.0f} ms at part 1's rates vs a "
+        f"{med['ram'] * 1e3:.0f} ms step: {hidden} by the planner's rule"
+    )
+    print(
+        f"  step ms: ram {med['ram'] * 1e3:.0f}, nvme {med['nvme'] * 1e3:.0f} → tier ÷ RAM {ratio:.3f} "
+        f"(goal ≤ {GOAL_STEP}: {'met' if ratio <= GOAL_STEP else 'MISSED'})"
+    )
     for e in engines.values():
         e.close()
 

@@ -13,7 +13,7 @@ A learning-rate sweep on the same ranks (one process group, one directory and wa
 
     torchrun --nproc_per_node 2 -m nodetrain.train --multirun optim.lr=1e-3,3e-4
 
-Two nodes, each a replica of the 2-stage pipeline (data parallel; see nodetrain/engine/replicas.py):
+Two nodes, each a replica of the 2-stage pipeline (data parallel; see nodetrain/engine/comm/replicas.py):
 
     torchrun --nnodes 2 --nproc_per_node 2 --node_rank <0|1> --master_addr <node 0> -m nodetrain.train
 
@@ -35,7 +35,6 @@ import logging
 import os
 import signal
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import hydra
@@ -70,68 +69,14 @@ from nodetrain.model import HFModel, build_hf_config, router_aux_of
 from nodetrain.plan.host import preflight
 from nodetrain.plan.planner import model_of
 from nodetrain.run.faults import BadSteps, Stopped, StopRequest, stop_with_launcher
-from nodetrain.run.jobs import REFUSALS, Job, Release, current_job, fail_fast, refusals_of
+from nodetrain.run.jobs import Job, Release, current_job, fail_fast, refusals_of
 from nodetrain.run.metrics import MetricsLogger
 from nodetrain.run.outputs import RunOutputs, check_space, check_writable, checkpoint_bytes, checkpoint_dir
+from nodetrain.run.process_group import init_distributed, on_rank0
 
 __all__ = ["main", "run"]
 
 log = logging.getLogger("nodetrain")
-
-
-def _init_distributed(timeout_s: float, backend: str = "") -> tuple[int, int, int, torch.device]:
-    """Init the process group once per process (a multirun reuses it); gloo on CPU, NCCL on GPU
-    unless ``backend`` (``dist.backend``) says gloo. No collective or receive waits longer than
-    ``timeout_s`` (``dist.timeout_s``).
-
-    Raises:
-        ValueError: NCCL with more ranks on the node than GPUs, or NCCL without CUDA.
-    """
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = torch.cuda.is_available()
-    backend = backend or ("nccl" if cuda else "gloo")
-    if backend == "nccl" and (not cuda or local_rank >= torch.cuda.device_count()):
-        have = torch.cuda.device_count() if cuda else 0
-        raise ValueError(
-            f"dist.backend=nccl needs one GPU per rank: LOCAL_RANK={local_rank}, {have} GPU(s); start at "
-            "most that many ranks per node, or set dist.backend=gloo to share GPUs"
-        )
-    if cuda:  # with gloo, ranks may share a GPU: rank i uses GPU i mod count
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:  # plain `python -m nodetrain.train`: a one-stage pipeline
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        dist.init_process_group(
-            backend, device_id=device if backend == "nccl" else None, timeout=timedelta(seconds=timeout_s)
-        )
-        log.info("process group: %s, world size %d, device %s", backend, dist.get_world_size(), device)
-    else:
-        log.info("process group: reused (%s, world size %d)", dist.get_backend(), dist.get_world_size())
-    return dist.get_rank(), dist.get_world_size(), local_rank, device
-
-
-def _on_rank0(fn):
-    """Run ``fn`` on rank 0 only; every rank gets its result, or raises its error (a refusal as the
-    same refusal, see jobs.REFUSALS)."""
-    box, error = [None, None, None], None
-    if dist.get_rank() == 0:
-        try:
-            box[0] = fn()
-        except Exception as e:  # shared below so that no rank waits forever for rank 0
-            error, box[1] = e, f"{type(e).__name__}: {e}"
-            box[2] = next((i for i, kind in enumerate(REFUSALS) if isinstance(e, kind)), None)
-    dist.broadcast_object_list(box, src=0)
-    if error is not None:
-        raise error
-    if box[2] is not None:
-        raise REFUSALS[box[2]](box[1].split(": ", 1)[1])
-    if box[1] is not None:
-        raise RuntimeError(f"rank 0 failed: {box[1]}")
-    return box[0]
 
 
 def _step_batch(ds, batch: BatchShape, seed: int, index: int, num_mb: int):
@@ -236,15 +181,15 @@ def _claim_and_run(cfg: Config, run_dir: Path, resolved: dict, job: Job, signals
     batch, choices = resolve_batch(cfg, shape_of(model_of(cfg)), stages, max(1, world // stages))
     for line in choices:  # the same arithmetic on every rank: the same choice
         log.info("%s", line)
-    ranks = _init_distributed(cfg.dist.timeout_s, cfg.dist.backend)
+    ranks = init_distributed(cfg.dist.timeout_s, cfg.dist.backend)
     if ranks[0] == 0:
         for line in no_effect(cfg):
             log.warning("%s", line)
     c = cfg.checkpoint
     outputs = RunOutputs(run_dir, checkpoint_dir(cfg, run_dir), c.resume, config_hash(resolved))
     search = c.resume == "auto" and not c.dir  # continue the newest run of this config (outputs.py)
-    _on_rank0(lambda: check_writable("store.dir", Path(cfg.store.dir), create=False))
-    ckpt_dir = Path(_on_rank0(lambda: outputs.acquire(resolved, search)))  # locks held by rank 0
+    on_rank0(lambda: check_writable("store.dir", Path(cfg.store.dir), create=False))
+    ckpt_dir = Path(on_rank0(lambda: outputs.acquire(resolved, search)))  # locks held by rank 0
     try:
         return _run(cfg, batch, run_dir, resolved, job, ckpt_dir, signals, *ranks)
     finally:
@@ -297,11 +242,31 @@ def _run(
     topology, release = Topology.from_env(cfg.pipeline.stages), Release()
     resume, data_dir, data_cfg, train_ds, val_ds, model = _data_and_model(cfg, batch, ckpt_dir)
     _check_fit(cfg, model, topology, ckpt_dir)
-    ckpt = _checkpointing(cfg, batch, run_dir, resolved, model, data_dir, data_cfg.tokenizer, ckpt_dir, resume,
-                          lambda: signals.requested)  # fmt: skip
+    ckpt = _checkpointing(
+        cfg,
+        batch,
+        run_dir,
+        resolved,
+        model,
+        data_dir,
+        data_cfg.tokenizer,
+        ckpt_dir,
+        resume,
+        lambda: signals.requested,
+    )
     _tell_signals(signals, ckpt)
-    engine = build_engine(cfg, model, rank=rank, world_size=world_size, local_rank=local_rank, run_id=job.id,
-                          device=device, init_from=ckpt.init_fn(), topology=topology, batch=batch)  # fmt: skip
+    engine = build_engine(
+        cfg,
+        model,
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        run_id=job.id,
+        device=device,
+        init_from=ckpt.init_fn(),
+        topology=topology,
+        batch=batch,
+    )
     try:
         ckpt.check_import()  # collective: imported NaN/inf refused by name, before anything is written
         records, metrics = _loop(cfg, job, resolved, engine, ckpt, ckpt_dir, signals, train_ds, val_ds)
@@ -320,8 +285,8 @@ def _data_and_model(cfg, batch: BatchShape, ckpt_dir: Path):
     data_refusals = refusals_of((ValueError, OSError), DataError)
     with refusals_of((ValueError, OSError), DataError):
         data_cfg = run_data_config(cfg)  # model.init_from's tokenizer unless data.tokenizer is set
-    resume = _on_rank0(lambda: choose_resume(cfg, ckpt_dir))
-    data_dir, tokenizer = _on_rank0(data_refusals(lambda: _prepare(cfg, data_cfg, resume)))
+    resume = on_rank0(lambda: choose_resume(cfg, ckpt_dir))
+    data_dir, tokenizer = on_rank0(data_refusals(lambda: _prepare(cfg, data_cfg, resume)))
     data_dir, data_cfg = Path(data_dir), dataclasses.replace(data_cfg, tokenizer=tokenizer)
     with refusals_of((ValueError, OSError), DataError):
         train_ds, val_ds = open_splits(data_dir, cfg, batch)
@@ -336,10 +301,10 @@ def _data_and_model(cfg, batch: BatchShape, ckpt_dir: Path):
 def _check_fit(cfg, model: HFModel, topology: Topology, ckpt_dir: Path) -> None:
     """Refuse a store the node cannot hold (nodes are alike: node 0 answers for all) and a checkpoint
     that does not fit, before the store exists, not at the first save after hours of training."""
-    _on_rank0(lambda: preflight(cfg, model, topology.num_stages))
+    on_rank0(lambda: preflight(cfg, model, topology.num_stages))
     if cfg.checkpoint.enable:
         ckpt_bytes = checkpoint_bytes(model, cfg.checkpoint.export_dtype)
-        _on_rank0(lambda: check_space(ckpt_dir, ckpt_bytes, "checkpoint.dir"))
+        on_rank0(lambda: check_space(ckpt_dir, ckpt_bytes, "checkpoint.dir"))
 
 
 def _tell_signals(signals: StopRequest, ckpt: Checkpointing) -> None:
@@ -352,7 +317,7 @@ def _tell_signals(signals: StopRequest, ckpt: Checkpointing) -> None:
 def _finish(cfg, run_dir: Path, rank: int, records: list[dict], metrics, signals: StopRequest, newest: str):
     """After the store is gone: a full run directory is refused on every rank, the summary line, the
     plots (rank 0), and a run a signal stopped before ``train.steps`` says so (``Stopped``)."""
-    _on_rank0(lambda: metrics.raise_if_failed(newest))
+    on_rank0(lambda: metrics.raise_if_failed(newest))
     log.info(
         "done: %d steps, final loss %.4f", len(records), records[-1]["loss"] if records else float("nan")
     )

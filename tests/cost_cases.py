@@ -20,12 +20,16 @@ def work(blocks, stage: int, num_stages: int, *, m: int, g: int, schedule: str =
 
 def memory(shape, blocks, stage: int, num_stages: int, *, m, g, schedule="1f1b", resident=(), **kw):
     """``stage_memory`` of that stage (``kw``: b, t, slots, itemsize, on_cpu, offload_activations)."""
-    return stage_memory(shape, work(blocks, stage, num_stages, m=m, g=g, schedule=schedule, resident=resident), **kw)
+    return stage_memory(
+        shape, work(blocks, stage, num_stages, m=m, g=g, schedule=schedule, resident=resident), **kw
+    )
 
 
 def traffic(shape, blocks, stage: int, num_stages: int, *, m, g, schedule="1f1b", resident=(), **kw):
     """``stage_traffic`` of that stage (``kw``: n, itemsize, offload_activations)."""
-    return stage_traffic(shape, work(blocks, stage, num_stages, m=m, g=g, schedule=schedule, resident=resident), **kw)
+    return stage_traffic(
+        shape, work(blocks, stage, num_stages, m=m, g=g, schedule=schedule, resident=resident), **kw
+    )
 
 
 def step(shape, stage_blocks, *, m, g, schedule="1f1b", resident=None, **kw):

@@ -38,7 +38,7 @@ before each run's first step, so runs with dropout draw the same numbers.
 Several specs (``spec1.json spec2.json ...``, the same world size) run one after another in one
 launch: one process group, one Engine at a time (test_family_parity.py runs its families so).
 
-Under ``--nnodes K`` each node runs one replica of the pipeline (nodetrain/engine/replicas.py): the batch
+Under ``--nnodes K`` each node runs one replica of the pipeline (nodetrain/engine/comm/replicas.py): the batch
 file then holds the global batch, and ``weights_rank<r>`` of every node are written (the same
 ``out_dir`` may be shared by nodes on one machine; give each its own ``store.dir``).
 """
@@ -58,6 +58,7 @@ from safetensors.torch import load_file, save_file
 from nodetrain.checkpoint import load_hf_weights
 from nodetrain.config.schema import Config, ModelConfig, validate
 from nodetrain.core.topology import Topology
+from nodetrain.engine.engine import Engine
 from nodetrain.engine.startup import build_engine
 from nodetrain.model import HFModel, build_hf_config, router_aux_of
 

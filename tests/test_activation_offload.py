@@ -29,14 +29,21 @@ import torch
 from conftest import single_process_world
 
 from bench._engine import base_config, model_config
+from nodetrain.engine.engine import Engine
 from nodetrain.engine.startup import build_engine
 from nodetrain.model import HFModel, build_hf_config
 
 V, T, B, D = 256, 8, 2, 32
 SAVED = 3
 """Tensors a forward saves per micro-batch: the 2 layers' inputs and the head's input gradient."""
-HF = {"hidden_size": D, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-      "intermediate_size": 64, "attention_dropout": 0.1}  # fmt: skip
+HF = {
+    "hidden_size": D,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 64,
+    "attention_dropout": 0.1,
+}
 STEPS = 3
 DELAY = 0.002
 _ids = itertools.count()
@@ -59,8 +66,15 @@ def _engine(shm_dir, schedule: str, accum: int, m: int, offload: bool) -> Engine
     cfg.data.vocab_size, cfg.store.dir = V, str(shm_dir)
     model = HFModel(build_hf_config(cfg.model))
     assert model.has_dropout
-    return build_engine(cfg, model, rank=0, world_size=1, local_rank=0, run_id=f"offload{next(_ids)}",
-                  device=torch.device("cpu"))  # fmt: skip
+    return build_engine(
+        cfg,
+        model,
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        run_id=f"offload{next(_ids)}",
+        device=torch.device("cpu"),
+    )
 
 
 def _train(eng: Engine, n: int, steps: int = STEPS) -> dict:

@@ -1,4 +1,4 @@
-"""Collectives and P2P on the device their process group serves (nodetrain/engine/comm.py), on CPU.
+"""Collectives and P2P on the device their process group serves (nodetrain/engine/comm/comm.py), on CPU.
 
 NCCL has no CPU backend: a CPU tensor in an NCCL all-reduce fails on a GPU node only. Here a
 recorded fake ``dist`` answers "nccl" and the rank's device is ``cuda:0``; CUDA tensors are
@@ -173,8 +173,13 @@ def replica_engine(monkeypatch, tmp_path, one_rank_world):
     engines = []
 
     def build(**optim):
-        hf = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "intermediate_size": 64}  # fmt: skip
+        hf = {
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 64,
+        }
         cfg = base_config(
             model_config("llama_10m", 64, **hf),
             train={"seq_len": 8, "micro_batch_size": 1, "dtype": "float32", "steps": 2},
@@ -183,8 +188,16 @@ def replica_engine(monkeypatch, tmp_path, one_rank_world):
         )
         cfg.data.vocab_size, cfg.store.dir = 64, str(tmp_path)
         model = HFModel(build_hf_config(cfg.model))
-        eng = startup.build_engine(cfg, model, rank=0, world_size=1, local_rank=0, run_id=f"thr{len(engines)}",
-                                device=torch.device("cpu"), topology=Topology(0, 1, 2))  # fmt: skip
+        eng = startup.build_engine(
+            cfg,
+            model,
+            rank=0,
+            world_size=1,
+            local_rank=0,
+            run_id=f"thr{len(engines)}",
+            device=torch.device("cpu"),
+            topology=Topology(0, 1, 2),
+        )
         engines.append(eng)
         n = eng.run.batch.global_microbatches  # accumulation rounds × micro-batches × replicas
         x = torch.randint(0, 64, (n, 1, 8), generator=torch.Generator().manual_seed(0))

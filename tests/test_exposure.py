@@ -1,4 +1,4 @@
-"""Exposed optimizer time (``plan/exposure.py``) and the rule of ``optim.speculative=auto``, pure.
+"""Exposed optimizer time (``cost/exposure.py``) and the rule of ``optim.speculative=auto``, pure.
 
 Every expected figure is worked out in the test's docstring or comment from the timeline the module
 docstring draws (the engine's schedule, a FIFO optimizer thread, loads gated on updates), not by

@@ -289,8 +289,16 @@ def test_logged_loss_is_transformers_outputs_loss(form: str, tmp_path, shm_dir, 
     def init_from(store, units):
         load_hf_weights(tmp_path, store, units, model)
 
-    engine = build_engine(cfg, model, rank=0, world_size=1, local_rank=0, run_id=f"aux-{form}",
-                    device=torch.device("cpu"), init_from=init_from)  # fmt: skip
+    engine = build_engine(
+        cfg,
+        model,
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        run_id=f"aux-{form}",
+        device=torch.device("cpu"),
+        init_from=init_from,
+    )
     try:
         r = engine.train_step(0, ids, labels)
     finally:

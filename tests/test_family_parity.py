@@ -56,8 +56,9 @@ micro-batch or another objective moves elements by >= 1e-4 (the mutants' gap mus
 
 def _case(case_id: str, arch: str, slots: int, grad_accum: int, microbatches: int, **fields) -> Case:
     """Two stages, 1f1b, eight steps."""
-    return Case(case_id, arch, 2, "1f1b", slots, grad_accum, microbatches, steps=STEPS, atol_weight=ATOL,
-                 **fields)  # fmt: skip
+    return Case(
+        case_id, arch, 2, "1f1b", slots, grad_accum, microbatches, steps=STEPS, atol_weight=ATOL, **fields
+    )
 
 
 # fmt: off

@@ -207,16 +207,35 @@ BAD_DATA = [
     ("empty source file", "", None, {}, r"data\.source=.*holds no text"),
     ("truncated train.bin", SONNET * 20, _truncate, {}, r"train\.bin holds \d+ bytes .* truncated"),
     ("corrupt train.bin", SONNET * 20, _corrupt, {}, r"train\.bin holds token id 60000 >= vocab_size 300"),
-    ("ids beyond the model vocab", SONNET * 20, None, {"model.hf.vocab_size": 280},
-     r"model\.hf\.vocab_size=280 is smaller than the vocabulary of .*tokenizer\.json \(300 ids"),
-    ("train split shorter than a batch", SONNET * 2, None, {"train.grad_accum": 8},
-     r"train\.bin holds \d+ tokens = \d+ window\(s\).* fewer than the 32 sequences of one optimizer step"),
-    ("val split shorter than an eval batch", SONNET * 3, None,
-     {"train.eval_every": 1, "data.val_fraction": 0.01},
-     r"val\.bin holds \d+ tokens .* fewer than the 4 sequences of one evaluation batch"),
-    ("no tokenizer.json in data.tokenizer", SONNET, None, {"data.tokenizer": "{tmp}"},
-     r"data\.tokenizer=.* holds no tokenizer\.json"),
-]  # fmt: skip
+    (
+        "ids beyond the model vocab",
+        SONNET * 20,
+        None,
+        {"model.hf.vocab_size": 280},
+        r"model\.hf\.vocab_size=280 is smaller than the vocabulary of .*tokenizer\.json \(300 ids",
+    ),
+    (
+        "train split shorter than a batch",
+        SONNET * 2,
+        None,
+        {"train.grad_accum": 8},
+        r"train\.bin holds \d+ tokens = \d+ window\(s\).* fewer than the 32 sequences of one optimizer step",
+    ),
+    (
+        "val split shorter than an eval batch",
+        SONNET * 3,
+        None,
+        {"train.eval_every": 1, "data.val_fraction": 0.01},
+        r"val\.bin holds \d+ tokens .* fewer than the 4 sequences of one evaluation batch",
+    ),
+    (
+        "no tokenizer.json in data.tokenizer",
+        SONNET,
+        None,
+        {"data.tokenizer": "{tmp}"},
+        r"data\.tokenizer=.* holds no tokenizer\.json",
+    ),
+]
 
 
 @pytest.mark.parametrize("case", BAD_DATA, ids=[c[0] for c in BAD_DATA])

@@ -28,8 +28,15 @@ from nodetrain.optim.adamw import StoreAdamW
 from nodetrain.run.jobs import REFUSALS
 from nodetrain.store import HostStore, StoreLayout
 
-HF = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-      "intermediate_size": 64, "vocab_size": 128, "max_position_embeddings": 64}  # fmt: skip
+HF = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 64,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+}
 
 
 @pytest.fixture

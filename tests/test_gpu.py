@@ -317,8 +317,7 @@ def test_gathered_rows_are_current_and_do_not_sync_the_host(shm_dir, device: str
     vocab, dim = 64, 32
     store = HostStore.create(StoreLayout((vocab * dim,), torch.bfloat16), shm_dir, f"rows-{device}")
     store.unlink()
-    window = Window(store, [(Binding("weight", 0, 0, (vocab, dim)),)], [0], 1, torch.device(device),
-                    rows=[0])  # fmt: skip
+    window = Window(store, [(Binding("weight", 0, 0, (vocab, dim)),)], [0], 1, torch.device(device), rows=[0])
     try:
         table = torch.arange(vocab * dim, dtype=torch.float32).view(vocab, dim).to(torch.bfloat16)
         store.compute(0).copy_(table.flatten())

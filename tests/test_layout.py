@@ -8,6 +8,7 @@ imports inside functions; imports under ``if TYPE_CHECKING:`` never run and are 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -215,3 +216,54 @@ def test_a_planted_engine_planner_import_is_found(tmp_path: Path) -> None:
 def test_a_module_on_no_floor_is_named() -> None:
     with pytest.raises(KeyError, match=r"nodetrain\.newthing: on no floor"):
         floor_of("nodetrain.newthing")
+
+
+def test_every_package_is_a_package_and_ships() -> None:
+    """Every folder of ``nodetrain/`` with modules has an ``__init__`` and is listed in pyproject.toml's
+    packages (a regular ``pip install .`` would leave it out otherwise: the editable install hides it)."""
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())
+    listed = set(pyproject["tool"]["setuptools"]["packages"])
+    folders = {p.parent for p in ROOT.rglob("*.py")}
+    assert [str(f) for f in folders if not (f / "__init__.py").exists()] == []
+    names = {module_name(f / "__init__.py", ROOT) for f in folders}
+    assert names - listed == set()
+
+
+PRODUCT = re.compile(
+    r"\b\w*grad_accum\w*\s*\*\s*[\w.]*microbatches\b|\b[\w.]*microbatches\w*\s*\*\s*[\w.]*grad_accum\b"
+)
+"""The product G·M of rounds per step and micro-batches per round, spelled in code."""
+
+
+def microbatch_products(root: Path) -> list[str]:
+    """``path:line`` of every line of code (comments and docstrings aside) that takes G·M."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        tree = ast.parse("\n".join(lines))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+                text = ast.get_source_segment("\n".join(lines), node) or ""
+                if PRODUCT.search(text) and not isinstance(node.left, ast.BinOp):
+                    found.append(f"{path.relative_to(root).as_posix()}:{node.lineno}")
+    return found
+
+
+def test_microbatches_per_step_is_computed_in_one_place() -> None:
+    """Issue 30: G·M is ``config.batch.microbatches_per_step``; everything else calls it."""
+    assert microbatch_products(ROOT) == ["config/batch.py:" + str(_line_of("def microbatches_per_step") + 3)]
+
+
+def _line_of(text: str) -> int:
+    lines = (ROOT / "config" / "batch.py").read_text().splitlines()
+    return next(n for n, line in enumerate(lines, 1) if line.startswith(text))
+
+
+def test_a_second_copy_of_the_product_is_found(tmp_path: Path) -> None:
+    a = "def f(cfg):\n    return cfg.train.grad_accum * cfg.pipeline.microbatches\n"
+    (tmp_path / "a.py").write_text(a)
+    b = "n = batch.microbatches * batch.grad_accum * 2\nm = grad_accum + microbatches\n"
+    (tmp_path / "b.py").write_text(b)
+    assert microbatch_products(tmp_path) == ["a.py:2", "b.py:1"]

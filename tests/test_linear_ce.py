@@ -23,9 +23,15 @@ VOCAB, HIDDEN, B, T = 128_256, 32, 2, 24  # Llama-3's vocabulary
 @pytest.fixture(scope="module")
 def head_case():
     hf = AutoConfig.for_model(
-        "llama", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, intermediate_size=64, rms_norm_eps=1e-6,
-    )  # fmt: skip
+        "llama",
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        rms_norm_eps=1e-6,
+    )
     hf.architectures = ["LlamaForCausalLM"]
     model = HFModel(hf)
     gen = torch.Generator().manual_seed(0)

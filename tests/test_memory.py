@@ -77,8 +77,10 @@ def test_p2p_live_peak_does_not_grow_with_the_micro_batches() -> None:
     for kind in ("1f1b", "gpipe"):
         for num_stages in range(2, 9):
             for stage in range(num_stages):
-                peaks = {p2p_live_peak(build_schedule(kind, num_stages, stage, m), 1, stage, num_stages)
-                         for m in range(num_stages + 1, 3 * num_stages)}  # fmt: skip
+                peaks = {
+                    p2p_live_peak(build_schedule(kind, num_stages, stage, m), 1, stage, num_stages)
+                    for m in range(num_stages + 1, 3 * num_stages)
+                }
                 if kind == "1f1b" or 0 < stage < num_stages - 1:  # GPipe's ends hold M sends
                     assert len(peaks) == 1, (kind, num_stages, stage, peaks)
                     assert max(peaks) <= (num_stages + 1 if stage == 0 else 3)
@@ -182,8 +184,13 @@ def _spec(out: Path, store_dir: Path, schedule: str, m: int, g: int) -> Path:
         "optim.threads": 1,
         "store.dir": str(store_dir),
     }
-    spec = {"arch": "LlamaForCausalLM", "hf": HF, "overrides": overrides, "out_dir": str(out),
-            "run_id": f"memory-{schedule}"}  # fmt: skip
+    spec = {
+        "arch": "LlamaForCausalLM",
+        "hf": HF,
+        "overrides": overrides,
+        "out_dir": str(out),
+        "run_id": f"memory-{schedule}",
+    }
     (out / "spec.json").write_text(json.dumps(spec))
     return out / "spec.json"
 
@@ -211,8 +218,20 @@ def test_planner_reserves_what_the_engine_holds(engine_reports, schedule, m, g) 
     buffer_bytes = B * T * HF["hidden_size"] * 4  # one [B, T, D] fp32 activation or its gradient
     for r in ranks:
         blocks = range(r["blocks"][0], r["blocks"][-1] + 1)
-        mem = stage_memory(shape, blocks, r["stage"], 3, b=B, t=T, m=m, g=g, schedule=schedule, slots=2,
-                           itemsize=4, on_cpu=True)  # fmt: skip
+        mem = stage_memory(
+            shape,
+            blocks,
+            r["stage"],
+            3,
+            b=B,
+            t=T,
+            m=m,
+            g=g,
+            schedule=schedule,
+            slots=2,
+            itemsize=4,
+            on_cpu=True,
+        )
         assert r["p2p_peak_bytes"] == r["p2p_peak_buffers"] * buffer_bytes, r
         assert mem.p2p_bytes == r["p2p_peak_bytes"], (r, mem)  # the engine's high-water mark
         assert mem.in_flight == r["in_flight_peak"], (r, mem)

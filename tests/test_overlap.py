@@ -95,8 +95,14 @@ def _policy(clip: bool):
 
 
 def _updates(store, *, clip: bool, delay_s: float) -> UnitUpdates:
-    return UnitUpdates(StoreAdamW(store, UNITS, CFG), BINDINGS, BLOCKS, _policy(clip), threads=1,
-                       faults=Faults(optim_delay_s=delay_s))  # fmt: skip
+    return UnitUpdates(
+        StoreAdamW(store, UNITS, CFG),
+        BINDINGS,
+        BLOCKS,
+        _policy(clip),
+        threads=1,
+        faults=Faults(optim_delay_s=delay_s),
+    )
 
 
 def _acquired(window: Window, sequence: list[int]) -> list[dict[str, torch.Tensor]]:
@@ -152,8 +158,15 @@ def test_finish_step_waits_for_shared_units_only(store) -> None:
     """The tied embedding (unit 0) is read by another stage after the engine's barrier, so the step
     must not end before its update; the other units' updates (300 ms each here) keep running."""
     opt = StoreAdamW(store, UNITS, CFG)
-    updates = UnitUpdates(opt, BINDINGS, BLOCKS, _policy(clip=True), shared_units=(0,), threads=1,
-                          faults=Faults(optim_delay_s=0.3))  # fmt: skip
+    updates = UnitUpdates(
+        opt,
+        BINDINGS,
+        BLOCKS,
+        _policy(clip=True),
+        shared_units=(0,),
+        threads=1,
+        faults=Faults(optim_delay_s=0.3),
+    )
     try:
         for u, g in _grads(torch.Generator().manual_seed(5)).items():
             store.grad(u).copy_(g)
@@ -256,8 +269,13 @@ def tiny_engine_config(steps: int = 1, stream=None, **optim):
     one optimizer thread, ``optim`` set (for ``bench._engine.make_engine``)."""
     from bench._engine import base_config, model_config
 
-    hf = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "intermediate_size": 64}  # fmt: skip
+    hf = {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+    }
     cfg = base_config(
         model_config("llama_10m", TINY_VOCAB, **hf),
         train={"seq_len": 8, "micro_batch_size": 1, "dtype": "float32", "steps": steps},
@@ -295,7 +313,10 @@ def test_grad_norm_runs_on_the_accumulation_team(monkeypatch, optim, one_rank_wo
     try:
         engine, _ = make_engine(cfg, "norm-team")
         x = torch.randint(
-            0, TINY_VOCAB, (engine.run.batch.global_microbatches, 1, 8), generator=torch.Generator().manual_seed(0)
+            0,
+            TINY_VOCAB,
+            (engine.run.batch.global_microbatches, 1, 8),
+            generator=torch.Generator().manual_seed(0),
         )
         engine.train_step(0, x, x)
         engine.wait_optimizer()

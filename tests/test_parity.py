@@ -520,8 +520,17 @@ def check_run(case: Case, run: Run, model_dir: Path, inputs, labels, lengths) ->
 
 # ----------------------------------------------------------------------------- activation offload
 
-OFFLOAD_CASE = Case("llama-2stage-dropout-offload", "LlamaForCausalLM", 2, "1f1b", 2, 1, 4, delay_s=0.003,
-                    hf={"attention_dropout": 0.1})  # fmt: skip
+OFFLOAD_CASE = Case(
+    "llama-2stage-dropout-offload",
+    "LlamaForCausalLM",
+    2,
+    "1f1b",
+    2,
+    1,
+    4,
+    delay_s=0.003,
+    hf={"attention_dropout": 0.1},
+)
 """Attention dropout (each recompute replays its forward's random numbers), a slowed H2D worker
 (a backward that did not wait for its inputs' prefetch would read unfilled memory)."""
 
@@ -544,15 +553,19 @@ def test_activation_offload_is_bit_exact_on_two_stages(tmp_path: Path, shm_dir: 
         {"out_dir": str(tmp_path / "out" / name), "run_id": f"parity-offload-{name}", "overrides": overrides}
         for name, overrides in variants.items()
     ]
-    spec = write_spec(case, tmp_path, shm_dir, model_dir, inputs, labels, variants=runs_spec,
-                      export_grads=True)  # fmt: skip
+    spec = write_spec(
+        case, tmp_path, shm_dir, model_dir, inputs, labels, variants=runs_spec, export_grads=True
+    )
     torchrun(case.stages, WORKER, str(spec), timeout_s=240)
     runs = {name: read_run(case, tmp_path / "out" / name) for name in variants}
     grads = {
-        name: {k: v for r in range(case.stages) for k, v in
-               load_file(str(tmp_path / "out" / name / f"grads_rank{r}.safetensors")).items()}
+        name: {
+            k: v
+            for r in range(case.stages)
+            for k, v in load_file(str(tmp_path / "out" / name / f"grads_rank{r}.safetensors")).items()
+        }
         for name in variants
-    }  # fmt: skip
+    }
     hidden = HF_BASE["hidden_size"]
     saved_bytes = MICRO_BATCH * SEQ_LEN * hidden * 4
     for schedule in ("gpipe", "1f1b"):

@@ -3,7 +3,7 @@ profile, the ``python -m nodetrain.plan`` CLI, and the training start-up refusal
 the node cannot hold (before anything is allocated).
 
 The hand computations below are written from the model's shapes and the documented formulas
-(``nodetrain/plan/costs.py`` and ``step_time.py`` docstrings), not by calling the planner's helpers.
+(``nodetrain/cost/memory.py`` and ``step_time.py`` docstrings), not by calling the planner's helpers.
 """
 
 from __future__ import annotations
@@ -461,13 +461,26 @@ def test_cli_refuses_meaningless_hardware_without_a_traceback() -> None:
 
 def test_cli_llama2_70b_on_h100_fits() -> None:
     out = _plan_cli(
-        "model=llama2_70b", "hardware=h100_sxm", "train.seq_len=4096", "train.micro_batch_size=4",
+        "model=llama2_70b",
+        "hardware=h100_sxm",
+        "train.seq_len=4096",
+        "train.micro_batch_size=4",
         "pipeline.microbatches=16",
-    )  # fmt: skip
+    )
     # 18 bytes/param (4 fp32 fields + bf16) of the published 68.98B parameters
     assert re.search(r"host store\s+│\s+18\.00\s+│\s+1,241\.\d\d", out), out
-    for part in ("compute: forward", "H2D", "D2H", "host accumulation", "pipeline bubble", "CPU optimizer",
-                 "host DRAM", "tokens/day", "Bytes per step per stage", "host side: 8 rank(s)"):  # fmt: skip
+    for part in (
+        "compute: forward",
+        "H2D",
+        "D2H",
+        "host accumulation",
+        "pipeline bubble",
+        "CPU optimizer",
+        "host DRAM",
+        "tokens/day",
+        "Bytes per step per stage",
+        "host side: 8 rank(s)",
+    ):
         assert part in out
     assert "verdict: fits" in out and "largest micro-batch that fits" in out
 

@@ -55,20 +55,53 @@ def test_moe_shapes_have_their_published_parameter_counts(name: str) -> None:
 SMALL = dict(hidden_size=64, num_hidden_layers=4, vocab_size=512, intermediate_size=96)
 """Scaled-down fields common to every shape (each keeps its own experts-per-token and layer pattern)."""
 SMALL_OF = {
-    "qwen3_30b_a3b": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, moe_intermediate_size=24,
-                          num_experts=16, num_experts_per_tok=4),
-    "qwen3_235b_a22b": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16,
-                            moe_intermediate_size=24, num_experts=16, num_experts_per_tok=4),
-    "deepseek_v3_671b": dict(num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
-                             moe_intermediate_size=24, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
-                             qk_rope_head_dim=8, head_dim=8, v_head_dim=16, n_group=4, topk_group=2,
-                             first_k_dense_replace=2),
-    "gpt_oss_120b": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=16,
-                         intermediate_size=24),
-    "kimi_k2_1t": dict(num_attention_heads=4, num_key_value_heads=4, n_routed_experts=24,
-                       moe_intermediate_size=24, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
-                       qk_rope_head_dim=8, head_dim=8, v_head_dim=16),
-}  # fmt: skip
+    "qwen3_30b_a3b": dict(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        moe_intermediate_size=24,
+        num_experts=16,
+        num_experts_per_tok=4,
+    ),
+    "qwen3_235b_a22b": dict(
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        moe_intermediate_size=24,
+        num_experts=16,
+        num_experts_per_tok=4,
+    ),
+    "deepseek_v3_671b": dict(
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=16,
+        moe_intermediate_size=24,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        head_dim=8,
+        v_head_dim=16,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=2,
+    ),
+    "gpt_oss_120b": dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=16, intermediate_size=24
+    ),
+    "kimi_k2_1t": dict(
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=24,
+        moe_intermediate_size=24,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        head_dim=8,
+        v_head_dim=16,
+    ),
+}
 
 
 def _reference_counts(arch: str, config) -> tuple[int, int]:

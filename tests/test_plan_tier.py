@@ -91,20 +91,36 @@ def test_activation_offload_keeps_two_micro_batches_and_crosses_the_link() -> No
 
 def _gpu(**kw) -> HardwareConfig:
     base = dict(
-        name="gpu", peak_flops=1e15, device_memory_gb=80, host_link_gbps=50, host_memory_gb=2048,
-        host_memory_bandwidth_gbps=500, cores=64, gpus_per_node=2, nvme_read_gbps=40, nvme_write_gbps=20,
+        name="gpu",
+        peak_flops=1e15,
+        device_memory_gb=80,
+        host_link_gbps=50,
+        host_memory_gb=2048,
+        host_memory_bandwidth_gbps=500,
+        cores=64,
+        gpus_per_node=2,
+        nvme_read_gbps=40,
+        nvme_write_gbps=20,
         nvme_capacity_gb=10_000,
-    )  # fmt: skip
+    )
     return HardwareConfig(**{**base, **kw})
 
 
 def _cfg(**hw) -> Config:
     cfg = Config()
     cfg.model = ModelConfig(
-        name="t", arch="LlamaForCausalLM",
-        hf=dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=8, num_attention_heads=16,
-                num_key_value_heads=4, intermediate_size=5632, max_position_embeddings=4096),
-    )  # fmt: skip
+        name="t",
+        arch="LlamaForCausalLM",
+        hf=dict(
+            vocab_size=32000,
+            hidden_size=2048,
+            num_hidden_layers=8,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            intermediate_size=5632,
+            max_position_embeddings=4096,
+        ),
+    )
     cfg.hardware = _gpu(**hw)
     cfg.train.seq_len, cfg.train.micro_batch_size, cfg.pipeline.microbatches = 2048, 1, 4
     cfg.store.tier, cfg.store.tier_dir, cfg.stream.offload_activations = "nvme", "/tier", True

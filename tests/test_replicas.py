@@ -1,5 +1,5 @@
-"""Data parallelism across nodes (nodetrain/engine/replicas.py): rank layout, groups, gradient sum, and the
-acceptance run — two torchrun "nodes" on this machine train exactly like one node on the whole batch.
+"""Data parallelism across nodes (nodetrain/engine/comm/replicas.py): rank layout, groups, gradient sum,
+and the acceptance run — two torchrun "nodes" on this machine train exactly like one node on the whole batch.
 
 Cheapest first: the pure topology and config rules; then a 4-rank gloo world checking the groups
 and both gradient-sum paths against closed forms; then two ``torchrun --nnodes 2 --nproc_per_node

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 import nodetrain.engine.device.window as stream
 from nodetrain.core.placement import (
     choose_resident,
@@ -18,9 +19,9 @@ from nodetrain.core.placement import (
     saved_transfer_bytes,
     stage_budget,
 )
-from nodetrain.engine.host.measure import free_device_bytes
 from nodetrain.cost.memory import ALLOCATOR_MARGIN_BYTES, CUBLAS_MARGIN_BYTES, MARGIN_BYTES, NCCL_MARGIN_BYTES
 from nodetrain.engine.device.window import Window
+from nodetrain.engine.host.measure import free_device_bytes
 from nodetrain.model import Binding
 from nodetrain.run.inject import Faults
 from nodetrain.store import HostStore, StoreLayout
@@ -72,16 +73,26 @@ def test_budget_uses_the_planners_activation_model(monkeypatch, caplog) -> None:
 
     def streamed(plan, st):
         return memory(
-            plan.shape, st.blocks, st.stage, plan.num_stages, m=plan.batch.microbatches,
-            g=plan.batch.grad_accum, schedule=cfg.pipeline.schedule, b=plan.batch.micro_batch_size,
-            t=cfg.train.seq_len, slots=cfg.stream.slots, itemsize=2,
+            plan.shape,
+            st.blocks,
+            st.stage,
+            plan.num_stages,
+            m=plan.batch.microbatches,
+            g=plan.batch.grad_accum,
+            schedule=cfg.pipeline.schedule,
+            b=plan.batch.micro_batch_size,
+            t=cfg.train.seq_len,
+            slots=cfg.stream.slots,
+            itemsize=2,
             offload_activations=cfg.stream.offload_activations,
         )
 
     for offload in (False, True):
         cfg.stream.offload_activations = offload  # two micro-batches' saved inputs on the device (issue 23)
         plan = make_plan(cfg)
-        for st, usable, budget in zip(plan.stages, plan.run.machine.device_bytes, plan.run.budgets, strict=True):
+        for st, usable, budget in zip(
+            plan.stages, plan.run.machine.device_bytes, plan.run.budgets, strict=True
+        ):
             free = streamed(plan, st)
             assert free.activation_bytes == st.activation_bytes > 0, st
             assert budget == usable - free.window_bytes - free.activation_bytes - MARGIN_BYTES > 0
@@ -95,7 +106,9 @@ def test_budget_uses_the_planners_activation_model(monkeypatch, caplog) -> None:
     assert MARGIN_BYTES == NCCL_MARGIN_BYTES + CUBLAS_MARGIN_BYTES + ALLOCATOR_MARGIN_BYTES == 2 << 30
     from nodetrain.plan.report import _budget_line
 
-    assert "2.15 GB margin (NCCL buffers 1.07 + cuBLAS workspaces 0.13 + allocator 0.94" in _budget_line(plan)[0]
+    assert (
+        "2.15 GB margin (NCCL buffers 1.07 + cuBLAS workspaces 0.13 + allocator 0.94" in _budget_line(plan)[0]
+    )
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * 2**30, 80 * 2**30))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")

@@ -89,9 +89,16 @@ def test_row_gradients_scatter_add_and_the_first_write_zeroes(store, window, hea
 
 def _hf(tied: bool) -> transformers.LlamaForCausalLM:
     cfg = transformers.LlamaConfig(
-        vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, pad_token_id=0, tie_word_embeddings=tied, max_position_embeddings=32,
-    )  # fmt: skip
+        vocab_size=48,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        pad_token_id=0,
+        tie_word_embeddings=tied,
+        max_position_embeddings=32,
+    )
     cfg.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(1)
     return transformers.LlamaForCausalLM(cfg).float()
@@ -122,8 +129,11 @@ def _engine_grads(hf, shm_dir, ids, labels, scale: float, rows: bool):
         assert window.take_stats()["d2h_bytes"] == 0 and not runner._saved
     finally:
         window.close()
-    grads = {p.hf_name: store.grad(u.index)[p.offset : p.offset + p.numel].view(p.shape).clone()
-             for u in model.units for p in u.params}  # fmt: skip
+    grads = {
+        p.hf_name: store.grad(u.index)[p.offset : p.offset + p.numel].view(p.shape).clone()
+        for u in model.units
+        for p in u.params
+    }
     return loss, grads, stats
 
 

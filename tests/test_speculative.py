@@ -181,13 +181,31 @@ def test_nan_step_rolls_back_every_speculative_update(store) -> None:  # noqa: F
 # ----------------------------------------------------------------------------- torchrun runs
 
 CLIP_CASES = [
-    Case("llama-1stage-tied-gpipe-slots2-accum2x2-clip-speculative-optdelay3ms",
-         "LlamaForCausalLM", 1, "gpipe", slots=2, grad_accum=2, microbatches=2,
-         tied=True, delay_s=0.002, optim_delay_s=0.003),
-    Case("llama-2stage-tied-1f1b-slots1-accum1x4-clip-speculative-delay3ms",
-         "LlamaForCausalLM", 2, "1f1b", slots=1, grad_accum=1, microbatches=4,
-         tied=True, delay_s=0.003, optim_delay_s=0.002),
-]  # fmt: skip
+    Case(
+        "llama-1stage-tied-gpipe-slots2-accum2x2-clip-speculative-optdelay3ms",
+        "LlamaForCausalLM",
+        1,
+        "gpipe",
+        slots=2,
+        grad_accum=2,
+        microbatches=2,
+        tied=True,
+        delay_s=0.002,
+        optim_delay_s=0.003,
+    ),
+    Case(
+        "llama-2stage-tied-1f1b-slots1-accum1x4-clip-speculative-delay3ms",
+        "LlamaForCausalLM",
+        2,
+        "1f1b",
+        slots=1,
+        grad_accum=1,
+        microbatches=4,
+        tied=True,
+        delay_s=0.003,
+        optim_delay_s=0.002,
+    ),
+]
 """Clipping at test_parity's 0.3 bites on every step (check_parity asserts it on the reference)."""
 
 
@@ -247,9 +265,16 @@ def test_speculative_never_clipping_and_a_nan_step_skipped_whole(
 
 
 AUTO_CASE = Case(
-    "llama-2stage-tied-1f1b-slots1-accum1x4-clip-auto", "LlamaForCausalLM", 2, "1f1b", slots=1,
-    grad_accum=1, microbatches=4, tied=True, delay_s=0.003,
-)  # fmt: skip
+    "llama-2stage-tied-1f1b-slots1-accum1x4-clip-auto",
+    "LlamaForCausalLM",
+    2,
+    "1f1b",
+    slots=1,
+    grad_accum=1,
+    microbatches=4,
+    tied=True,
+    delay_s=0.003,
+)
 """``optim.speculative=auto`` on two ranks: the choice is collective (one all-reduce of the ranks'
 measured AdamW rates, their RAM verdicts and resident blocks)."""
 

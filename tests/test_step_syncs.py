@@ -30,14 +30,21 @@ from transformers import masking_utils
 
 from bench._engine import base_config, model_config
 from bench._sync_count import SyncCounter
-from nodetrain.engine.startup import build_engine
+from nodetrain.engine.engine import Engine
 from nodetrain.engine.linear_ce import IGNORE_INDEX
 from nodetrain.engine.stage import StageRunner
+from nodetrain.engine.startup import build_engine
 from nodetrain.model import HFModel, build_hf_config
 
 V, T = 256, 8
-HF = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-      "intermediate_size": 64, "pad_token_id": 0}  # fmt: skip
+HF = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 64,
+    "pad_token_id": 0,
+}
 _ids = itertools.count()
 
 
@@ -63,8 +70,15 @@ def engines(shm_dir):
         )
         cfg.data.vocab_size, cfg.store.dir = V, str(shm_dir)
         model = HFModel(build_hf_config(cfg.model))
-        eng = build_engine(cfg, model, rank=0, world_size=1, local_rank=0, run_id=f"syncs{next(_ids)}",
-                     device=torch.device("cpu"))  # fmt: skip
+        eng = build_engine(
+            cfg,
+            model,
+            rank=0,
+            world_size=1,
+            local_rank=0,
+            run_id=f"syncs{next(_ids)}",
+            device=torch.device("cpu"),
+        )
         assert (0 in eng.window.resident) == dense
         built.append(eng)
         return eng

@@ -1,4 +1,4 @@
-"""The step-time model's compute and shared-core terms (``nodetrain/plan/step_time.py``) against
+"""The step-time model's compute and shared-core terms (``nodetrain/cost/step_time.py``) against
 closed forms written here from the docstrings' formulas, on a hand-built ``ModelShape``, and the
 planner's choice of rates per dtype and profile (``pricing.priced_step``)."""
 
@@ -40,9 +40,13 @@ A_BF16 = 2832
 
 def _rates(**kw) -> HostRates:
     base = dict(
-        link_bytes_per_s=1e12, host_bytes_per_s=1e15, core_bytes_per_s=1e12, ranks=1, accum_threads=1,
+        link_bytes_per_s=1e12,
+        host_bytes_per_s=1e15,
+        core_bytes_per_s=1e12,
+        ranks=1,
+        accum_threads=1,
         optim_threads=1,
-    )  # fmt: skip
+    )
     return HostRates(**{**base, **kw})
 
 
@@ -68,9 +72,13 @@ def test_compute_is_matmuls_attention_elementwise_and_layer_overhead() -> None:
     mm, attn, bw, overhead = 1e9, 2e8, 5e8, 1e-3
     kw = dict(b=b, t=t, m=m, g=g, itemsize=2, flops_per_s=mm, rates=_rates())
     x = step_time(
-        SHAPE, [range(4)], **kw, attention_flops_per_s=attn, elementwise_bytes_per_s=bw,
+        SHAPE,
+        [range(4)],
+        **kw,
+        attention_flops_per_s=attn,
+        elementwise_bytes_per_s=bw,
         layer_overhead_s=overhead,
-    )  # fmt: skip
+    )
     layers_mm, layers_attn = 2 * 8 * COST * n / mm, 2 * 16 * n * t * H * Q / attn
     layers_ew, head_mm = 2 * 8 * A_BF16 * n / bw, 6 * HEAD * n / mm
     head_ew = (n * V * 48 + HEAD * 28) / bw
@@ -140,19 +148,35 @@ def test_unequal_stages_take_the_slowest_stage_plus_the_others_fill_and_drain() 
 def _cpu_config(dtype: str) -> Config:
     cfg = Config()
     hf = dict(
-        vocab_size=V, hidden_size=D, num_hidden_layers=2, num_attention_heads=H, num_key_value_heads=K,
-        intermediate_size=F, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=V,
+        hidden_size=D,
+        num_hidden_layers=2,
+        num_attention_heads=H,
+        num_key_value_heads=K,
+        intermediate_size=F,
+        tie_word_embeddings=False,
+    )
     cfg.model = ModelConfig(name="hand", arch="LlamaForCausalLM", hf=hf)
     cfg.data.vocab_size = V
     cfg.train.seq_len, cfg.train.micro_batch_size, cfg.train.dtype = 16, 2, dtype
     cfg.pipeline.stages, cfg.pipeline.microbatches = 1, 2
     cfg.hardware = HardwareConfig(
-        name="cpu_test", peak_flops=4e11, fp32_flops=1e11, matmul_efficiency=0.5, attention_flops=2e10,
-        fp32_attention_flops=3e10, device_memory_bandwidth_gbps=5.0, layer_overhead_s=2e-3,
-        device_memory_gb=0.0, host_link_gbps=10.0, host_memory_gb=100.0, host_memory_bandwidth_gbps=200.0,
-        core_memory_bandwidth_gbps=20.0, cores=4, gpus_per_node=0,
-    )  # fmt: skip
+        name="cpu_test",
+        peak_flops=4e11,
+        fp32_flops=1e11,
+        matmul_efficiency=0.5,
+        attention_flops=2e10,
+        fp32_attention_flops=3e10,
+        device_memory_bandwidth_gbps=5.0,
+        layer_overhead_s=2e-3,
+        device_memory_gb=0.0,
+        host_link_gbps=10.0,
+        host_memory_gb=100.0,
+        host_memory_bandwidth_gbps=200.0,
+        core_memory_bandwidth_gbps=20.0,
+        cores=4,
+        gpus_per_node=0,
+    )
     return cfg
 
 
@@ -169,9 +193,11 @@ def test_planner_prices_each_dtype_at_its_own_rates(dtype: str) -> None:
     a = block_elementwise_bytes(SHAPE, 1, n, e)
     head = block_elementwise_bytes(SHAPE, 3, n, e)[0]
     per_mb = (
-        (2 * 8 * COST * n + 6 * HEAD * n) / mm + 2 * 16 * n * 16 * H * Q / attn
-        + (2 * sum(a) + head) / 5e9 + 2 * 2e-3
-    )  # fmt: skip
+        (2 * 8 * COST * n + 6 * HEAD * n) / mm
+        + 2 * 16 * n * 16 * H * Q / attn
+        + (2 * sum(a) + head) / 5e9
+        + 2 * 2e-3
+    )
     assert t.compute_s == pytest.approx(mbs * per_mb, rel=1e-12)
     assert t.attention_s == pytest.approx(mbs * 2 * 16 * n * 16 * H * Q / attn, rel=1e-12)
     assert len(t.core_s) == 1 and t.shared_cores_s > 0  # the stages share the node's cores

@@ -269,8 +269,9 @@ def _held_slots_stay_current(window: Window, store: HostStore, sequence: list[in
 
 
 @pytest.mark.parametrize("slots", [1, 2])
-@pytest.mark.parametrize(("kind", "num_stages", "stage"), [("1f1b", 1, 0), ("1f1b", 2, 0), ("1f1b", 2, 1),
-                                                          ("gpipe", 2, 0)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kind", "num_stages", "stage"), [("1f1b", 1, 0), ("1f1b", 2, 0), ("1f1b", 2, 1), ("gpipe", 2, 0)]
+)
 def test_consecutive_uses_of_a_block_share_one_load(make_store, kind, num_stages, stage, slots) -> None:
     """H2D bytes per sequence equal the closed form from the schedule, and every use, reused or not,
     still sees the current transfer copy (a freed-too-early slot would be overwritten under it)."""

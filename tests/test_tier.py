@@ -46,9 +46,18 @@ def _variants(tmp: Path, shm: Path, modes: dict[str, dict]) -> list[dict]:
         for tier in ("ram", "nvme"):
             (shm / f"{name}-{tier}").mkdir()
             extra = {"store.tier_dir": str(tmp / "tier"), "store.tier_buffers": 2} if tier == "nvme" else {}
-            out.append({"out_dir": str(tmp / f"{name}-{tier}"), "run_id": f"tier-{name}-{tier}",
-                        "overrides": {**overrides, **extra, "store.tier": tier,
-                                      "store.dir": str(shm / f"{name}-{tier}")}})  # fmt: skip
+            out.append(
+                {
+                    "out_dir": str(tmp / f"{name}-{tier}"),
+                    "run_id": f"tier-{name}-{tier}",
+                    "overrides": {
+                        **overrides,
+                        **extra,
+                        "store.tier": tier,
+                        "store.dir": str(shm / f"{name}-{tier}"),
+                    },
+                }
+            )
     return out
 
 
@@ -117,8 +126,10 @@ def test_one_stage_tier_equals_ram(tmp_path: Path, shm_dir: Path, one_rank_world
     _check_same(tmp_path, 1, ONE_MODES)
 
 
-TWO_MODES = {"full-clip": {"optim.max_grad_norm": 0.3, "optim.speculative": False},
-             "lean-clip": {**LEAN, "optim.max_grad_norm": 0.3}}  # fmt: skip
+TWO_MODES = {
+    "full-clip": {"optim.max_grad_norm": 0.3, "optim.speculative": False},
+    "lean-clip": {**LEAN, "optim.max_grad_norm": 0.3},
+}
 
 
 def test_two_stage_tier_equals_ram(tmp_path: Path, shm_dir: Path, torchrun) -> None:

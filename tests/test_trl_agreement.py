@@ -63,10 +63,15 @@ def _trl_rows(out: Path, tok, records: list[dict], **config) -> list[dict]:
     """TRL's prepared training rows (input_ids, labels) for ``records``, as SFTTrainer makes them."""
     model = transformers.Qwen3ForCausalLM(
         transformers.Qwen3Config(
-            vocab_size=len(tok), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=8, intermediate_size=32,
+            vocab_size=len(tok),
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            intermediate_size=32,
         )
-    )  # fmt: skip
+    )
     args = trl.SFTConfig(output_dir=str(out), report_to="none", max_length=None, use_cpu=True, **config)
     trainer = trl.SFTTrainer(
         model=model, args=args, train_dataset=datasets.Dataset.from_list(records), processing_class=tok

@@ -187,9 +187,17 @@ def _in_backward_counts(steps: list[dict], num_stages: int) -> list[list[int]]:
 
 PARITY_CASE = Case(
     "llama-1stage-tied-gpipe-slots2-accum2x2-noclip-delay3ms-optdelay5ms",
-    "LlamaForCausalLM", 1, "gpipe", slots=2, grad_accum=2, microbatches=2,
-    max_grad_norm=0.0, tied=True, delay_s=0.003, optim_delay_s=0.005,
-)  # fmt: skip
+    "LlamaForCausalLM",
+    1,
+    "gpipe",
+    slots=2,
+    grad_accum=2,
+    microbatches=2,
+    max_grad_norm=0.0,
+    tied=True,
+    delay_s=0.003,
+    optim_delay_s=0.005,
+)
 """One stage, GPipe, the tied embedding bound by two blocks of the stage (final at the second). Two
 stages with 1F1B are the NaN case below (every unit but the poisoned one against the reference),
 two stages with GPipe the two-node case."""
@@ -209,9 +217,18 @@ NAN_AT = 2
 """1-based step whose gradient ``test.nan_rank`` (the last stage) poisons, in its last unit (the head)."""
 NAN_CASE = Case(
     "llama-2stage-tied-1f1b-slots1-accum1x4-noclip-delay5ms-optdelay2ms-5layers-nan",
-    "LlamaForCausalLM", 2, "1f1b", slots=1, grad_accum=1, microbatches=4,
-    max_grad_norm=0.0, tied=True, delay_s=0.005, optim_delay_s=0.002, hf={"num_hidden_layers": 5},
-)  # fmt: skip
+    "LlamaForCausalLM",
+    2,
+    "1f1b",
+    slots=1,
+    grad_accum=1,
+    microbatches=4,
+    max_grad_norm=0.0,
+    tied=True,
+    delay_s=0.005,
+    optim_delay_s=0.002,
+    hf={"num_hidden_layers": 5},
+)
 """5 layers: 3 or 4 blocks a stage; one slot and slowed copies make the rest of a backward outlast the
 D2H and the slowed update of the first unit that becomes final. Without clipping, lr 1e-2 and the
 tied embedding, fp32 noise grows over the steps and how much depends on the seed (the case id):
@@ -336,9 +353,17 @@ def test_nan_gradient_leaves_out_the_unit_or_the_step(
 
 REPLICA_CASE = Case(
     "llama-2stage-tied-gpipe-slots2-accum2x4-noclip-2nodes",
-    "LlamaForCausalLM", 2, "gpipe", slots=2, grad_accum=2, microbatches=4,
-    max_grad_norm=0.0, tied=True, delay_s=0.002, optim_delay_s=0.002,
-)  # fmt: skip
+    "LlamaForCausalLM",
+    2,
+    "gpipe",
+    slots=2,
+    grad_accum=2,
+    microbatches=4,
+    max_grad_norm=0.0,
+    tied=True,
+    delay_s=0.002,
+    optim_delay_s=0.002,
+)
 """As a single node: 2 rounds × 4 micro-batches a step; as two nodes: 1 round × 4 micro-batches each."""
 REPLICA_CASE_SPECULATIVE = dataclasses.replace(
     REPLICA_CASE, id="llama-2stage-tied-gpipe-slots2-accum2x4-clip-speculative-2nodes", max_grad_norm=0.3

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the schema imports nothing of this module: types only
     from nodetrain.config.schema import Config
 
-__all__ = ["BatchShape", "grad_accum_for"]
+__all__ = ["BatchShape", "grad_accum_for", "microbatches_per_step"]
 
 
 def grad_accum_for(cfg: Config, micro_batch_size: int, microbatches: int, num_replicas: int) -> int:
@@ -26,6 +26,12 @@ def grad_accum_for(cfg: Config, micro_batch_size: int, microbatches: int, num_re
     if cfg.train.batch_size > 0:
         return cfg.train.batch_size // (micro_batch_size * microbatches * num_replicas)
     return cfg.train.grad_accum
+
+
+def microbatches_per_step(grad_accum: int, microbatches: int) -> int:
+    """Micro-batches one replica runs per optimizer step: ``grad_accum`` rounds (G) of
+    ``pipeline.microbatches`` (M), G·M. The one place this product is taken (tests/test_layout.py)."""
+    return grad_accum * microbatches
 
 
 @dataclass(frozen=True)
@@ -47,8 +53,8 @@ class BatchShape:
 
     @property
     def microbatches_per_step(self) -> int:
-        """Micro-batches one replica runs per step, G·M."""
-        return self.grad_accum * self.microbatches
+        """Micro-batches one replica runs per step, G·M (:func:`microbatches_per_step`)."""
+        return microbatches_per_step(self.grad_accum, self.microbatches)
 
     @property
     def global_microbatches(self) -> int:

@@ -156,7 +156,8 @@ class TrainConfig:
     """Sequences per optimizer step over all nodes (the global batch); 0 = micro_batch_size ×
     pipeline.microbatches × grad_accum × nodes. When > 0 it must be a multiple of micro_batch_size ×
     pipeline.microbatches × nodes, and grad_accum becomes batch_size / (micro_batch_size ×
-    pipeline.microbatches × nodes) (``config.batch.grad_accum_for``), so adding nodes keeps the global batch."""
+    pipeline.microbatches × nodes) (``config.batch.grad_accum_for``), so adding nodes keeps the global
+    batch."""
     dtype: str = "bfloat16"
     """Compute dtype of the streamed transfer copy and the device math: bfloat16 | float32.
     Master weights and optimizer state are always fp32. float16 is refused (no loss scaler: its
@@ -184,7 +185,8 @@ class PipelineConfig:
     stages: int = 0
     """Number of pipeline stages; 0 = the ranks per node (one stage per rank). Must equal torchrun's
     ``--nproc_per_node``, be <= 8 and <= model.hf.num_hidden_layers. With ``--nnodes K`` each node
-    runs one replica of the pipeline (data parallel, see nodetrain/engine/replicas.py): world = stages × K."""
+    runs one replica of the pipeline (data parallel, see nodetrain/engine/comm/replicas.py): world =
+    stages × K."""
     schedule: str = "1f1b"
     """gpipe (arXiv:1811.06965) | 1f1b (PipeDream-Flush, arXiv:2104.04473)."""
     microbatches: Any = 4
@@ -256,7 +258,7 @@ class OptimConfig:
     logged. Ignored without clipping. Why off by default: docs/optimizer.md#speculative-updates."""
     threads: int = 0
     """CPU threads (an OpenMP team) for the AdamW update; 0 = auto: half the rank's core share,
-    rounded up (the rest goes to ``stream.accum_threads``; see nodetrain/engine/host_threads.py)."""
+    rounded up (the rest goes to ``stream.accum_threads``; see nodetrain/engine/host/binding.py)."""
     state: str = "full"
     """Host training state per parameter: ``full`` = fp32 master, fp32 ``exp_avg``/``exp_avg_sq``, fp32
     gradient accumulator and the bf16 transfer copy (18 B with bf16, exact against torch's AdamW);

@@ -25,15 +25,27 @@ def check_tier(cfg, problems) -> None:
     if s.tier == "ram":
         return
     if not s.tier_dir:
-        problems.add("store.tier_dir", s.tier_dir, "required with store.tier=nvme",
-                     "set it to a directory on a local NVMe drive")  # fmt: skip
+        problems.add(
+            "store.tier_dir",
+            s.tier_dir,
+            "required with store.tier=nvme",
+            "set it to a directory on a local NVMe drive",
+        )
     if isinstance(s.tier_buffers, bool) or not isinstance(s.tier_buffers, int) or s.tier_buffers < 2:
-        problems.add("store.tier_buffers", s.tier_buffers, "must be an integer >= 2 (one unit is read "
-                     "ahead while another is updated)", "use 2 or more (default 4)")  # fmt: skip
+        problems.add(
+            "store.tier_buffers",
+            s.tier_buffers,
+            "must be an integer >= 2 (one unit is read ahead while another is updated)",
+            "use 2 or more (default 4)",
+        )
     if cfg.optim.speculative is True and cfg.optim.overlap and cfg.optim.max_grad_norm > 0:
-        problems.add("optim.speculative", True, "backs up fp32 master weights and moments in host RAM "
-                     "(12 B/param), which store.tier=nvme keeps out of it",
-                     "set optim.speculative=false (or store.tier=ram)")  # fmt: skip
+        problems.add(
+            "optim.speculative",
+            True,
+            "backs up fp32 master weights and moments in host RAM "
+            "(12 B/param), which store.tier=nvme keeps out of it",
+            "set optim.speculative=false (or store.tier=ram)",
+        )
 
 
 def tier_dir_problem(tier_dir: str) -> str | None:

@@ -81,9 +81,11 @@ def _budget_lines(cfg: Config, machine: Machine, budgets, streamed) -> list[str]
         return []
     if machine.on_cpu:
         return ["stream.device_budget=auto: 0 on the CPU (the device is host memory: every block streams)"]
+    gb = 1e9
     return [
-        f"stream.device_budget=auto on stage {k}: {d / 1e9:.2f} GB usable - {m.window_bytes / 1e9:.2f} GB window - "
-        f"{m.activation_bytes / 1e9:.2f} GB activations - {MARGIN_BYTES / 1e9:.2f} GB margin = {x / 1e9:.2f} GB"
+        f"stream.device_budget=auto on stage {k}: {d / gb:.2f} GB usable - {m.window_bytes / gb:.2f} GB "
+        f"window - {m.activation_bytes / gb:.2f} GB activations - {MARGIN_BYTES / gb:.2f} GB margin = "
+        f"{x / gb:.2f} GB"
         for k, (d, m, x) in enumerate(zip(machine.device_bytes, streamed, budgets, strict=True))
     ]
 

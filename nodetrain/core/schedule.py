@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nodetrain.config.batch import microbatches_per_step
 from nodetrain.config.constants import SCHEDULES
 
 __all__ = [
@@ -132,7 +133,7 @@ def step_rounds(kind: str, grad_accum: int, num_microbatches: int) -> tuple[int,
     if kind not in SCHEDULES:
         raise ValueError(f"pipeline.schedule={kind!r}: use one of {SCHEDULES}")
     if kind == "1f1b":
-        return 1, grad_accum * num_microbatches
+        return 1, microbatches_per_step(grad_accum, num_microbatches)
     return grad_accum, num_microbatches
 
 

@@ -116,8 +116,16 @@ class StepPlan:
     num_stages: int = 1
 
     @classmethod
-    def of(cls, actions, rounds: int, blocks, is_last: bool, train: bool = True, stage: int = 0,
-           num_stages: int = 1) -> StepPlan:  # fmt: skip
+    def of(
+        cls,
+        actions,
+        rounds: int,
+        blocks,
+        is_last: bool,
+        train: bool = True,
+        stage: int = 0,
+        num_stages: int = 1,
+    ) -> StepPlan:
         """Expand ``rounds`` × ``actions`` for a stage of ``blocks`` (``is_last``: it holds the head;
         ``train=False``: an evaluation, nothing offloaded)."""
         blocks, every = list(blocks), list(actions) * rounds
@@ -126,8 +134,16 @@ class StepPlan:
         return cls(tuple(actions), rounds, tuple(loads), tuple(offloads), tuple(blocks), stage, num_stages)
 
     @classmethod
-    def step(cls, schedule: str, num_stages: int, stage: int, grad_accum: int, microbatches: int, blocks,
-             is_last: bool) -> StepPlan:  # fmt: skip
+    def step(
+        cls,
+        schedule: str,
+        num_stages: int,
+        stage: int,
+        grad_accum: int,
+        microbatches: int,
+        blocks,
+        is_last: bool,
+    ) -> StepPlan:
         """A training step of ``grad_accum × microbatches`` micro-batches (``step_rounds``)."""
         rounds, per_round = step_rounds(schedule, grad_accum, microbatches)
         actions = build_schedule(schedule, num_stages, stage, per_round)
@@ -197,7 +213,9 @@ class StepPlan:
         )
 
 
-def stage_works(schedule: str, stage_blocks, grad_accum: int, microbatches: int, resident=None) -> list[StageWork]:
+def stage_works(
+    schedule: str, stage_blocks, grad_accum: int, microbatches: int, resident=None
+) -> list[StageWork]:
     """Per stage of a pipeline of ``stage_blocks``, its training step as the cost model counts it
     (:meth:`StepPlan.work`), with ``resident`` (per stage, default none) blocks kept on the device.
 

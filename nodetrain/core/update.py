@@ -75,8 +75,8 @@ def update_kind(cfg: OptimConfig) -> str:
 
 def choose_speculative(deferred_step_s: float, speculative_step_s: float, backup_fits: bool) -> bool:
     """``optim.speculative=auto``: speculate when the backups fit host RAM and the predicted step
-    (``cost.step_time.step_time``, speculative priced at ``cost.exposure.CLIP_FRACTION`` clipped steps) is shorter than
-    the deferred one by more than :data:`SPECULATE_GAIN`."""
+    (``cost.step_time.step_time``, speculative priced at ``cost.exposure.CLIP_FRACTION`` clipped steps)
+    is shorter than the deferred one by more than :data:`SPECULATE_GAIN`."""
     return backup_fits and speculative_step_s < (1 - SPECULATE_GAIN) * deferred_step_s
 
 
@@ -145,9 +145,10 @@ def _choice_line(cfg: Config, machine: Machine, priced: dict, memory, kind: str,
     x, ms, threads = spec.exposure, 1e3, machine.cores.optim_threads
     hw = machine.hardware.name
     if machine.optimizer_bytes_per_s:
-        rate = f"{min(machine.optimizer_bytes_per_s) / 1e9:.1f} GB/s on {threads} thread(s) (measured, slowest rank)"
+        gbps, source = min(machine.optimizer_bytes_per_s) / 1e9, "measured, slowest rank"
     else:
-        rate = f"{host_rates(machine, num_stages).rate(threads)[0] / 1e9:.1f} GB/s on {threads} thread(s) (hardware={hw})"
+        gbps, source = host_rates(machine, num_stages).rate(threads)[0] / 1e9, f"hardware={hw}"
+    rate = f"{gbps:.1f} GB/s on {threads} thread(s) ({source})"
     peak = "lowest peak" if machine.peak_flops else "peak"
     return (
         f"optim.speculative=auto: AdamW {rate}, compute {matmul_flops(cfg, machine) / 1e12:.3g} TFLOP/s "
@@ -156,8 +157,8 @@ def _choice_line(cfg: Config, machine: Machine, priced: dict, memory, kind: str,
         f"({x.speculative_s * ms:,.1f} unclipped, {x.speculative_clipped_s * ms:,.1f} clipped, "
         f"{CLIP_FRACTION:.0%} of steps assumed to clip); step {deferred.step_s * ms:,.1f} vs "
         f"{spec.step_s * ms:,.1f} ms; backups {backup / 1e9:.3g} GB (+ {headroom / 1e9:.3g} GB headroom) "
-        f"{'fit' if fits else 'do not fit'} in the available RAM ({machine.host_free_bytes / 1e9:.1f} GB here) "
-        f"→ {kind} updates"
+        f"{'fit' if fits else 'do not fit'} in the available RAM "
+        f"({machine.host_free_bytes / 1e9:.1f} GB here) → {kind} updates"
     )
 
 

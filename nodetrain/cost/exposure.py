@@ -1,7 +1,7 @@
 """Exposed optimizer time: the seconds of a step's CPU AdamW that the next step waits for, per update mode.
 
 Owns: a max-plus model of the engine's pipeline schedule (:func:`pipeline_times`) and of the
-optimizer thread's FIFO queue in each of :data:`MODES` (``engine/overlap.py`` runs that queue),
+optimizer thread's FIFO queue in each of :data:`MODES` (``engine/host/overlap.py`` runs that queue),
 giving how late the next step's first use of each unit is (:func:`exposed_s`). Pure arithmetic on
 seconds; ``step_time.py`` turns a model, a batch shape and rates into the seconds. Does not own: the
 modes' rules and the choice between them (``core/update.py``), the rates or FLOPs (step_time.py), the

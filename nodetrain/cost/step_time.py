@@ -295,7 +295,7 @@ def step_time(
         shared_cores: the node's cores when the stages compute on them (a CPU profile; the rates
             above are then one core's), else 0;
         tier_bytes_per_param: NVMe bytes/param read + written once a step (:func:`_optim_rates`; 0: none);
-        offload_activations: ``stream.offload_activations`` (``costs.stage_traffic``).
+        offload_activations: ``stream.offload_activations`` (``traffic.stage_traffic``).
 
     Raises:
         ValueError: an unknown ``update_mode``.
@@ -315,16 +315,8 @@ def step_time(
     floors = _floors(
         st, traffic, rates, optim, exposure.of(update_mode, clip_fraction), pipeline, shared_cores
     )
-    return _result(
-        shape,
-        st,
-        tuple(traffic),
-        floors,
-        exposure,
-        update_mode,
-        tokens=works[0].num_microbatches * b * t,
-        t=t,
-    )
+    tokens = works[0].num_microbatches * b * t
+    return _result(shape, st, tuple(traffic), floors, exposure, update_mode, tokens=tokens, t=t)
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,9 @@ def ram_store_bytes(layout: StoreLayout, tier: str, buffers: int) -> int:
     return layout.nbytes - on_nvme + pool
 
 
-def tier_optimizer_rate(adamw_bytes_per_s: float, optimizer_bytes: float, tier_bytes: float, read: float,
-                        write: float) -> float:  # fmt: skip
+def tier_optimizer_rate(
+    adamw_bytes_per_s: float, optimizer_bytes: float, tier_bytes: float, read: float, write: float
+) -> float:
     """Host bytes/s the optimizer thread reaches over a stage's units when their tier fields
     (``tier_bytes``) are read from and written back to NVMe at ``read`` / ``write`` bytes/s (the
     rank's share of the drives) while its CPU AdamW moves ``optimizer_bytes`` at

@@ -155,8 +155,15 @@ class Engine:
         shape = (b.micro_batch_size, b.seq_len, model.config.hidden_size)
         offload = saved_offload(cfg.stream, self.plan, self.blocks, self._is_last, self.window, shape)
         self.runner = StageRunner(model, self.blocks, self.window, self.dtype, offload)
-        self.p2p = P2P(topo.stage, topo.num_stages, shape, self.dtype, self.comm, topo.pipeline_ranks,
-                       timeline=self.timeline)  # fmt: skip
+        self.p2p = P2P(
+            topo.stage,
+            topo.num_stages,
+            shape,
+            self.dtype,
+            self.comm,
+            topo.pipeline_ranks,
+            timeline=self.timeline,
+        )
         self.breakdown = self._make_breakdown()
         self._log_layout()
 

@@ -77,8 +77,14 @@ class StageRunner:
             (``stream.offload_activations``, activations.py); None: on the device.
     """
 
-    def __init__(self, model: HFModel, blocks: range, window: Window, compute_dtype: torch.dtype,
-                 offload: SavedOffload | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model: HFModel,
+        blocks: range,
+        window: Window,
+        compute_dtype: torch.dtype,
+        offload: SavedOffload | None = None,
+    ):
         self.model, self.blocks, self.window = model, list(blocks), window
         self.dtype = compute_dtype
         self.is_first = self.blocks[0] == 0

@@ -43,8 +43,17 @@ __all__ = ["Opened", "build_engine", "make_optimizer", "open_store", "peak_flops
 log = logging.getLogger(__name__)
 
 
-def open_store(model: HFModel, dtype: torch.dtype, state: str, store_cfg: StoreConfig, topo: Topology,
-               timeout_s: float, run_id: str, units, skip=()) -> HostStore:  # fmt: skip
+def open_store(
+    model: HFModel,
+    dtype: torch.dtype,
+    state: str,
+    store_cfg: StoreConfig,
+    topo: Topology,
+    timeout_s: float,
+    run_id: str,
+    units,
+    skip=(),
+) -> HostStore:
     """The node's host store, mapped in this rank, with the pages of ``units`` allocated here.
 
     Local rank 0 creates it without allocating it, the others map it, and each rank allocates its own
@@ -77,8 +86,17 @@ def open_store(model: HFModel, dtype: torch.dtype, state: str, store_cfg: StoreC
     return store
 
 
-def make_optimizer(store: HostStore, model: HFModel, units, blocks, optim: OptimConfig, seed: int,
-                   device: torch.device, init_from=None, tier=None) -> StoreAdamW:  # fmt: skip
+def make_optimizer(
+    store: HostStore,
+    model: HFModel,
+    units,
+    blocks,
+    optim: OptimConfig,
+    seed: int,
+    device: torch.device,
+    init_from=None,
+    tier=None,
+) -> StoreAdamW:
     """The stage's AdamW over the store (``optim.state``), its units' master weights initialised
     (``init_from(store, units)``: a checkpoint import; default random) and transfer copies refreshed,
     and on CUDA the transfer copies its ``blocks`` load page-locked. Collective (a barrier: the tied
@@ -150,9 +168,20 @@ class Opened:
     optimizer: object
 
 
-def build_engine(cfg: Config, model: HFModel, *, rank: int, world_size: int, local_rank: int, run_id: str,
-                 device: torch.device, init_from=None, topology: Topology | None = None,
-                 faults: Faults | None = None, batch: BatchShape | None = None) -> Engine:  # fmt: skip
+def build_engine(
+    cfg: Config,
+    model: HFModel,
+    *,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    run_id: str,
+    device: torch.device,
+    init_from=None,
+    topology: Topology | None = None,
+    faults: Faults | None = None,
+    batch: BatchShape | None = None,
+) -> Engine:
     """This rank's :class:`~nodetrain.engine.engine.Engine`, built in the order its parts need: threads
     bound to the GPU's NUMA node, the peak FLOP/s found (its scratch freed), the machine measured and
     shared (``measure.measure_machine``), the run resolved once (``core.run_shape.resolve``, logged),
@@ -183,8 +212,9 @@ def build_engine(cfg: Config, model: HFModel, *, rank: int, world_size: int, loc
     for line in run.lines:
         log.info("%s", line)
     units = [model.units[i] for i in run.plans[topo.stage].blocks]
-    store = open_store(model, dtype, cfg.optim.state, cfg.store, topo, cfg.dist.timeout_s, run_id, units,
-                       tier_skip(cfg))  # fmt: skip
+    store = open_store(
+        model, dtype, cfg.optim.state, cfg.store, topo, cfg.dist.timeout_s, run_id, units, tier_skip(cfg)
+    )
     tier = tier_opener(cfg, store, topo, run_id, faults)  # None: store.tier=ram
     blocks = run.plans[topo.stage].blocks
     optimizer = make_optimizer(store, model, units, blocks, cfg.optim, cfg.seed, device, init_from, tier)

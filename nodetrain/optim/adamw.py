@@ -176,7 +176,7 @@ class StoreAdamW:
         chunk is still in cache. The kernel *divides* gradients by its ``grad_scale``, so it gets
         ``1 / grad_scale`` (≤ 1 ulp from multiplying; none when ``grad_scale`` is a power of two), and
         writes the scaled gradient back, as ``g.mul_(grad_scale)`` did. The gradient accumulator is
-        otherwise left as is: the next step's first offload into it overwrites it (engine/window.py).
+        otherwise left as is: the next step's first offload into it overwrites it (engine/device/window.py).
 
         Args:
             unit: an owned unit's index.
@@ -195,10 +195,22 @@ class StoreAdamW:
             beta1, beta2 = group["betas"]
             for master, grad, exp_avg, exp_avg_sq, compute in chunks:
                 torch._fused_adamw_(
-                    [master], [grad], [exp_avg], [exp_avg_sq], [], [step], amsgrad=False, lr=lr,
-                    beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-                    maximize=False, grad_scale=scale, found_inf=found_inf,
-                )  # fmt: skip
+                    [master],
+                    [grad],
+                    [exp_avg],
+                    [exp_avg_sq],
+                    [],
+                    [step],
+                    amsgrad=False,
+                    lr=lr,
+                    beta1=beta1,
+                    beta2=beta2,
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    maximize=False,
+                    grad_scale=scale,
+                    found_inf=found_inf,
+                )
                 if not skipped:
                     compute.copy_(master)
             if found_inf is not None:

@@ -145,10 +145,22 @@ class LeanAdamW:
             a, b = max(a, lo) - lo, min(b, hi) - lo
             if b > a:
                 torch._fused_adamw_(
-                    [w[a:b]], [g[a:b]], [m[a:b]], [v[a:b]], [], [step], amsgrad=False, lr=lr,
-                    beta1=self.cfg.beta1, beta2=self.cfg.beta2, weight_decay=wd, eps=self.cfg.eps,
-                    maximize=False, grad_scale=scale, found_inf=None,
-                )  # fmt: skip
+                    [w[a:b]],
+                    [g[a:b]],
+                    [m[a:b]],
+                    [v[a:b]],
+                    [],
+                    [step],
+                    amsgrad=False,
+                    lr=lr,
+                    beta1=self.cfg.beta1,
+                    beta2=self.cfg.beta2,
+                    weight_decay=wd,
+                    eps=self.cfg.eps,
+                    maximize=False,
+                    grad_scale=scale,
+                    found_inf=None,
+                )
         for x, name in zip((m, v), moments, strict=True):
             codes, absmax, _n, block, bits, signed = moments[name]
             quantize_blockwise(x, codes, absmax, block, bits, signed, gen if name in _STOCHASTIC else None)

@@ -7,7 +7,7 @@ Owns: :class:`TieredOptimizer`, which wraps the stage's AdamW (full or lean) so 
 RAM, and the bounded pool that holds them; the two I/O threads (one reads, one writes back); the reads
 other components make of tier state (:meth:`~TieredOptimizer.read_fields`: checkpoint save, tests).
 Does not own the arithmetic (adamw.py, lean.py), the file's bytes (tier_files.py) or when a unit is
-updated (engine/policy.py, engine/overlap.py: the tier only follows the updates it is handed).
+updated (core/update.py, engine/host/overlap.py: the tier only follows the updates it is handed).
 
 Design (see docs/tier.md):
     - Where the bytes live: the tier fields keep their place in the host store's layout, so every
@@ -61,8 +61,15 @@ class TieredOptimizer:
             debug writer check (engine/threads.py's), called on each update.
     """
 
-    def __init__(self, inner, tier: TierFile, buffers: int, owner: str = "optimizer", thread_init=None,
-                 check_writer=_no_check):  # fmt: skip
+    def __init__(
+        self,
+        inner,
+        tier: TierFile,
+        buffers: int,
+        owner: str = "optimizer",
+        thread_init=None,
+        check_writer=_no_check,
+    ):
         assert buffers >= 2, buffers
         self.inner, self.tier, self.buffers, self._owner = inner, tier, buffers, owner
         self._check = check_writer

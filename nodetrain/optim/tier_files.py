@@ -176,9 +176,10 @@ class TierFile:
             os.close(fd)
             path.unlink(missing_ok=True)
             raise TierIOError(
-                e.errno, f"allocating the tier file {path} ({layout.nbytes / 1e6:.1f} MB) failed: "
-                f"{os.strerror(e.errno)} (errno {e.errno}); free space in store.tier_dir or use tier=ram"
-            ) from e  # fmt: skip
+                e.errno,
+                f"allocating the tier file {path} ({layout.nbytes / 1e6:.1f} MB) failed: "
+                f"{os.strerror(e.errno)} (errno {e.errno}); free space in store.tier_dir or use tier=ram",
+            ) from e
         os.close(fd)
         return cls(layout, store, path, True, pwrite)
 

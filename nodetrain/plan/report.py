@@ -86,9 +86,10 @@ def _store_table(plan: Plan) -> Table:
     table.add_row(f"+ {what} ({plan.num_stages} ranks)", "", _gb(extra))
     host = plan.cfg.hardware.host_memory_gb * GB
     table.add_row(
-        "[bold]host need / host memory[/]", "", f"{_gb(plan.host_need_bytes)} / {_gb(host)} "
-        f"({plan.host_need_bytes / host:.0%})"
-    )  # fmt: skip
+        "[bold]host need / host memory[/]",
+        "",
+        f"{_gb(plan.host_need_bytes)} / {_gb(host)} ({plan.host_need_bytes / host:.0%})",
+    )
     return table
 
 
@@ -116,9 +117,15 @@ def _stage_table(plan: Plan) -> Table:
         names = [("embed" if i == 0 else "head" if i == units - 1 else f"L{i - 1}") for i in st.blocks]
         span = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
         table.add_row(
-            str(st.stage), span, _gb(st.window_bytes), f"{_gb(st.saved_bytes)} ({st.in_flight})",
-            f"{_gb(st.p2p_bytes)} ({st.p2p_buffers})", _gb(st.transient_bytes), _gb(st.total_bytes), usable,
-        )  # fmt: skip
+            str(st.stage),
+            span,
+            _gb(st.window_bytes),
+            f"{_gb(st.saved_bytes)} ({st.in_flight})",
+            f"{_gb(st.p2p_bytes)} ({st.p2p_buffers})",
+            _gb(st.transient_bytes),
+            _gb(st.total_bytes),
+            usable,
+        )
     return table
 
 
@@ -178,9 +185,15 @@ def _traffic_table(plan: Plan) -> Table:
         res = sorted(plan.resident[k]) if plan.resident else []
         names = ", ".join("embed" if i == 0 else "head" if i == units - 1 else f"L{i - 1}" for i in res)
         table.add_row(
-            str(k), names or "-", f"{x.loads:,}", _gb(x.h2d_bytes), _gb(x.d2h_bytes), _gb(x.accum_bytes),
-            _gb(x.optimizer_bytes), _gb(x.host_bytes),
-        )  # fmt: skip
+            str(k),
+            names or "-",
+            f"{x.loads:,}",
+            _gb(x.h2d_bytes),
+            _gb(x.d2h_bytes),
+            _gb(x.accum_bytes),
+            _gb(x.optimizer_bytes),
+            _gb(x.host_bytes),
+        )
     return table
 
 

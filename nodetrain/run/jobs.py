@@ -2,7 +2,7 @@
 
 ``torchrun --nproc_per_node 2 -m nodetrain.train --multirun optim.lr=1e-3,3e-4`` runs Hydra's basic
 sweeper in every rank: each rank runs job 0, then job 1, in the same process, sharing one process
-group (``train._init_distributed`` creates it once). The job directory,
+group (``run.process_group.init_distributed`` creates it once). The job directory,
 ``<sweep dir>/<job num>``, is resolved identically on all ranks (``hydra.sweep.dir`` uses
 ``${nt_run_id:}``, see config.run_id).
 

@@ -48,8 +48,16 @@ class P2P:
         timeline: receives enter its ``bubble`` phase (breakdown.py); default: not timed.
     """
 
-    def __init__(self, stage: int, num_stages: int, shape, dtype: torch.dtype, comm: Comm, ranks=None,
-                 timeline=NULL_TIMELINE):  # fmt: skip
+    def __init__(
+        self,
+        stage: int,
+        num_stages: int,
+        shape,
+        dtype: torch.dtype,
+        comm: Comm,
+        ranks=None,
+        timeline=NULL_TIMELINE,
+    ):
         self.stage, self.num_stages = stage, num_stages
         self.ranks = list(range(num_stages)) if ranks is None else list(ranks)
         self.shape, self.dtype, self.comm = tuple(shape), dtype, comm

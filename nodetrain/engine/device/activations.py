@@ -99,8 +99,16 @@ class SavedOffload:
         RuntimeError: on CUDA, page-locking a buffer failed.
     """
 
-    def __init__(self, num_buffers: int, numel: int, dtype: torch.dtype, device, order,
-                 h2d: CopyWorker, timeline=NULL_TIMELINE):  # fmt: skip
+    def __init__(
+        self,
+        num_buffers: int,
+        numel: int,
+        dtype: torch.dtype,
+        device,
+        order,
+        h2d: CopyWorker,
+        timeline=NULL_TIMELINE,
+    ):
         self.device, self.dtype = torch.device(device), dtype
         self._staging = GradStaging(num_buffers, numel, dtype, self.device)
         self._free = list(range(num_buffers))[::-1]  # host buffers not holding an input
@@ -217,5 +225,6 @@ def saved_offload(stream, plan, blocks, is_last: bool, window, shape) -> SavedOf
     numel = shape[0] * shape[1] * shape[2]
     dtype = window.store.layout.compute_dtype
     buffers = in_flight_peak(list(plan.actions)) * per_mb
-    return SavedOffload(buffers, numel, dtype, window.device, plan.backward_microbatches, window.h2d,
-                        window.timeline)  # fmt: skip
+    return SavedOffload(
+        buffers, numel, dtype, window.device, plan.backward_microbatches, window.h2d, window.timeline
+    )

@@ -38,8 +38,14 @@ class CopyWorker:
             ``Faults.skip_compute_wait`` drops the slot-reuse wait, a planted bug).
     """
 
-    def __init__(self, name: str, stream: torch.cuda.Stream | None, device=None, threads: int = 0,
-                 faults: Faults = NO_FAULTS):  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        stream: torch.cuda.Stream | None,
+        device=None,
+        threads: int = 0,
+        faults: Faults = NO_FAULTS,
+    ):
         device = torch.device(device) if device is not None else None
         cuda = device if device is not None and device.type == "cuda" else None
         self._pool = ThreadPoolExecutor(1, name, initializer=_init_worker, initargs=(name, cuda, threads))

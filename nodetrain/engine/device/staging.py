@@ -167,8 +167,11 @@ class GradStaging:
         stream, size = self.stream, halves[0].numel()
         if stream is not None:
             stream.wait_event(ready)  # a device-side wait: this thread does not block on compute
-        chunks = [(d[lo : lo + size], first, s[lo : lo + size])
-                  for d, first, s in jobs for lo in range(0, s.numel(), size)]  # fmt: skip
+        chunks = [
+            (d[lo : lo + size], first, s[lo : lo + size])
+            for d, first, s in jobs
+            for lo in range(0, s.numel(), size)
+        ]
         landing = None
         for k, (dst, first, src) in enumerate(chunks):
             half = halves[k % 2][: src.numel()]

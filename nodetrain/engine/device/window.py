@@ -95,9 +95,23 @@ class Window:
     accumulate.CHUNK_PER_THREAD`` elements.
     """
 
-    def __init__(self, store: HostStore, bindings, blocks, slots: int, device, *, owned_units=None,
-                 resident=(), rows=(), accum_threads: int = 0, gate=None, on_arrival=None,
-                 timeline=NULL_TIMELINE, faults: Faults = NO_FAULTS):  # fmt: skip
+    def __init__(
+        self,
+        store: HostStore,
+        bindings,
+        blocks,
+        slots: int,
+        device,
+        *,
+        owned_units=None,
+        resident=(),
+        rows=(),
+        accum_threads: int = 0,
+        gate=None,
+        on_arrival=None,
+        timeline=NULL_TIMELINE,
+        faults: Faults = NO_FAULTS,
+    ):
         self.store, self.bindings, self.device = store, bindings, torch.device(device)
         dtype = store.layout.compute_dtype
         self.resident = sorted(set(resident))
@@ -105,14 +119,7 @@ class Window:
         self.rows = sorted(set(rows))
         assert not set(self.rows) & set(self.resident), "a block is either resident or gathered as rows"
         assert all(len(bindings[i]) == 1 and len(bindings[i][0].shape) == 2 for i in self.rows), self.rows
-        streamed = [i for i in blocks if i not in self.resident and i not in self.rows]
-        numel = max((self._numel(i) for i in streamed), default=0)
-        self._slots = [torch.empty(numel, dtype=dtype, device=self.device) for _ in range(slots)]
-        self._resident = {i: torch.empty(self._numel(i), dtype=dtype, device=self.device) for i in resident}
-        # fp32 gradient accumulators of resident blocks (their gradients leave once per step)
-        self._grad_acc = {
-            i: torch.empty(self._numel(i), dtype=torch.float32, device=self.device) for i in resident
-        }
+        self._make_buffers(blocks, slots, dtype)
         self._backwards_left: dict[int, int] = {}  # resident block -> backwards left in this sequence
         self._acc_started: set[int] = set()  # resident blocks whose accumulator was written since begin()
         self._views = {i: self._slot_views(bindings[i]) for i in blocks}
@@ -146,6 +153,19 @@ class Window:
         element, a staged first write ``e + 4`` (read staging, write fp32), a staged add ``e + 8``, a
         resident accumulator's ship ``8`` (read its fp32 staging, write), its add into a shared target
         ``12``."""
+
+    def _make_buffers(self, blocks, slots: int, dtype: torch.dtype) -> None:
+        """The device buffers: ``slots`` slots sized by the largest streamed block, each resident
+        block's weights and its fp32 gradient accumulator (its gradients leave once per step)."""
+        streamed = [i for i in blocks if i not in self.resident and i not in self.rows]
+        numel = max((self._numel(i) for i in streamed), default=0)
+        self._slots = [torch.empty(numel, dtype=dtype, device=self.device) for _ in range(slots)]
+        self._resident = {
+            i: torch.empty(self._numel(i), dtype=dtype, device=self.device) for i in self.resident
+        }
+        self._grad_acc = {
+            i: torch.empty(self._numel(i), dtype=torch.float32, device=self.device) for i in self.resident
+        }
 
     def _numel(self, block: int) -> int:
         return sum(b.numel for b in self.bindings[block])

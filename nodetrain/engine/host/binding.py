@@ -2,8 +2,9 @@
 of each worker thread, and binding to the NUMA node of the rank's GPU.
 
 Owns: the fair share of cores per rank (split between the D2H worker and the optimizer thread by
-``core.cores.split_cores``), setting one thread's OpenMP team, and reading the NUMA topology from sysfs. Does not own: the
-threads themselves (window.py's D2H worker, overlap.py's optimizer thread) or what they compute.
+``core.cores.split_cores``), setting one thread's OpenMP team, and reading the NUMA topology from
+sysfs. Does not own: the threads themselves (window.py's D2H worker, overlap.py's optimizer thread)
+or what they compute.
 
 Each worker sets its own OpenMP team with ``omp_set_num_threads`` (ctypes, per thread) in its
 initializer. With more than one NUMA node every thread of the rank is bound

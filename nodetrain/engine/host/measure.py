@@ -64,9 +64,22 @@ def _adamw_seconds(numel: int, dtype: torch.dtype, reps: int) -> float:
         t0 = time.perf_counter()
         for p, g, m, v, c in chunks:
             torch._fused_adamw_(
-                [p], [g], [m], [v], [], [step], amsgrad=False, lr=1e-3, beta1=0.9, beta2=0.95,
-                weight_decay=0.1, eps=1e-8, maximize=False, grad_scale=None, found_inf=None,
-            )  # fmt: skip
+                [p],
+                [g],
+                [m],
+                [v],
+                [],
+                [step],
+                amsgrad=False,
+                lr=1e-3,
+                beta1=0.9,
+                beta2=0.95,
+                weight_decay=0.1,
+                eps=1e-8,
+                maximize=False,
+                grad_scale=None,
+                found_inf=None,
+            )
             c.copy_(p)
         if rep:
             best = min(best, time.perf_counter() - t0)

@@ -101,9 +101,20 @@ class UnitUpdates:
         faults: test-only injection (``Faults.before_update``); default none.
     """
 
-    def __init__(self, optimizer: StoreAdamW, bindings, blocks, policy: UpdatePolicy, *, shared_units=(),
-                 threads: int = 1, grad_sum=None, on_final=None, device: torch.device | None = None,
-                 faults: Faults = NO_FAULTS):  # fmt: skip
+    def __init__(
+        self,
+        optimizer: StoreAdamW,
+        bindings,
+        blocks,
+        policy: UpdatePolicy,
+        *,
+        shared_units=(),
+        threads: int = 1,
+        grad_sum=None,
+        on_final=None,
+        device: torch.device | None = None,
+        faults: Faults = NO_FAULTS,
+    ):
         self.opt, self.policy, self._faults = optimizer, policy, faults
         self._owned = [u.index for u in optimizer.units]
         self._shared = [u for u in self._owned if u in set(shared_units)]
