@@ -43,7 +43,7 @@ from bench._engine import base_config, init_single_process, model_config  # noqa
 from bench._sync_count import SyncCounter  # noqa: E402
 from nodetrain.config.schema import validate  # noqa: E402
 from nodetrain.engine.engine import Engine  # noqa: E402
-from nodetrain.engine.startup import build_engine
+from nodetrain.engine.startup import build_engine  # noqa: E402
 from nodetrain.model import HFModel, build_hf_config  # noqa: E402
 
 VOCAB = 4096
@@ -80,7 +80,7 @@ def _by_thread(seen: Counter) -> dict[str, int]:
     return dict(out)
 
 
-def build_engine(args, m: int, device_budget: int, device: torch.device, store_dir: str, run_id: str):
+def make_engine(args, m: int, device_budget: int, device: torch.device, store_dir: str, run_id: str):
     cfg = base_config(
         model_config(args.model, VOCAB),
         train={"seq_len": args.seq_len, "micro_batch_size": 1, "steps": 10**6, "dtype": "float32"},
@@ -151,7 +151,7 @@ def main() -> None:
     try:
         for name, budget in SETUPS.items():
             for m in (args.microbatches, 2 * args.microbatches):
-                eng = build_engine(args, m, budget, device, store_dir, f"syncs-{name}-{m}")
+                eng = make_engine(args, m, budget, device, store_dir, f"syncs-{name}-{m}")
                 try:
                     runs[f"{name}_m{m}"] = {"device_budget": budget, **measure(eng, m, args, cuda)}
                 finally:
