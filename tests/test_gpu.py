@@ -114,7 +114,7 @@ def _stream_two_steps(
             compute = torch.cuda.current_stream()
             assert window.h2d._stream is not None and window.h2d._stream != compute
             assert window._staging.stream is not None and window._staging.stream != compute
-            assert window._staging.pinned and store.compute(0).is_pinned()
+            assert window._staging.pinned and all(store.is_pinned(u) for u in range(3))
         sequence = [0, 1, 2, 2, 1, 0]
         for step in range(2):
             for u in range(3):
@@ -133,7 +133,7 @@ def _stream_two_steps(
     finally:
         window.close()
         store.unpin()
-    assert not store.compute(0).is_pinned()
+    assert not any(store.is_pinned(u) for u in range(3))
     return stale, grads, stats
 
 
