@@ -80,6 +80,32 @@ def test_parity_on_cuda_fp32(case_id: str, device: str, tmp_path, shm_dir, torch
     check_parity(case, tmp_path, shm_dir, torchrun, device=device)
 
 
+@pytest.mark.parametrize("case_id", GPU_CASES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_correct_references_agree(case_id: str, device: str, tmp_path) -> None:
+    """The CUDA parity's weight tolerance is measured from two correct references on its device (one
+    forward over the step's batch, one per micro-batch); on CPU their gap is below the CPU's fixed
+    floor (what ``ATOL_WEIGHT`` was set from), and on either device small enough to test against."""
+    from test_parity import (
+        ATOL_WEIGHT,
+        CASES,
+        MAX_MEASURED_ATOL,
+        make_batches,
+        measured_weight_atol,
+        run_reference,
+        save_seeded_model,
+    )
+
+    (case,) = [c for c in CASES if c.id == case_id]
+    save_seeded_model(case, tmp_path / "hf")
+    inputs, labels, lengths = make_batches(case)
+    ref = run_reference(case, tmp_path / "hf", inputs, labels, lengths, device=device)
+    atol = measured_weight_atol(case, ref, tmp_path / "hf", inputs, labels, lengths, device)
+    assert ATOL_WEIGHT <= atol <= MAX_MEASURED_ATOL
+    if device == "cpu":
+        assert atol < 4 * ATOL_WEIGHT  # 4 × the gap: the gap itself is under the fixed floor
+
+
 def test_gpu_parity_cases_run_on_cpu_in_test_parity() -> None:
     """The CPU body of the parity check is tests/test_parity.py's own run of each case (the same
     ``check_parity``): the CUDA cases must name cases it runs."""
