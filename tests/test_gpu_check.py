@@ -14,10 +14,13 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
+sys.path.insert(0, str(ROOT))
+from bench._gpu_shapes import DENSE, MOE  # noqa: E402
 
 
 def test_syntax_and_usage(tmp_path: Path) -> None:
@@ -88,5 +91,33 @@ def test_checkpoint_space_is_checked_up_front(tmp_path: Path) -> None:
     refusal = gpu_train.checkpoint_refusal(tmp_path, other, 0, free + 4 * gb)
     assert refusal is not None and f"{(free + 4 * gb) / 1e9:.1f} GB" in refusal
     # the 3B model's checkpoint: 14 bytes per parameter (bf16 export, fp32 master, exp_avg, exp_avg_sq)
-    params = sum(u.numel for u in gpu_train._model(28, False).units)
+    params = sum(u.numel for u in DENSE.hf_model(28, False).units)
     assert 3.2e9 < params < 3.3e9 and gpu_train.checkpoint_nbytes(28, False) >= 14 * params
+
+
+def test_shapes_of_the_check() -> None:
+    """The models the check trains, as their docstrings state them: the 3B store fits a 128 GiB node's
+    /dev/shm, and the shortened MoE's store, total and active parameters are what ``MOE`` says."""
+    from bench._gpu_shapes import store_bytes
+
+    assert 59e9 < store_bytes(DENSE, 28, False) < 60e9
+    moe = MOE.hf_model(2, False)
+    assert 1.86e9 < sum(u.numel for u in moe.units) < 1.88e9
+    assert 0.42e9 < sum(moe.block_cost(i) for i in range(len(moe.units))) < 0.43e9
+    assert 33e9 < store_bytes(MOE, 2, False) < 35e9
+
+
+def test_startup_is_read_from_the_log(tmp_path: Path) -> None:
+    """From the first line of build_engine to the engine's layout line; None without both."""
+    gpu_train = _gpu_train()
+    lines = [
+        "[2026-12-04 17:48:02,339][rank0][nodetrain][INFO] - process group: nccl, world size 1",
+        "[2026-12-04 17:48:05,259][rank0][nodetrain.engine.host.binding][INFO] - host threads of this rank's",
+        "[2026-12-04 17:48:38,896][rank0][nodetrain.store][INFO] - page-locked 6425.5 MB of the host store",
+        "[2026-12-04 17:48:39,598][rank0][nodetrain.engine.engine][INFO] - stage 0/1 (replica 0/1): embed",
+    ]
+    log = tmp_path / "rank0.log"
+    log.write_text("\n".join(lines))
+    assert abs(gpu_train.startup(log) - 34.339) < 1e-9
+    log.write_text("\n".join(lines[:3]))
+    assert gpu_train.startup(log) is None
