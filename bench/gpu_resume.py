@@ -117,7 +117,7 @@ def main() -> None:
     common = [
         *DENSE.overrides(DENSE.dry_run_layers, dry_run=True),
         f"train.steps={STEPS}",
-        "train.seq_len=64" if args.dry_run else "train.seq_len=512",
+        "train.seq_len=128",  # the small model's max_position_embeddings
         "train.micro_batch_size=2",
         "pipeline.microbatches=2",
         "train.eval_every=0",
