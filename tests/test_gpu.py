@@ -7,7 +7,8 @@ CUDA; ``bench/gpu_check.sh`` runs it on a lent GPU machine (``pytest -m gpu``). 
 CPU meaning (side streams, page-locked memory) is guarded by the device. What is checked:
 - parity with transformers + AdamW on CUDA in fp32 (one stage, the machine may have one GPU),
   with units streaming and, in the second case, resident and the optimizer slowed down (the same
-  cases run on CPU in tests/test_parity.py);
+  cases run on CPU in tests/test_parity.py), against a reference on the same device whose weight
+  tolerance is measured from two correct references there (CUDA's summation order is not the CPU's);
 - the window's copies run on their own CUDA streams and hand out the current transfer copy
   (slowed copy workers: a missing wait hands out stale slots, and its companion shows that it does);
 - gradients leave through page-locked staging buffers and are accumulated only after their copy
