@@ -17,7 +17,7 @@ default experts kernel) and ``labels=input_ids`` (transformers' shifted, fp32 lo
 
 Per peer: median step seconds after the first step, tokens/s, TFLOP/s and MFU (nodetrain's FLOPs per
 token, against the datasheet peak of the ``conf/hardware`` profile naming the GPU, or a measured
-matmul on a CPU), the losses, peak device memory, set-up and wall seconds. ``peers.json`` is
+matmul on a CPU), the losses, peak device memory while training, set-up and wall seconds. ``peers.json`` is
 rewritten after each peer, so a peer cut off by ``--budget-s`` (or the caller's timeout) leaves the
 others; one skipped for time is listed under ``skipped`` with why.
 """
@@ -79,6 +79,8 @@ def _train(model, opt, batches: torch.Tensor, device: torch.device, last_only=No
     ``labels`` and a backward of loss / M, then ``opt.step()``. ``last_only(bool)`` is told before each
     micro-batch whether it is the step's last (FSDP2's gradient sync). Returns step seconds and losses."""
     times, losses = [], []
+    if device.type == "cuda":  # the training's peak, not the set-up's
+        torch.cuda.reset_peak_memory_stats(device)
     for step_batches in batches:
         _sync(device)
         t0 = time.perf_counter()
@@ -115,11 +117,9 @@ def run_fsdp2_offload(
 
     t0 = time.perf_counter()
     cuda = device.type == "cuda"
-    # initialised on the device (seconds for 3B, where a CPU init takes ~15 s), then the fp32
-    # master weights go to the host, where the offload policy keeps them
-    model = _hf_model(shape, layers, dry_run, torch.float32, device).to("cpu")
-    if cuda:
-        torch.cuda.empty_cache()
+    # initialised on the device (seconds for 3B, where a CPU init takes ~15 s); fully_shard moves
+    # each fp32 shard to (page-locked) host memory, where the offload policy keeps it
+    model = _hf_model(shape, layers, dry_run, torch.float32, device)
     mesh = init_device_mesh(device.type, (1,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=cuda)
@@ -141,8 +141,6 @@ def measure(shape: GpuShape, peer: str, steps: int, layers: int, device, dry_run
     vocab = shape.hf_model(layers, dry_run).config.vocab_size
     gen = torch.Generator().manual_seed(0)
     batches = torch.randint(0, vocab, (steps, m, mb, seq), generator=gen).to(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     times, losses, init_s = RUNNERS[peer](shape, layers, batches, device, dry_run)
     step_s = statistics.median(times[1:] or times)
