@@ -71,7 +71,7 @@ def measure(numel: int, repeats: int, device: torch.device, store_dir: Path) -> 
     for name, src in (("h2d_store_gbps", store.compute(0)), ("h2d_pageable_gbps", pageable)):
         times = [_timed_s(lambda s=src: dev_buf.copy_(s, non_blocking=True), device) for _ in range(repeats)]
         out[name] = _gbps(nbytes, times)
-    out["store_pinned"] = bool(device.type == "cuda" and store.compute(0).is_pinned())
+    out["store_pinned"] = store.is_pinned(0)
 
     grad = torch.randn(numel, device=device).bfloat16()
     stage = GradStaging(1, numel, torch.bfloat16, device)

@@ -19,6 +19,7 @@ carries the creator's pid and is found at the next start.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import logging
 import os
 import re
@@ -326,6 +327,15 @@ class HostStore:
                 len(self._pinned),
             )
 
+    def is_pinned(self, unit: int) -> bool:
+        """Whether CUDA reports the transfer copy (``compute``) of ``unit`` as page-locked, asked at
+        the view's own first and last byte. ``Tensor.is_pinned()`` of the view would ask about its
+        storage's start, the store's whole mapping, which :meth:`pin` never registers. False
+        without CUDA."""
+        view = self._views[(unit, "compute")]
+        last = view.numel() * view.element_size() - 1
+        return all(_page_locked(view.data_ptr() + off) for off in (0, last))
+
     @property
     def pinned_nbytes(self) -> int:
         """Bytes this process has registered with :meth:`pin` and not yet released."""
@@ -353,6 +363,12 @@ class HostStore:
 
     def compute(self, unit: int) -> torch.Tensor:
         return self._views[(unit, "compute")]
+
+
+def _page_locked(addr: int) -> bool:
+    """Whether CUDA reports the host byte at ``addr`` as page-locked (``cudaPointerGetAttributes``,
+    through ``Tensor.is_pinned`` of a one-byte tensor whose storage starts there)."""
+    return torch.frombuffer((ctypes.c_uint8 * 1).from_address(addr), dtype=torch.uint8).is_pinned()
 
 
 _CLEANUP: list[Path] = []

@@ -23,6 +23,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
+import nodetrain.store as store_module
 from nodetrain.store import FIELDS, PAGE_BYTES, HostStore, StoreLayout, remove_stale_stores
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -330,6 +331,28 @@ def test_pin_failure_raises_and_releases_what_it_registered(shm_dir, monkeypatch
         store.pin([0, 1, 2])
     assert [c[0] for c in cudart.calls] == ["register", "register", "unregister"]
     assert cudart.calls[2][1] == store.compute(0).data_ptr() and store.pinned_nbytes == 0
+
+
+def test_is_pinned_asks_about_the_transfer_copys_own_range(shm_dir, monkeypatch) -> None:
+    """``is_pinned(u)`` asks the driver about unit u's own bytes, not the mapping's start (the H200
+    run's check of ``store.compute(0).is_pinned()`` was False for a registered range). The stand-in
+    driver reports the bytes registered through the recorded ``cudaHostRegister`` as page-locked."""
+    store = HostStore.create(StoreLayout((5000, 300, 7000), torch.bfloat16), shm_dir, "is-pinned")
+    store.unlink()
+    assert not store.is_pinned(0)  # the real question, without CUDA: False, no error
+    cudart = RecordedCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+
+    def locked(addr: int) -> bool:
+        ranges = [(c[1], c[2]) for c in cudart.calls if c[0] == "register"]
+        released = {c[1] for c in cudart.calls if c[0] == "unregister"}
+        return any(a <= addr < a + n for a, n in ranges if a not in released)
+
+    monkeypatch.setattr(store_module, "_page_locked", locked)
+    store.pin([1])
+    assert [store.is_pinned(u) for u in range(3)] == [False, True, False]
+    store.unpin()
+    assert not store.is_pinned(1)
 
 
 @pytest.mark.parametrize("optim", [{"speculative": True}, {"state": "lean"}], ids=["full", "lean"])

@@ -234,6 +234,48 @@ def test_copy_workers_select_the_rank_device_on_their_thread(monkeypatch) -> Non
     assert len(calls) == 2
 
 
+def _strict_set_device(calls: list):
+    """A stand-in for ``torch.cuda.set_device`` that, like torch's, refuses a device without an index."""
+    import threading
+
+    def set_device(device) -> None:
+        device = torch.device(device)
+        if device.index is None:
+            raise ValueError(f"Expected a torch.device with a specified index, but got:{device}")
+        calls.append((threading.current_thread().name.split("_")[0], device))
+
+    return set_device
+
+
+def test_an_index_less_cuda_device_is_resolved_to_the_current_one(monkeypatch) -> None:
+    """``"cuda"`` (as the GPU tests and bench/copy_bandwidth.py pass it) becomes ``cuda:<current>`` when
+    the worker is built; the thread then selects that (the H200 run died on ``set_device("cuda")``)."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", _strict_set_device(calls))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    worker = CopyWorker("h2d", None, "cuda")
+    try:
+        assert worker.device == torch.device("cuda", 2)
+        worker.submit(lambda: None).result()
+    finally:
+        worker.shutdown()
+    assert calls == [("h2d", torch.device("cuda", 2))]
+
+
+def test_a_failed_thread_set_up_fails_the_constructor(monkeypatch) -> None:
+    """The set-up's own error is raised by ``CopyWorker(...)``, not at the first copy as a
+    ``BrokenThreadPool``, and the thread is gone."""
+    import threading
+
+    def refuse(device) -> None:
+        raise RuntimeError("no such device")
+
+    monkeypatch.setattr(torch.cuda, "set_device", refuse)
+    with pytest.raises(RuntimeError, match="no such device"):
+        CopyWorker("d2h", None, torch.device("cuda", 0))
+    assert not [t for t in threading.enumerate() if t.name.startswith("d2h")]
+
+
 # ----------------------------------------------------------------------------- reuse of consecutive loads
 
 

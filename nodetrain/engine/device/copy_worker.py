@@ -27,8 +27,12 @@ class CopyWorker:
     copy). Without a stream a job runs as it is (the D2H jobs wait for their own copy's event).
     On a CUDA ``device`` the thread first selects it: a thread's current device starts as GPU 0,
     and a CUDA call there (an event wait, a stream context) would create a context on GPU 0 in
-    every rank's process. With ``threads`` the thread first sets its OpenMP team to that many
-    (``host_threads.limit_thread``: the D2H worker's accumulation adds run on a team of their own).
+    every rank's process. An index-less ``"cuda"`` means the constructing thread's current device
+    and is resolved here (``torch.cuda.set_device`` refuses a device without an index). With
+    ``threads`` the thread first sets its OpenMP team to that many (``host_threads.limit_thread``:
+    the D2H worker's accumulation adds run on a team of their own). The thread's set-up is its
+    first job and the constructor waits for it, so a set-up that fails raises here, not at the
+    first copy.
 
     Args:
         name: ``h2d`` or ``d2h``, the thread's role (threads.py) and name.
@@ -36,6 +40,10 @@ class CopyWorker:
         device: the rank's device; threads: OpenMP team (0 = torch's).
         faults: test-only injection (``Faults.before_copy``, before each job's copy;
             ``Faults.skip_compute_wait`` drops the slot-reuse wait, a planted bug).
+
+    Raises:
+        Whatever the thread's set-up raised (e.g. ``ValueError`` from ``torch.cuda.set_device``),
+        after the thread has ended.
     """
 
     def __init__(
@@ -46,9 +54,14 @@ class CopyWorker:
         threads: int = 0,
         faults: Faults = NO_FAULTS,
     ):
-        device = torch.device(device) if device is not None else None
-        cuda = device if device is not None and device.type == "cuda" else None
-        self._pool = ThreadPoolExecutor(1, name, initializer=_init_worker, initargs=(name, cuda, threads))
+        self.device = _resolve(device)
+        cuda = self.device if self.device is not None and self.device.type == "cuda" else None
+        self._pool = ThreadPoolExecutor(1, name)
+        try:
+            self._pool.submit(_init_worker, name, cuda, threads).result()
+        except BaseException:
+            self._pool.shutdown(wait=True)
+            raise
         self._stream = stream
         self._faults = faults
         self._busy = Tally("busy_s")
@@ -88,6 +101,16 @@ class CopyWorker:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _resolve(device) -> torch.device | None:
+    """``device`` as a ``torch.device``; an index-less CUDA device becomes ``cuda:<current device>``."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _init_worker(name: str, device: torch.device | None, threads: int) -> None:
