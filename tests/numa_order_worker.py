@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import nodetrain.engine.engine as engine_module
+import nodetrain.engine.startup as engine_module
 from nodetrain.config.schema import Config, ModelConfig, validate
 from nodetrain.engine.startup import build_engine
 from nodetrain.model import HFModel, build_hf_config

@@ -56,6 +56,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from nodetrain.checkpoint import load_hf_weights
+from nodetrain.config.batch import BatchShape
 from nodetrain.config.schema import Config, ModelConfig, validate
 from nodetrain.core.topology import Topology
 from nodetrain.engine.engine import Engine
@@ -159,7 +160,7 @@ def run_spec(spec: dict, device: torch.device) -> None:
 
     hf_config = build_hf_config(cfg.model)
     model = HFModel(
-        hf_config, router_aux_of(cfg, hf_config, Topology.from_env(cfg.pipeline.stages).num_replicas)
+        hf_config, router_aux_of(cfg, hf_config, BatchShape.of(cfg, Topology.from_env(cfg.pipeline.stages).num_replicas).global_microbatches)
     )
     init_from = None
     if spec.get("model_dir"):

@@ -129,7 +129,7 @@ def test_init_from_without_weights_is_a_refusal(tmp_path: Path, monkeypatch) -> 
     # the construction's import check, without the process group Checkpointing itself needs
     monkeypatch.setattr(train, "Checkpointing", lambda *a, **k: check_model_dir(hf_dir, model))
     with pytest.raises(st.CheckpointError, match="safetensors") as info:
-        train._checkpointing(None, tmp_path, {}, model, None, "", None)
+        train._checkpointing(None, None, tmp_path, {}, model, None, "", None)
     assert isinstance(info.value, REFUSALS) and isinstance(info.value.__cause__, FileNotFoundError)
 
 

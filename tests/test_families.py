@@ -265,6 +265,7 @@ def test_logged_loss_is_transformers_outputs_loss(form: str, tmp_path, shm_dir, 
     from bench._engine import base_config
     from nodetrain.checkpoint import load_hf_weights
     from nodetrain.engine.startup import build_engine
+    from nodetrain.config.batch import BatchShape
     from nodetrain.model import router_aux_of
     from nodetrain.run.faults import BadSteps
     from nodetrain.train import _record
@@ -281,7 +282,7 @@ def test_logged_loss_is_transformers_outputs_loss(form: str, tmp_path, shm_dir, 
         store={"dir": str(shm_dir)},
     )
     hf_config = build_hf_config(cfg.model)
-    model = HFModel(hf_config, router_aux_of(cfg, hf_config))
+    model = HFModel(hf_config, router_aux_of(cfg, hf_config, BatchShape.of(cfg).global_microbatches))
     assert (model.router_aux is None) == (form == "auto")
     ids, labels = (t[:1] for t in _batches())  # [1, B, T]
     labels[..., -1] = IGNORE_INDEX  # transformers' labels are the inputs, shifted inside: none for the last

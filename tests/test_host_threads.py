@@ -125,7 +125,7 @@ def test_d2h_worker_has_its_own_team() -> None:
 def test_engine_logs_the_split(caplog, monkeypatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     cores = len(os.sched_getaffinity(0))
-    with caplog.at_level(logging.INFO, logger="nodetrain.engine.host_threads"):
+    with caplog.at_level(logging.INFO, logger="nodetrain.engine.host.binding"):
         split = bind_rank_threads(0, 1, torch.device("cpu"), 0)  # stream.accum_threads=0, optim.threads=1
     assert split.optim_threads == 1 and split.accum_threads == max(1, cores - 1)
     text = caplog.text

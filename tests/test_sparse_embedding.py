@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from nodetrain.engine import linear_ce
+from nodetrain.cost import memory as cost_memory
 from nodetrain.engine.device.window import Window
 from nodetrain.engine.linear_ce import IGNORE_INDEX
 from nodetrain.engine.stage import StageRunner
@@ -140,7 +140,7 @@ def _engine_grads(hf, shm_dir, ids, labels, scale: float, rows: bool):
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("rows", [True, False], ids=["rows", "dense"])
 def test_one_stage_matches_transformers_autograd(shm_dir, monkeypatch, tied: bool, rows: bool) -> None:
-    monkeypatch.setattr(linear_ce, "CHUNK_LOGITS_BYTES", 5 * 48 * 4)  # 5-token chunks: 24 tokens in 5
+    monkeypatch.setattr(cost_memory, "CHUNK_LOGITS_BYTES", 5 * 48 * 4)  # 5-token chunks: 24 tokens in 5
     hf = _hf(tied)
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(1, 48, (2, 12), generator=gen)

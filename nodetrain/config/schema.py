@@ -208,7 +208,7 @@ class StreamConfig:
     """Device bytes for resident units (loaded once per step instead of once per micro-batch pass),
     each costing its weights plus an fp32 gradient accumulator (e + 4 bytes/parameter; its gradient
     leaves the device once per step), chosen by link bytes saved per device byte with the last
-    stage's head first (residency.py); units that do not fit stream through the slots. -1 or ``auto``:
+    stage's head first (core/placement.py); units that do not fit stream through the slots. -1 or ``auto``:
     on CUDA what the device has free after the slots, the estimated activations and a 2 GiB
     margin; on CPU 0. 0 = stream every unit."""
     accum_threads: int = 0

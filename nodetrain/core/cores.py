@@ -2,7 +2,7 @@
 
 Owns: :class:`CoreSplit` and :func:`split_cores`, the one rule the engine binds its worker teams by
 and the planner prices them by. Pure. Does not own reading the machine's cores or binding threads
-(engine/host/cores.py) or what the workers compute.
+(engine/host/binding.py) or what the workers compute.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 multiplies per token, and what its decoder layers hold (attention heads, MLP widths, experts).
 
 Owns: ``ModelShape`` and reading it off the HF adapter (``shape_of``; its templates live on the
-meta device). Does not own: the bytes and seconds those cost (``costs.py``, ``compute.py``,
+meta device). Does not own: the bytes and seconds those cost (``memory.py``, ``compute.py``,
 ``step_time.py``). Total parameters (every expert) are what the store, the window and the link
 carry; a mixture of experts' active ones (k of E experts per token) are what a token multiplies.
 """

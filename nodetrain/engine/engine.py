@@ -30,7 +30,7 @@ Owns: wiring store, window, stage runner, P2P and optimizer for this rank (each 
 here and passed to the next's constructor), and the order of a step: pipeline rounds → flush
 gradients → sum the tied embedding's two uses → sum gradients over the replicas (replicas.py) → one
 all-reduce (global grad norm², loss, the stop request of a signal: every rank stops after the same
-step) → clip → the updates the policy leaves for after it (policy.py decides what each mode does,
+step) → clip → the updates the policy leaves for after it (core/update.py decides what each mode does,
 overlap.py runs it; logged once at start-up), with the step's phases timed (breakdown.py). Does
 not own: the config, data or logging (train.py).
 

@@ -5,7 +5,7 @@ Owns: running the stage's blocks in order (forward, no autograd graph kept) and 
 weights), the saved inputs of in-flight micro-batches (on the device, or waiting in host RAM:
 activations.py, ``stream.offload_activations``), the token-weighted loss on the last
 stage, and which blocks each action loads and offloads (:meth:`StageRunner.loads`). Does not own:
-the window mechanics (window.py) or the order of micro-batches (pipeline.py).
+the window mechanics (window.py) or the order of micro-batches (core/schedule.py).
 
 The last stage's head (final norm + lm_head) runs once per micro-batch: a training forward
 computes its loss and gradients chunk by chunk over tokens (linear_ce.py), offloads the weight

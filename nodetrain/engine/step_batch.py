@@ -6,7 +6,7 @@ ids, the first stage's token ids or its streamed embedding's row indices, see
 the host on CUDA; on the CPU the same calls, which return the host tensor. Also whether each
 micro-batch is packed, decided on the host so that no device reduction (transformers'
 packed-sequence detection, a device sync per call on CUDA) decides it per action. Does not own: the
-micro-batch order (pipeline.py) nor what a stage computes (stage.py).
+micro-batch order (core/schedule.py) nor what a stage computes (stage.py).
 
 Shapes: N = micro-batches of this replica's step, B = micro-batch size, T = sequence length.
 """

@@ -5,7 +5,7 @@ flat layout of each unit's parameters, random init, and the forward of one block
 bound per call (``torch.func.functional_call``). What a family does between its units (embedding
 scale, logit soft-capping, per-layer rotary) is a hook of families.py; the router auxiliary loss
 of mixture-of-experts layers is moe.py's. Does not own: where weights live (store.py), how they
-reach the device (window.py), or which stage runs what (pipeline.py).
+reach the device (window.py), or which stage runs what (core/schedule.py).
 
 Shapes: B = sequences in a micro-batch, T = tokens per sequence, D = hidden size, V = vocab.
 """

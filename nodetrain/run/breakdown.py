@@ -4,7 +4,7 @@ Owns: attributing every moment of a rank's training thread during a step to one 
 FLOPs of a stage (PaLM, arXiv:2204.02311 App. B), the peak FLOP/s MFU is measured against (a
 configured figure, the datasheet of the hardware profile naming the GPU, or a matmul measured
 once per process: ``select_peak_flops``), and turning one step's numbers of every
-stage into one flat record on rank 0. Does not own: the waits themselves (window.py, pipeline.py,
+stage into one flat record on rank 0. Does not own: the waits themselves (window.py, p2p.py,
 engine.py enter the phases), or writing records (metrics.py).
 
 Phases (the training thread is in exactly one at any moment of the step, so they sum to it):

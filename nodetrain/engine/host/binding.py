@@ -181,7 +181,7 @@ def bind_rank_threads(
     accum_threads: int, optim_threads: int, device: torch.device, local_rank: int
 ) -> CoreSplit:
     """Bind this rank's threads to its GPU's NUMA node (more than one node) and split its cores between
-    the D2H accumulation and the optimizer (host_threads.py); both logged, whatever OMP_NUM_THREADS is.
+    the D2H accumulation and the optimizer (binding.py); both logged, whatever OMP_NUM_THREADS is.
 
     Args:
         accum_threads, optim_threads: ``stream.accum_threads`` and ``optim.threads`` (0 = auto).

@@ -3,7 +3,7 @@ of the update policy.
 
 Owns: one background optimizer thread per rank (with its own OpenMP team of ``optim.threads``), the
 step's :class:`GradReadiness` (readiness.py, on that thread: an arrival is a message from the D2H
-worker, :meth:`UnitUpdates.arrived`), carrying out what the :class:`UpdatePolicy` (policy.py)
+worker, :meth:`UnitUpdates.arrived`), carrying out what the :class:`UpdatePolicy` (core/update.py)
 decides for a final unit, after the all-reduce and on a NaN/inf step, and the futures that make a
 load of a unit wait for its update (DESIGN invariant 3: overlap, never staleness). Does not own the
 AdamW arithmetic (optim/adamw.py), the loads (window.py asks :meth:`UnitUpdates.gate`) or the

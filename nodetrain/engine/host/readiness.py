@@ -11,7 +11,7 @@ unit are *settled* instead: final after the flush, the tied sum and the replica 
 
 One thread owns a :class:`GradReadiness` (the optimizer thread when units are updated in the
 backward; overlap.py): the D2H worker reports an arrival as a message to that thread, never by
-writing the counts. Does not own what happens to a final unit (policy.py, overlap.py).
+writing the counts. Does not own what happens to a final unit (core/update.py, overlap.py).
 """
 
 from __future__ import annotations
