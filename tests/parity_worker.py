@@ -160,7 +160,12 @@ def run_spec(spec: dict, device: torch.device) -> None:
 
     hf_config = build_hf_config(cfg.model)
     model = HFModel(
-        hf_config, router_aux_of(cfg, hf_config, BatchShape.of(cfg, Topology.from_env(cfg.pipeline.stages).num_replicas).global_microbatches)
+        hf_config,
+        router_aux_of(
+            cfg,
+            hf_config,
+            BatchShape.of(cfg, Topology.from_env(cfg.pipeline.stages).num_replicas).global_microbatches,
+        ),
     )
     init_from = None
     if spec.get("model_dir"):

@@ -235,9 +235,8 @@ def test_no_page_names_a_missing_module() -> None:
 
 def test_a_renamed_module_is_reported(tmp_path) -> None:
     probe = tmp_path / "probe.py"
-    text = (
-        '"""Reads stream.py; see nodetrain/engine/stream.py and engine/device/window.py."""\n# optim.py, docs/x.md\n'
-    )
+    text = '"""Reads stream.py; see nodetrain/engine/stream.py and engine/device/window.py."""\n'
+    text += "# optim.py, docs/x.md\n"
     probe.write_text(text)
     assert missing_modules([probe]) == [
         "probe.py:1: stream.py",

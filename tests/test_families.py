@@ -264,8 +264,8 @@ def test_logged_loss_is_transformers_outputs_loss(form: str, tmp_path, shm_dir, 
     layer and one micro-batch, where transformers' pooled form and the per-layer one are equal."""
     from bench._engine import base_config
     from nodetrain.checkpoint import load_hf_weights
-    from nodetrain.engine.startup import build_engine
     from nodetrain.config.batch import BatchShape
+    from nodetrain.engine.startup import build_engine
     from nodetrain.model import router_aux_of
     from nodetrain.run.faults import BadSteps
     from nodetrain.train import _record
