@@ -223,7 +223,7 @@ class Checkpointing:
         """Bind to the built engine; on resume restore AdamW's update counts and the RNG states, on
         a fresh start seed the RNGs from (seed, rank). Call right before anything draws random
         numbers (the first evaluation or step). Returns the first step to run (0-based)."""
-        self._stage_blocks = engine.stage_blocks
+        self._stage_blocks = engine.run.stage_blocks
         # overlapped AdamW (overlap.py): a save reads the store only after every update is done
         self._wait_optimizer = engine.wait_optimizer
         self.writer = CheckpointWriter(
