@@ -244,7 +244,7 @@ def _tools(record: dict) -> list[dict] | None:
     return tools or None
 
 
-def _conversation(tok, messages: list[dict], tools, first: int, what: str):
+def _conversation(tok, messages: list[dict], tools, first: int, what: str, template: str = ""):
     if not tok.chat_template:
         raise ValueError(
             f"records with {what} need a tokenizer with a chat template (data.tokenizer), and "
@@ -257,14 +257,14 @@ def _conversation(tok, messages: list[dict], tools, first: int, what: str):
         raise ValueError(
             f"{what} hold no assistant turn to train on (roles: {roles}); fix: add one or drop it"
         )
-    ids, mask = chat_tokens(tok, messages, tools, first)
+    ids, mask = chat_tokens(tok, messages, tools, first, template)
     if not any(mask):
         raise ValueError(f"the chat template renders no token of its assistant turns; {MARKERS_FIX}")
     return ids, mask
 
 
 def tokenize_record(
-    record: dict[str, Any], tok: PreTrainedTokenizerBase, add_bos: bool | None = None
+    record: dict[str, Any], tok: PreTrainedTokenizerBase, add_bos: bool | None = None, template: str = ""
 ) -> tuple[list[int], list[bool]]:
     """Token ids of one record, exactly as a model sees it at inference, and its loss mask (True = a
     training target).
@@ -273,7 +273,9 @@ def tokenize_record(
     strings: tokenized once as one text, targets the completion's tokens and the EOS. ``messages``
     (with ``tools``), or ``prompt`` + ``completion`` as message lists (TRL's conversational
     format): ``apply_chat_template``'s tokens (the template writes its own BOS and terminators),
-    targets the assistant turns (of the completion) as chat.py segments them.
+    targets the assistant turns (of the completion) as chat.py segments them (after a last assistant
+    turn of a template that closes no turn itself, GLM-4.5's, the next role's marker is appended and
+    trained). ``template`` names the chat template in refusals.
 
     Raises:
         ValueError: a record of no known kind, a malformed field, a conversation without an
@@ -281,14 +283,16 @@ def tokenize_record(
     """
     tools = _tools(record)
     if record.get("messages") is not None:
-        return _conversation(tok, _messages(record["messages"], "messages"), tools, 0, "'messages'")
+        return _conversation(tok, _messages(record["messages"], "messages"), tools, 0, "'messages'", template)
     prompt, completion = record.get("prompt"), record.get("completion")
     if prompt is not None and completion is not None:
         if isinstance(prompt, str) and isinstance(completion, str):
             return _text(tok, prompt + completion, len(prompt), document_ends(tok, add_bos))
         if isinstance(prompt, list) and isinstance(completion, list):
             prompt, completion = _messages(prompt, "prompt"), _messages(completion, "completion")
-            return _conversation(tok, prompt + completion, tools, len(prompt), "'completion' messages")
+            return _conversation(
+                tok, prompt + completion, tools, len(prompt), "'completion' messages", template
+            )
         raise ValueError(
             f"'prompt' ({type(prompt).__name__}) and 'completion' ({type(completion).__name__}) must both be "
             "strings or both be lists of messages"
@@ -332,11 +336,13 @@ def _tokenize_all(cfg: DataConfig, tok: PreTrainedTokenizerBase) -> list[tuple[n
         ValueError: a record that cannot be tokenized, naming ``data.source`` and where the record is.
     """
     add_bos = None if cfg.add_bos is None else bool(cfg.add_bos)
+    template = f"data.chat_template={cfg.chat_template}" if cfg.chat_template else ""
+    template = template or f"the chat template of data.tokenizer={cfg.tokenizer}"
     records, docs = read_records(cfg.source), []
     with TaskProgress("data: tokenizing records", len(records), "records") as bar:
         for where, record in records:
             try:
-                ids, mask = tokenize_record(record, tok, add_bos)
+                ids, mask = tokenize_record(record, tok, add_bos, template)
             except ValueError as exc:
                 raise ValueError(f"data.source: {where}: {exc}") from exc
             docs.append(pairs(np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)))
