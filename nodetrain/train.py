@@ -135,13 +135,16 @@ def _on_rank0(fn):
 
 
 def _step_batch(ds, batch: BatchShape, seed: int, index: int, num_mb: int):
-    """[num_mb, B, T] inputs, labels and position ids (None: 0..T-1) of batch ``index`` (a pure
-    function of seed and index); records data (``data.format=records``) has packed positions."""
+    """[num_mb, B, T] inputs, labels, position ids (None: 0..T-1) and token mask (bool, False on
+    padding; None: none) of batch ``index`` (a pure function of seed and index); records data
+    (``data.format=records``) has packed positions and, unpacked or at a row's tail, padding."""
     b, t = batch.micro_batch_size, batch.seq_len
     if isinstance(ds, reader.TokenDataset):
         x, y = reader.batch(ds, seed, index, num_mb * b, t)
-        return x.view(num_mb, b, t), y.view(num_mb, b, t), None
-    return tuple(torch.from_numpy(a).view(num_mb, b, t) for a in ds.batch(seed, index, num_mb * b))
+        return x.view(num_mb, b, t), y.view(num_mb, b, t), None, None
+    x, y, pos = (torch.from_numpy(a).view(num_mb, b, t) for a in ds.batch(seed, index, num_mb * b))
+    mask = ds.token_mask(seed, index, num_mb * b)
+    return x, y, pos, None if mask is None else torch.from_numpy(mask).view(num_mb, b, t)
 
 
 def _evaluate(engine: Engine, val, cfg: Config, signals: StopRequest, step: int) -> float | None:
@@ -159,7 +162,7 @@ def _evaluate(engine: Engine, val, cfg: Config, signals: StopRequest, step: int)
                     "stop requested: the evaluation at step %d ends after %d of %d batches", step, i, n
                 )
                 return None
-            x, y, pos = _step_batch(val, engine.run.batch, cfg.seed, i, m)
+            x, y, pos, _ = _step_batch(val, engine.run.batch, cfg.seed, i, m)  # no auxiliary loss
             loss, k = engine.eval_loss(x, y, pos)
             total, tokens = total + loss * k, tokens + k
             if bar is not None:
@@ -402,9 +405,9 @@ def _steps(cfg, engine, ckpt, metrics, signals, train_ds, val_ds, num_mb, record
         metrics.log({"step": 0, "val_loss": val})
     for step in range(start, cfg.train.steps):
         engine.faults.maybe_fail(rank, step + 1)  # test-only (test.fail_*, run/inject.py)
-        x, y, pos = _step_batch(train_ds, engine.run.batch, cfg.seed, step, num_mb)
+        x, y, pos, mask = _step_batch(train_ds, engine.run.batch, cfg.seed, step, num_mb)
         asked = signals.requested or metrics.failed is not None
-        r = engine.train_step(step, x, y, stop=asked, position_ids=pos)
+        r = engine.train_step(step, x, y, stop=asked, position_ids=pos, token_mask=mask)
         bad.count(r.skipped)
         rec = _record(step, r, bad)
         last = step + 1 == cfg.train.steps

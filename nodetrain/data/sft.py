@@ -355,7 +355,8 @@ def prepare_records(cfg: DataConfig, seq_len: int, seed: int = 0) -> Path:
     ``<root>/<source name>-records-<settings hash>`` (``root``: ``data.dir``, cache.py; rank 0, once
     per launch: the rows are rebuilt each time, so an edited source is always read again).
 
-    Writes ``{train,val}.{input_ids,labels,position_ids}.npy`` ([R, seq_len] int64), the tokenizer
+    Writes ``{train,val}.{input_ids,labels,position_ids}.npy`` ([R, seq_len] int64) and
+    ``{train,val}.num_tokens.npy`` ([R] int64: each row's positions before its padding), the tokenizer
     (``save_pretrained``, with ``data.chat_template`` when set: checkpoints carry it) and
     ``meta.json`` (vocab size, eot id, rows, truncated documents). The last ``data.val_fraction`` of
     the documents (at least one) is the validation split.
@@ -382,7 +383,7 @@ def prepare_records(cfg: DataConfig, seq_len: int, seed: int = 0) -> Path:
     meta |= {"packing": cfg.packing}
     for split, part in (("train", docs[:-num_val]), ("val", docs[-num_val:])):
         rows = _supervised(pack(part, seq_len, pad_id, cfg.packing), split, seq_len)
-        for name in _SPLIT_FILES:
+        for name in (*_SPLIT_FILES, "num_tokens"):
             np.save(out / f"{split}.{name}.npy", getattr(rows, name))
         meta[f"num_{split}_rows"], meta[f"num_{split}_truncated"] = rows.num_rows, rows.num_truncated
         meta[f"num_{split}_records"] = len(part)
@@ -419,7 +420,8 @@ def _supervised(rows: PackedRows, split: str, seq_len: int) -> PackedRows:
         seq_len,
     )
     arrays = (rows.input_ids[keep], rows.labels[keep], rows.position_ids[keep])
-    return PackedRows(*arrays, num_truncated=rows.num_truncated)
+    lengths = None if rows.num_tokens is None else rows.num_tokens[keep]
+    return PackedRows(*arrays, num_truncated=rows.num_truncated, num_tokens=lengths)
 
 
 def records_dir(cfg: DataConfig, seq_len: int) -> Path:
@@ -459,6 +461,8 @@ class RecordsDataset(PackedRows):
         """Raises: FileNotFoundError: a missing file of the split (prepare it again)."""
         directory = Path(directory)
         ds = cls(*(np.load(directory / f"{split}.{name}.npy") for name in _SPLIT_FILES))
+        if (lengths := directory / f"{split}.num_tokens.npy").is_file():  # absent: written before it was kept
+            ds.num_tokens = np.load(lengths)
         ds.path = directory / f"{split}.input_ids.npy"
         meta = json.loads((directory / "meta.json").read_text())
         ds.vocab_size, ds.num_records = meta["vocab_size"], meta.get(f"num_{split}_records")
