@@ -84,11 +84,18 @@ def saved_by_name(model: HFModel) -> bool:
     )
 
 
+_HEAD = "lm_head.weight"
+
+
 def import_pieces(model: HFModel | None, param: Param, names) -> tuple[Piece, ...]:
     """The pieces of ``param`` a directory holding tensors ``names`` provides: the parameter under
     its own name when present (a fused checkpoint, e.g. another trainer's), else transformers'
-    saved layout (:func:`checkpoint_pieces`; the caller reports what is missing). Without a
-    model: the parameter's own name."""
+    saved layout (:func:`checkpoint_pieces`; the caller reports what is missing). A tied model's
+    embedding whose one stored matrix is named ``lm_head.weight`` is read from it (transformers
+    loads such a checkpoint: either name fills the tied pair). Without a model: the parameter's own
+    name."""
     if param.hf_name in names or model is None:
         return (Piece(param.hf_name, 0, param.shape),)
+    if model.tied and param.hf_name == model.units[0].params[0].hf_name and _HEAD in names:
+        return (Piece(_HEAD, 0, param.shape),)
     return checkpoint_pieces(model, param)
