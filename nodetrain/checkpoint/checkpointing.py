@@ -160,7 +160,7 @@ class Checkpointing:
             return None, None
         path = Path(resume_path)
         state = st.read_state(path)  # every rank reads it: every read checks its digest
-        check_training_state(path, state, self.model.units, self.cfg.optim.state)  # headers only
+        check_training_state(path, state, self.model.units, self.cfg.optim.state, self.model)  # headers only
         if self.rank == 0:
             self._report(path, state)
         return path, state
@@ -185,7 +185,7 @@ class Checkpointing:
     def init_fn(self):
         """The ``init_from`` callable for ``Engine``: checkpoint state, HF weights, or None (random)."""
         if self.path is not None:
-            load = training_state_loader(self.path, self.state, self.cfg.optim.state)
+            load = training_state_loader(self.path, self.state, self.cfg.optim.state, self.model)
             if not any(self.model.constants):
                 return load
             path = self.path

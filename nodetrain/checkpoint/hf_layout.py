@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from nodetrain.model import HFModel, Param
 
-__all__ = ["Piece", "checkpoint_pieces", "import_pieces", "saved_by_name"]
+__all__ = ["Piece", "checkpoint_pieces", "import_pieces"]
 
 
 @dataclass(frozen=True)
@@ -74,13 +74,6 @@ def checkpoint_pieces(model: HFModel, param: Param) -> tuple[Piece, ...]:
         Piece(name.format(e=e, w=w), (2 * e + j) * half * cols, (half, cols))
         for e in range(experts)
         for j, w in enumerate((gate, up))
-    )
-
-
-def saved_by_name(model: HFModel) -> bool:
-    """True when transformers saves every parameter of ``model`` as one tensor under its own name."""
-    return model.config.model_type not in _PER_EXPERT or not any(
-        _FUSED.match(p.hf_name) for u in model.units for p in u.params
     )
 
 
