@@ -175,14 +175,15 @@ def _metrics_logger(
     job: Job,
     resolved: dict,
     enabled: bool,
-    resume_id: str | None,
-    start_step: int,
+    ckpt: Checkpointing,
     ckpt_dir: Path,
+    write,
 ) -> MetricsLogger:
     """metrics.jsonl and the job's wandb run (named and grouped by the job, see jobs.py); a resumed
     run continues the wandb run its checkpoint recorded unless ``logging.wandb_id`` names another.
     Rows after ``start_step`` that an earlier launch wrote are dropped (one row per step); a launch
-    that continues another run's checkpoints starts its file with that run's rows."""
+    that continues another run's checkpoints starts its file with that run's rows; rows the resumed
+    checkpoint carried (a full disk refused them) are written back. ``write``: Faults.metrics_write."""
     continued = Path(ckpt_dir).parent
     history = continued / "metrics.jsonl" if continued.resolve() != Path(job.run_dir).resolve() else None
     lc = cfg.logging
@@ -199,8 +200,10 @@ def _metrics_logger(
         tags=lc.tags,
         notes=lc.notes,
         entity=lc.entity,
-        resume_id=lc.wandb_id or resume_id,
-        start_step=start_step,
+        resume_id=lc.wandb_id or ckpt.wandb_run_id,
+        start_step=ckpt.start_step,
+        carried=ckpt.metrics_rows,
+        write=write,
         history=history,
     )
 
@@ -378,7 +381,7 @@ def _loop(cfg, job, resolved, engine, ckpt, ckpt_dir, signals, train_ds, val_ds)
     """The training loop: (the per-step records, the metrics logger). Collective on every rank."""
     rank = dist.get_rank()
     num_mb = engine.run.batch.global_microbatches  # every replica builds the global batch
-    metrics = _metrics_logger(cfg, job, resolved, rank == 0, ckpt.wandb_run_id, ckpt.start_step, ckpt_dir)
+    metrics = _metrics_logger(cfg, job, resolved, rank == 0, ckpt, ckpt_dir, engine.faults.metrics_write)
     ckpt.wandb_run_id = metrics.run_id or ckpt.wandb_run_id  # kept in trainer_state.json (rank 0)
     records, bad = [], BadSteps(cfg.train.max_bad_steps)
     # inside: SIGINT/SIGTERM end the run after a step every rank agrees on (faults.StopRequest), also
@@ -420,6 +423,7 @@ def _steps(cfg, engine, ckpt, metrics, signals, train_ds, val_ds, num_mb, record
             else:
                 rec["val_loss"] = val
         save = interrupted and cfg.checkpoint.on_signal == "save"
+        ckpt.metrics_rows = metrics.rows_to_carry(rec)  # a row a full disk refuses is not lost
         stop, stall_s = ckpt.after_step(step + 1, save=save)  # after evaluation (draws no RNG)
         if stall_s is not None:
             rec["ckpt_stall_s"] = stall_s

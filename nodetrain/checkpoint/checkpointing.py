@@ -154,6 +154,9 @@ class Checkpointing:
         self._wait_optimizer = lambda: None  # the engine's, from attach to close
         self.wandb_run_id: str | None = self.state.get("wandb_run_id") if self.state else None
         """The wandb run this training continues (kept in ``trainer_state.json``; set by the caller)."""
+        self.metrics_rows: list[dict] = list(self.state.get("metrics_rows", [])) if self.state else []
+        """``metrics.jsonl`` rows a save carries in ``trainer_state.json`` (set by the caller before each
+        step's ``after_step``: ``MetricsLogger.rows_to_carry``); on resume, the checkpoint's."""
 
     def _resumed(self, resume_path: str | None) -> tuple[Path | None, dict | None]:
         if resume_path is None:
@@ -320,4 +323,5 @@ class Checkpointing:
             "optim_state": self.cfg.optim.state,
             "weights": {"model": "model", "master": self.writer.master_prefix, "optimizer": "optimizer"},
             "wandb_run_id": self.wandb_run_id,
+            "metrics_rows": self.metrics_rows,
         }

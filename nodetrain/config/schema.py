@@ -332,6 +332,8 @@ class FaultInjectionConfig:
     """Free bytes the start-up check sees in ``store.tier_dir`` instead of ``os.statvfs``'s; -1 = real."""
     host_available_bytes: int = -1
     """Host memory the start-up fit check sees as available instead of psutil's; -1 = real."""
+    metrics_full_step: int = -1
+    """Step from whose row on every write to ``metrics.jsonl`` fails with ENOSPC (a full disk)."""
 
 
 @dataclass
