@@ -80,13 +80,16 @@ log = logging.getLogger("nodetrain")
 
 
 def _step_batch(ds, batch: BatchShape, seed: int, index: int, num_mb: int):
-    """[num_mb, B, T] inputs, labels and position ids (None: 0..T-1) of batch ``index`` (a pure
-    function of seed and index); records data (``data.format=records``) has packed positions."""
+    """[num_mb, B, T] inputs, labels, position ids (None: 0..T-1) and token mask (bool, False on
+    padding; None: none) of batch ``index`` (a pure function of seed and index); records data
+    (``data.format=records``) has packed positions and, unpacked or at a row's tail, padding."""
     b, t = batch.micro_batch_size, batch.seq_len
     if isinstance(ds, reader.TokenDataset):
         x, y = reader.batch(ds, seed, index, num_mb * b, t)
-        return x.view(num_mb, b, t), y.view(num_mb, b, t), None
-    return tuple(torch.from_numpy(a).view(num_mb, b, t) for a in ds.batch(seed, index, num_mb * b))
+        return x.view(num_mb, b, t), y.view(num_mb, b, t), None, None
+    x, y, pos = (torch.from_numpy(a).view(num_mb, b, t) for a in ds.batch(seed, index, num_mb * b))
+    mask = ds.token_mask(seed, index, num_mb * b)
+    return x, y, pos, None if mask is None else torch.from_numpy(mask).view(num_mb, b, t)
 
 
 def _evaluate(engine: Engine, val, cfg: Config, signals: StopRequest, step: int) -> float | None:
@@ -104,7 +107,7 @@ def _evaluate(engine: Engine, val, cfg: Config, signals: StopRequest, step: int)
                     "stop requested: the evaluation at step %d ends after %d of %d batches", step, i, n
                 )
                 return None
-            x, y, pos = _step_batch(val, engine.run.batch, cfg.seed, i, m)
+            x, y, pos, _ = _step_batch(val, engine.run.batch, cfg.seed, i, m)  # no auxiliary loss
             loss, k = engine.eval_loss(x, y, pos)
             total, tokens = total + loss * k, tokens + k
             if bar is not None:
@@ -117,14 +120,15 @@ def _metrics_logger(
     job: Job,
     resolved: dict,
     enabled: bool,
-    resume_id: str | None,
-    start_step: int,
+    ckpt: Checkpointing,
     ckpt_dir: Path,
+    write,
 ) -> MetricsLogger:
     """metrics.jsonl and the job's wandb run (named and grouped by the job, see jobs.py); a resumed
     run continues the wandb run its checkpoint recorded unless ``logging.wandb_id`` names another.
     Rows after ``start_step`` that an earlier launch wrote are dropped (one row per step); a launch
-    that continues another run's checkpoints starts its file with that run's rows."""
+    that continues another run's checkpoints starts its file with that run's rows; rows the resumed
+    checkpoint carried (a full disk refused them) are written back. ``write``: Faults.metrics_write."""
     continued = Path(ckpt_dir).parent
     history = continued / "metrics.jsonl" if continued.resolve() != Path(job.run_dir).resolve() else None
     lc = cfg.logging
@@ -141,8 +145,10 @@ def _metrics_logger(
         tags=lc.tags,
         notes=lc.notes,
         entity=lc.entity,
-        resume_id=lc.wandb_id or resume_id,
-        start_step=start_step,
+        resume_id=lc.wandb_id or ckpt.wandb_run_id,
+        start_step=ckpt.start_step,
+        carried=ckpt.metrics_rows,
+        write=write,
         history=history,
     )
 
@@ -340,7 +346,7 @@ def _loop(cfg, job, resolved, engine, ckpt, ckpt_dir, signals, train_ds, val_ds)
     """The training loop: (the per-step records, the metrics logger). Collective on every rank."""
     rank = dist.get_rank()
     num_mb = engine.run.batch.global_microbatches  # every replica builds the global batch
-    metrics = _metrics_logger(cfg, job, resolved, rank == 0, ckpt.wandb_run_id, ckpt.start_step, ckpt_dir)
+    metrics = _metrics_logger(cfg, job, resolved, rank == 0, ckpt, ckpt_dir, engine.faults.metrics_write)
     ckpt.wandb_run_id = metrics.run_id or ckpt.wandb_run_id  # kept in trainer_state.json (rank 0)
     records, bad = [], BadSteps(cfg.train.max_bad_steps)
     # inside: SIGINT/SIGTERM end the run after a step every rank agrees on (faults.StopRequest), also
@@ -367,9 +373,9 @@ def _steps(cfg, engine, ckpt, metrics, signals, train_ds, val_ds, num_mb, record
         metrics.log({"step": 0, "val_loss": val})
     for step in range(start, cfg.train.steps):
         engine.faults.maybe_fail(rank, step + 1)  # test-only (test.fail_*, run/inject.py)
-        x, y, pos = _step_batch(train_ds, engine.run.batch, cfg.seed, step, num_mb)
+        x, y, pos, mask = _step_batch(train_ds, engine.run.batch, cfg.seed, step, num_mb)
         asked = signals.requested or metrics.failed is not None
-        r = engine.train_step(step, x, y, stop=asked, position_ids=pos)
+        r = engine.train_step(step, x, y, stop=asked, position_ids=pos, token_mask=mask)
         bad.count(r.skipped)
         rec = _record(step, r, bad)
         last = step + 1 == cfg.train.steps
@@ -382,6 +388,7 @@ def _steps(cfg, engine, ckpt, metrics, signals, train_ds, val_ds, num_mb, record
             else:
                 rec["val_loss"] = val
         save = interrupted and cfg.checkpoint.on_signal == "save"
+        ckpt.metrics_rows = metrics.rows_to_carry(rec)  # a row a full disk refuses is not lost
         stop, stall_s = ckpt.after_step(step + 1, save=save)  # after evaluation (draws no RNG)
         if stall_s is not None:
             rec["ckpt_stall_s"] = stall_s

@@ -7,6 +7,11 @@ equal). ``templates/qwen3_marked.jinja`` is that template with ``{% generation %
 each assistant turn's output and nothing else changed (tests/test_chat_masks.py checks it renders
 the same tokens), so transformers' ``return_assistant_tokens_mask`` on it is an independent
 reference for the segmentation of the unmarked one.
+
+``templates/{glm4moe,gptoss,deepseekv3,phi3}.jinja`` are the stock templates of GLM-4.5, GPT-OSS,
+DeepSeek-V3 and Phi-3 as TRL keeps them to recognise those models (trl 1.16,
+``trl/chat_templates/<name>.jinja``; tests/test_chat_families.py checks they are TRL's), each with a
+tokenizer of that family's special tokens (:func:`family_tokenizer`).
 """
 
 from __future__ import annotations
@@ -105,3 +110,61 @@ def save(tok: transformers.PreTrainedTokenizerFast, directory: Path) -> Path:
     """``tok`` written to ``directory`` (save_pretrained), which is returned."""
     tok.save_pretrained(directory)
     return directory
+
+
+FAMILIES = {
+    # name: (special tokens, plain added tokens, bos, eos, pad)
+    "glm4moe": (
+        ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"],
+        ["<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"],
+        None,
+        "<|endoftext|>",
+        "<|endoftext|>",
+    ),
+    "gptoss": (
+        ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", "<|constrain|>"],
+        [],
+        None,
+        "<|return|>",
+        "<|endoftext|>",
+    ),
+    "deepseekv3": (
+        ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"],
+        [
+            "<｜User｜>",
+            "<｜Assistant｜>",
+            "<｜tool▁calls▁begin｜>",
+            "<｜tool▁calls▁end｜>",
+            "<｜tool▁call▁begin｜>",
+            "<｜tool▁call▁end｜>",
+            "<｜tool▁sep｜>",
+            "<｜tool▁outputs▁begin｜>",
+            "<｜tool▁outputs▁end｜>",
+            "<｜tool▁output▁begin｜>",
+            "<｜tool▁output▁end｜>",
+        ],
+        "<｜begin▁of▁sentence｜>",
+        "<｜end▁of▁sentence｜>",
+        "<｜end▁of▁sentence｜>",
+    ),
+    "phi3": (
+        ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
+        [],
+        "<s>",
+        "<|endoftext|>",
+        "<|endoftext|>",
+    ),
+}
+"""Per stock template of ``templates/``: its model's special tokens as the hub's tokenizer marks them
+(GLM-4.5's role markers special, DeepSeek-V3's ``<｜User｜>``/``<｜Assistant｜>`` added but not special),
+and its bos/eos/pad."""
+
+
+def family_tokenizer(name: str) -> transformers.PreTrainedTokenizerFast:
+    """The BPE with family ``name``'s tokens (:data:`FAMILIES`) and its stock chat template."""
+    special, plain, bos, eos, pad = FAMILIES[name]
+    tok = bpe_tokenizer(eos_token=eos, pad_token=pad, **({"bos_token": bos} if bos else {}))
+    tok.add_tokens(plain)
+    tok.add_special_tokens({"additional_special_tokens": special})
+    tok.chat_template = (TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8")
+    return tok

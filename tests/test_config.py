@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -400,6 +402,26 @@ def test_run_id_is_shared_by_siblings_under_torchrun() -> None:
         timeout=60,
     ).stdout.strip()
     assert other and other != a
+
+
+def test_run_id_is_named_after_the_launch_not_the_agent_s_start() -> None:
+    """Issue 32, item 6: README command 1 runs ``torchrun`` after ``pip install``; an agent that
+    started long before it started its ranks (a shell that exec'd torchrun keeps its start time)
+    must not date the run directory. Here the "agent" waits 5 s, then starts two ranks (process start
+    times are known to about a second: the kernel's boot time is whole seconds)."""
+    agent = (
+        "import subprocess, sys, time; time.sleep(5); "
+        f"ps = [subprocess.Popen([sys.executable, '-c', {_PRINT_ID!r}], stdout=subprocess.PIPE, text=True) "
+        "for _ in range(2)]; print(' '.join(p.communicate(timeout=60)[0].strip() for p in ps))"
+    )
+    started = time.time()
+    out = subprocess.run(
+        [sys.executable, "-c", agent], env=_env(LOCAL_RANK="0"), capture_output=True, text=True, timeout=90
+    )
+    a, b = out.stdout.split()
+    assert a == b, "every rank of the launch agrees"
+    stamp = datetime.datetime.strptime(a[:19], "%Y-%m-%d_%H-%M-%S").timestamp()
+    assert stamp >= started + 2.5, (a, started)
 
 
 def test_run_id_uses_the_rendezvous_id() -> None:

@@ -221,6 +221,29 @@ def test_two_sources_never_share_a_directory(tmp_path):
     assert corpus.source_name(str(tmp_path / "src" / "*.jsonl")) == "src"
 
 
+def test_prepared_data_goes_to_the_user_cache_not_the_working_directory(tmp_path, monkeypatch):
+    """Issue 32, item 1: a run leaves no ``data/`` in the directory it was started from (a checkout,
+    where tests/test_docs.py would then see a ``data`` package). ``data.dir`` empty = the user's cache
+    folder, as ``datasets``/``transformers`` do: ``$XDG_CACHE_HOME/nodetrain/data``, else
+    ``~/.cache/nodetrain/data``; ``$NODETRAIN_CACHE`` overrides both, ``data.dir`` overrides all."""
+    src = _write(tmp_path / "src" / "corpus.txt", TEXTS[0])
+    cwd = tmp_path / "checkout"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.delenv("NODETRAIN_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    cfg = DataConfig(source=str(src), vocab_size=300)
+    assert cfg.dir == ""
+    assert prepare(cfg).parent == tmp_path / "home" / ".cache" / "nodetrain" / "data"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert prepare(cfg).parent == tmp_path / "xdg" / "nodetrain" / "data"
+    monkeypatch.setenv("NODETRAIN_CACHE", str(tmp_path / "mine"))
+    assert prepare(cfg).parent == tmp_path / "mine" / "data"
+    assert list(cwd.iterdir()) == []
+    assert prepare(DataConfig(source=str(src), dir="here", vocab_size=300)).parent == cwd / "here"
+
+
 def test_a_failed_prepare_leaves_no_dataset(tmp_path, monkeypatch):
     def fail(*args):
         raise RuntimeError("crash while splitting")

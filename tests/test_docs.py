@@ -188,13 +188,12 @@ def _rel(path: Path) -> str:
 
 
 def _resolves(ref: str, where: Path) -> bool:
-    external = _external(ref)
-    if external is not None:
-        return external
+    """The checkout's own files first: a folder a run leaves in the working directory (``data/``,
+    ``runs/``) is an importable namespace package, not the package a reference means."""
     if "/" not in ref:
-        return ref in _PY_NAMES
+        return ref in _PY_NAMES or bool(_external(ref))
     bases = (ROOT, ROOT / "nodetrain", where.parent, where.parent.parent)
-    return any((base / ref).is_file() for base in bases)
+    return any((base / ref).is_file() for base in bases) or bool(_external(ref))
 
 
 def _page_exists(ref: str) -> bool:
@@ -244,6 +243,19 @@ def test_a_renamed_module_is_reported(tmp_path) -> None:
         "probe.py:2: optim.py",
         "probe.py:2: docs/x.md",
     ]
+
+
+def test_a_folder_a_run_leaves_in_the_working_directory_hides_no_module(tmp_path, monkeypatch) -> None:
+    """README command 1 then command 2 in one checkout: a ``data/`` folder in the working directory
+    (on ``sys.path``, an importable namespace package ``data``) must not make ``data/checks.py``
+    (nodetrain/data/checks.py) look missing; a reference to no file at all is still reported."""
+    (tmp_path / "data").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    assert importlib.util.find_spec("data").submodule_search_locations  # the trap is set
+    probe = tmp_path / "probe.py"
+    probe.write_text('"""See data/checks.py and data/sft.py; not data/nowhere.py."""\n')
+    assert missing_modules([probe]) == ["probe.py:1: data/nowhere.py"]
 
 
 # --- links ------------------------------------------------------------------------------------

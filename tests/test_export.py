@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from chat_fixtures import qwen3_tokenizer
+from chat_fixtures import bpe_tokenizer, family_tokenizer, qwen3_tokenizer
 from conftest import SONNET, TINY_RUN, job_env, prepared_dir, torchrun_cmd
 
 from nodetrain.checkpoint.export import run_tokenizer, write_export_files
@@ -185,3 +185,73 @@ def test_crash_resume_keeps_one_row_per_step_and_exports_usable_checkpoints(tmp_
     assert "starts from the checkpoint of step 2; dropping 1 row(s)" in (run / "rank0.log").read_text()
     eot_id = json.loads((prepared_dir(corpus[1].split("=", 1)[1]) / "meta.json").read_text())["eot_id"]
     assert_generates_until_eos(run / "checkpoints" / "step-5", eot_id)
+
+
+# --- the stop list (issue 32, item 5) -------------------------------------------------------------------
+
+FAMILY_STOPS = {  # family: (the hub's generation_config eos tokens, what its template alone gives)
+    "gptoss": (["<|return|>", "<|endoftext|>", "<|call|>"], ["<|return|>", "<|call|>"]),
+    "phi3": (["<|endoftext|>", "<|assistant|>", "<|end|>"], ["<|endoftext|>", "<|end|>"]),
+    "glm4moe": (
+        ["<|endoftext|>", "<|user|>", "<|observation|>"],
+        ["<|endoftext|>", "<|user|>", "<|observation|>"],
+    ),
+}
+
+
+def _export_eos(tmp_path: Path, tok, imported: list[int] | None) -> tuple[list[int], list[int]]:
+    """(config.json's, generation_config.json's) eos ids of an export with ``tok``: of a model
+    imported with eos ``imported`` (config and generation config alike), or (None) built from scratch."""
+    config = transformers.Qwen3Config(**TINY, vocab_size=len(tok), head_dim=16)
+    src = None
+    if imported is not None:
+        src = tmp_path / "base"
+        transformers.Qwen3ForCausalLM(config).save_pretrained(src)
+        raw = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**raw, "eos_token_id": imported}))
+        transformers.GenerationConfig(eos_token_id=imported, temperature=0.6, do_sample=True).save_pretrained(
+            src
+        )
+        config = transformers.AutoConfig.from_pretrained(src)
+    step = tmp_path / "step"
+    transformers.Qwen3ForCausalLM(config).save_pretrained(step)
+    write_export_files(step, config, tok, torch.float32, source_dir=src or "")
+    read = [
+        json.loads((step / f).read_text())["eos_token_id"] for f in ("config.json", "generation_config.json")
+    ]
+    return tuple(r if isinstance(r, list) else [r] for r in read)
+
+
+def test_export_keeps_an_instruct_model_s_stop_list_with_a_base_tokenizer(tmp_path: Path) -> None:
+    """A Llama-3.1-Instruct-shaped import (eos ``[<|end_of_text|>, <|eom_id|>, <|eot_id|>]``) exported
+    with a base tokenizer (eos ``<|end_of_text|>``, no chat template) keeps all three, in the model's
+    order, and ``generate`` stops on each; an id of another vocabulary (a byte of the run's BPE) is
+    not carried over."""
+    tok = bpe_tokenizer(bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>", pad_token="<|endoftext|>")
+    tok.add_special_tokens(
+        {
+            "additional_special_tokens": [
+                "<|start_header_id|>",
+                "<|end_header_id|>",
+                "<|eom_id|>",
+                "<|eot_id|>",
+            ]
+        }
+    )
+    want = tok.convert_tokens_to_ids(["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"])
+    assert _export_eos(tmp_path, tok, want) == (want, want)
+    assert_stops_on(tmp_path / "step", want)
+    byte = tok.convert_tokens_to_ids("a")
+    assert _export_eos(tmp_path / "bpe", tok, [byte, want[2]]) == ([want[2], want[0]], [want[2], want[0]])
+
+
+@pytest.mark.parametrize("family", list(FAMILY_STOPS))
+def test_export_stops_on_the_union_of_the_imported_eos_the_tokenizer_s_and_the_template_s(
+    tmp_path: Path, family: str
+) -> None:
+    """GPT-OSS keeps ``<|call|>`` (tool-call turns stop), Phi-3 ``<|end|>``, GLM-4.5 its next-role
+    markers: imported, and from the template alone for a model built from scratch."""
+    tok = family_tokenizer(family)
+    hub, template = (tok.convert_tokens_to_ids(t) for t in FAMILY_STOPS[family])
+    assert _export_eos(tmp_path / "imported", tok, hub) == (hub, hub)
+    assert _export_eos(tmp_path / "scratch", tok, None) == (template, template)

@@ -66,20 +66,22 @@ def _batches():
     return ids, labels
 
 
-def _reference_grads(ref, ids, labels, aux: str = "") -> tuple[torch.Tensor, dict]:
+def _reference_grads(ref, ids, labels, aux: str = "", masks=None) -> tuple[torch.Tensor, dict]:
     """Σ CE (all micro-batches) and the gradients of Σ CE / valid (+ the auxiliary term); the
-    per-layer form's aux_loss (its mean over layers and micro-batches) in ``ref.aux_mean``."""
+    per-layer form's aux_loss (its mean over layers and micro-batches) in ``ref.aux_mean``. ``masks``:
+    [M, B, T] attention masks (0 on right padding), given to the model and to the auxiliary loss."""
     ref.zero_grad(set_to_none=True)
     scale, total = 1.0 / int((labels != IGNORE_INDEX).sum()), 0.0
     ref.aux_mean = 0.0
     experts, k = ref.config.num_local_experts if aux else 0, getattr(ref.config, "num_experts_per_tok", 0)
     for mb in range(len(ids)):
-        out = ref(input_ids=ids[mb], output_router_logits=bool(aux))
+        mask = None if masks is None else masks[mb]
+        out = ref(input_ids=ids[mb], attention_mask=mask, output_router_logits=bool(aux))
         logits, target = out.logits.flatten(0, 1), labels[mb].flatten()
         ce = F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum")
         objective = ce * scale
         if aux == "per_layer":
-            per_layer = [load_balancing_loss_func((z,), experts, k) for z in out.router_logits]
+            per_layer = [load_balancing_loss_func((z,), experts, k, mask) for z in out.router_logits]
             objective = objective + COEF / (len(per_layer) * len(ids)) * sum(per_layer)
             ref.aux_mean += float(sum(per_layer).detach()) / (len(per_layer) * len(ids))
         elif aux == "pooled":  # transformers' own: all layers of the forward pooled
@@ -100,8 +102,9 @@ def _store(model: HFModel, state: dict, shm_dir, name: str) -> HostStore:
     return store
 
 
-def _stage_grads(model: HFModel, store: HostStore, cuts: list[int], ids, labels, rows: bool):
-    """Σ CE, every unit's gradient and Σ of the stages' aux_loss shares, split into stages at ``cuts``."""
+def _stage_grads(model: HFModel, store: HostStore, cuts: list[int], ids, labels, rows: bool, masks=None):
+    """Σ CE, every unit's gradient and Σ of the stages' aux_loss shares, split into stages at ``cuts``
+    (``masks``: [M, B, T] bool, False on padding, as the engine passes ``token_mask``)."""
     edges = [0, *cuts, len(model.units)]
     ranges = [range(a, b) for a, b in itertools.pairwise(edges)]
     windows = [
@@ -114,13 +117,15 @@ def _stage_grads(model: HFModel, store: HostStore, cuts: list[int], ids, labels,
         for runner, w in zip(runners, windows, strict=True):
             w.begin((runner.loads("F") + runner.loads("B")) * len(ids))
         for mb in range(len(ids)):
-            x = ids[mb]
+            x, mask = ids[mb], None if masks is None else masks[mb]
             for runner in runners:
-                x = runner.forward(mb, x, labels[mb] if runner.is_last else None, True, None, scale)
+                x = runner.forward(
+                    mb, x, labels[mb] if runner.is_last else None, True, None, scale, True, mask
+                )
             total += x
             grad = None
             for runner in reversed(runners):
-                grad = runner.backward(mb, grad)
+                grad = runner.backward(mb, grad, token_mask=mask)
         for w in windows:
             w.flush()
         aux = sum(float(r.take_aux_loss()) for r in runners)
@@ -136,16 +141,19 @@ def _stage_grads(model: HFModel, store: HostStore, cuts: list[int], ids, labels,
     return total, grads, aux
 
 
-def _check(arch: str, shm_dir, cuts: list[int], rows: bool, aux: str = "") -> None:
+def _check(arch: str, shm_dir, cuts: list[int], rows: bool, aux: str = "", padded: bool = False) -> None:
     config = tiny_config(arch)
     ref = _reference(config)
     ids, labels = _batches()
-    want_loss, want = _reference_grads(ref, ids, labels, aux)
+    masks = _padding(labels) if padded else None
+    want_loss, want = _reference_grads(ref, ids, labels, aux, masks)
     router_aux = RouterAux(COEF, config.num_experts_per_tok, MICROBATCHES) if aux else None
     model = HFModel(config, router_aux)
     _bind_constants(model, ref.state_dict())
-    store = _store(model, ref.state_dict(), shm_dir, f"fam-{arch}-{len(cuts)}-{rows}-{aux}")
-    loss, got, got_aux = _stage_grads(model, store, cuts, ids, labels, rows)
+    store = _store(model, ref.state_dict(), shm_dir, f"fam-{arch}-{len(cuts)}-{rows}-{aux}-{padded}")
+    loss, got, got_aux = _stage_grads(
+        model, store, cuts, ids, labels, rows, None if masks is None else masks.bool()
+    )
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=0)
     torch.testing.assert_close(got_aux, ref.aux_mean, rtol=1e-5, atol=0)  # 0 without the aux loss
     assert sorted(got) == sorted(want)
@@ -176,6 +184,41 @@ def test_switch_aux_loss_is_transformers_on_one_layer() -> None:
     logits = torch.randn(40, 6, generator=torch.Generator().manual_seed(5))
     for k in (1, 2):
         torch.testing.assert_close(switch_aux_loss(logits, k), load_balancing_loss_func((logits,), 6, k))
+
+
+def _padding(labels: torch.Tensor) -> torch.Tensor:
+    """[M, B, T] int64 attention masks of right-padded rows: row b of micro-batch m keeps its first
+    T - 1 - (m + b) % 4 tokens (0 to 3 pads), the pads' labels set to -100 in place, as packing does."""
+    m, b, t = labels.shape
+    keep = t - 1 - (torch.arange(m)[:, None] + torch.arange(b)[None, :]) % 4  # [M, B]
+    mask = (torch.arange(t)[None, None, :] < keep[..., None]).long()
+    labels[mask == 0] = IGNORE_INDEX
+    return mask
+
+
+def test_switch_aux_loss_leaves_padding_out_as_transformers_attention_mask() -> None:
+    """Issue 32, item 4: with right padding, the value and its gradient are transformers'
+    ``load_balancing_loss_func`` with the ``attention_mask`` (PR #28517), not those of every token."""
+    gen = torch.Generator().manual_seed(6)
+    mask = (torch.arange(16)[None, :] < torch.tensor([[13], [16], [9]])).long()  # [B=3, T=16]
+    for k in (1, 2):
+        logits = torch.randn(48, 6, generator=gen, requires_grad=True)
+        got = switch_aux_loss(logits, k, mask.reshape(-1).bool())
+        (g_got,) = torch.autograd.grad(got, logits)
+        want = load_balancing_loss_func((logits,), 6, k, mask)
+        (g_want,) = torch.autograd.grad(want, logits)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-9)
+        assert (g_got[mask.reshape(-1) == 0] == 0).all(), "padding's router logits get no gradient"
+        unmasked = load_balancing_loss_func((logits,), 6, k)
+        assert abs(float((unmasked - want).detach())) > 1e-3, "the mask matters here"
+
+
+@pytest.mark.parametrize("arch", AUX_ARCHS)
+def test_per_layer_aux_loss_leaves_padding_out(arch: str, shm_dir) -> None:
+    """Right-padded rows (``data.packing=false``) through two stages: the loss, the auxiliary loss
+    and every gradient are transformers' with the rows' ``attention_mask``."""
+    _check(arch, shm_dir, [3], rows=True, aux="per_layer", padded=True)
 
 
 def test_pooled_aux_loss_is_another_objective() -> None:

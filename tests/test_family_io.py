@@ -26,7 +26,8 @@ from safetensors.torch import save_file
 from nodetrain.checkpoint.export import write_export_files
 from nodetrain.checkpoint.hf_import import check_model_dir, load_units
 from nodetrain.checkpoint.hf_layout import checkpoint_pieces
-from nodetrain.checkpoint.tensors import read_index, read_into
+from nodetrain.checkpoint.resume import load_training_state
+from nodetrain.checkpoint.tensors import read_index
 from nodetrain.config.schema import ModelConfig
 from nodetrain.model import HFModel, build_hf_config
 from nodetrain.run.outputs import checkpoint_bytes
@@ -126,11 +127,12 @@ def test_expert_checkpoint_names_are_transformers_own(tmp_path) -> None:
         assert names == set(index), arch
 
 
-def test_cli_imports_trains_and_exports_a_mixture_of_experts(tmp_path: Path, corpus) -> None:
+def test_cli_imports_trains_and_exports_a_mixture_of_experts(tmp_path: Path, corpus, shm_dir) -> None:
     """``model.init_from`` of a sharded Qwen3-MoE (router auxiliary loss on), 2 stages, 2 steps, an
     fp32 checkpoint at the end: its tensors are those transformers' save_pretrained writes (one per
     expert), transformers loads it with exactly the checkpoint's master weights, and generates. The
-    master weights have shards of their own (resume reads them by parameter name)."""
+    fp32 export is the master weights: no ``master-*`` shards (issue 32, item 6), and resume reads
+    them from the per-expert tensors bit for bit."""
     src = tmp_path / "hf"
     _saved("Qwen3MoeForCausalLM", src, vocab_size=320, hidden_size=64)
     run = tmp_path / "run"
@@ -148,7 +150,8 @@ def test_cli_imports_trains_and_exports_a_mixture_of_experts(tmp_path: Path, cor
     step = run / "checkpoints" / "step-2"
     model = transformers.AutoModelForCausalLM.from_pretrained(step, dtype=torch.float32)
     assert isinstance(model, transformers.Qwen3MoeForCausalLM)
-    assert json.loads((step / "trainer_state.json").read_text())["weights"]["master"] == "master"
+    trainer_state = json.loads((step / "trainer_state.json").read_text())
+    assert trainer_state["weights"]["master"] == "model" and not list(step.glob("master-*"))
     saved = read_index(step, "model")  # the tensors transformers' save_pretrained writes (src is its)
     assert (
         set(saved) == set(read_index(src, "model")) and "model.layers.1.mlp.experts.3.up_proj.weight" in saved
@@ -157,16 +160,20 @@ def test_cli_imports_trains_and_exports_a_mixture_of_experts(tmp_path: Path, cor
     want_bytes = checkpoint_bytes(
         HFModel(build_hf_config(ModelConfig(name="x", init_from=str(src)))), "float32"
     )
-    assert want_bytes <= size < want_bytes + 64 * 1024, (
-        "the checkpoint's size estimate counts the master shards"
+    assert want_bytes <= size < want_bytes + 64 * 1024, "the checkpoint's size estimate is its size"
+    ours = HFModel(model.config)
+    store = HostStore.create(
+        StoreLayout(tuple(u.numel for u in ours.units), torch.float32), shm_dir, "moe-resume"
     )
-    master = read_index(step, "master")
-    state = model.state_dict()
-    assert set(master) == set(state)
-    for name, entry in master.items():
-        want = torch.empty(entry.numel)
-        read_into(entry, want)
-        assert torch.equal(state[name], want.view(entry.shape)), name
+    try:
+        load_training_state(step, trainer_state, store, ours.units, ours)  # what a resume reads
+        state = model.state_dict()
+        for u in ours.units:
+            for p in u.params:
+                got = store.master(u.index)[p.offset : p.offset + p.numel].view(p.shape)
+                assert torch.equal(state[p.hf_name], got), p.hf_name
+    finally:
+        store.unlink()
     before = transformers.Qwen3MoeForCausalLM.from_pretrained(src, dtype=torch.float32)
     moved = state["model.layers.1.mlp.experts.gate_up_proj"] - before.model.layers[1].mlp.experts.gate_up_proj
     assert moved.abs().max() > 0, "the experts trained"

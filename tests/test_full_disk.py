@@ -3,19 +3,23 @@
 In this process: ``checkpoint.dir`` (checked before a save writes anything, and a write that still
 runs out of space, with the partial ``step-N.tmp`` removed and the previous checkpoint intact), on
 a world of one gloo rank with a real CheckpointWriter, and ``data.dir`` (a preparation whose write
-came up short). ``metrics.jsonl`` is in tests/test_metrics.py. ENOSPC is simulated: a small tmpfs
-is not available, and a file-size rlimit gives EFBIG, not ENOSPC.
+came up short). ``metrics.jsonl`` is in tests/test_metrics.py, and here end to end: a run whose
+row cannot be written stops, its checkpoint carries the rows, and the resume writes them back.
+ENOSPC is simulated: a small tmpfs is not available, and a file-size rlimit gives EFBIG, not ENOSPC.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
 from collections import namedtuple
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import ROOT, TINY_RUN, job_env, torchrun_cmd
 
 from nodetrain.checkpoint import state as st
 from nodetrain.checkpoint import writer as writer_mod
@@ -128,3 +132,29 @@ def test_a_full_data_dir_is_a_refusal_naming_the_space(tmp_path: Path, monkeypat
     assert f"({text_mb:,.1f} MB of text) needs up to {4 * 1.05 * text_mb:,.1f} MB" in message
     assert "MB is free" in message and "data.dir to a larger filesystem" in message
     assert [p.name for p in (tmp_path / "prepared").iterdir()] == [".file_hashes.json"]
+
+
+def test_a_full_disk_under_metrics_jsonl_loses_no_trained_step_s_row(tmp_path: Path, corpus) -> None:
+    """Issue 32, item 6, as a user meets it (2 ranks): from step 8 on the run directory's disk is full
+    (``test.metrics_full_step``), so the run stops after step 9 with a refusal and the checkpoint of
+    step 9; once space is freed, ``checkpoint.resume=auto`` finishes, and metrics.jsonl holds every
+    step 1..12 once: the checkpoint carried the rows of steps 8 and 9."""
+    run = tmp_path / "run"
+    base = [*TINY_RUN, *corpus, "logging.wandb=false", "logging.plots=false", f"store.dir={tmp_path}"]
+    base += ["train.eval_every=0", "train.steps=12", "checkpoint.every=0", f"hydra.run.dir={run}"]
+    kw = {"cwd": ROOT, "env": job_env(), "capture_output": True, "text": True, "timeout": 240}
+    full = subprocess.run(torchrun_cmd(2, "-m", "nodetrain.train", *base, "test.metrics_full_step=8"), **kw)
+    assert full.returncode != 0
+    assert "the filesystem is full: the row of step 8 in metrics.jsonl" in full.stdout + full.stderr
+    rows = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows == list(range(1, 8))
+    carried = json.loads((run / "checkpoints" / "step-9" / "trainer_state.json").read_text())["metrics_rows"]
+    assert [r["step"] for r in carried] == [8, 9]
+    resumed = subprocess.run(torchrun_cmd(2, "-m", "nodetrain.train", *base, "checkpoint.resume=auto"), **kw)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert (
+        rows[7]["loss"] == carried[0]["loss"]
+        and "step(s) 8, 9 the checkpoint of step 9 carried" in (run / "rank0.log").read_text()
+    )

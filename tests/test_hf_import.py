@@ -184,3 +184,29 @@ def test_tokenizer_with_more_ids_than_the_checkpoint_rows_is_the_error(tmp_path:
     with pytest.raises(ValueError, match=r"vocab_size=280 is smaller than the vocabulary .* \(300 ids"):
         check_vocab(rows, tokenizer)
     check_vocab(320, tokenizer)
+
+
+def test_a_tied_checkpoint_that_stores_only_lm_head_imports_as_transformers_loads_it(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """Issue 32, item 6: ``tie_word_embeddings: true`` and the one stored matrix named
+    ``lm_head.weight`` (no ``model.embed_tokens.weight``): transformers fills the tied pair from it,
+    and so does the import (the logits are transformers')."""
+    _hub_llama(tmp_path / "hf", inv_freq=False)
+    weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    weights["lm_head.weight"] = weights.pop("model.embed_tokens.weight")
+    save_file(weights, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    ref = _reference(tmp_path / "hf")
+    assert torch.equal(ref.model.embed_tokens.weight, weights["lm_head.weight"])
+    model = HFModel(build_hf_config(ModelConfig(name="x", init_from=str(tmp_path / "hf"))))
+    assert model.tied
+    store = HostStore.create(StoreLayout(tuple(u.numel for u in model.units), torch.float32), shm_dir, "lmh")
+    try:
+        load_hf_weights(tmp_path / "hf", store, model.units, model)
+        x = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(0))  # [2, 16]
+        with torch.no_grad():
+            torch.testing.assert_close(
+                _logits(model, store, x), ref(input_ids=x).logits, rtol=1e-5, atol=1e-5
+            )
+    finally:
+        store.unlink()

@@ -271,3 +271,30 @@ def test_progress_lines_also_go_to_the_rank_log(tmp_path: Path) -> None:
         logging.getLogger().removeHandler(handler)
         handler.close()
     assert "step 1/9  11% |" in (tmp_path / "rank0.log").read_text()
+
+
+def test_rows_a_full_disk_refused_go_with_the_checkpoint_and_come_back_on_resume(tmp_path: Path) -> None:
+    """Issue 32, item 6: the rows of trained steps are never lost. Step 2's row does not fit, so the
+    run stops after step 3; the checkpoint of step 3 carries rows 2 and 3 (``rows_to_carry``); once
+    space is freed, the launch resuming from it writes them back before its own rows."""
+    logger = _logger(tmp_path)
+    first = json.dumps(_record(1)) + "\n"
+    logger._file = _FillingFile(logger._file, room=len(first) + 20)
+    logger.log(_record(1))
+    logger.log(_record(2))
+    carried = logger.rows_to_carry(_record(3))  # the loop, before step 3's save
+    logger.log(_record(3))
+    logger.close()
+    assert [r["step"] for r in carried] == [2, 3] and [r["step"] for r in logger.unwritten] == [2, 3]
+    assert json.loads(json.dumps(carried)) == [_record(2), _record(3)], "JSON-safe, as trainer_state.json"
+    with _logger(tmp_path, start_step=3, carried=carried) as resumed:
+        resumed.log(_record(4))
+    assert [json.loads(ln)["step"] for ln in (tmp_path / METRICS_FILE).read_text().splitlines()] == [
+        1,
+        2,
+        3,
+        4,
+    ]
+    with _logger(tmp_path, start_step=3, carried=carried):  # a second resume adds nothing twice
+        pass
+    assert [json.loads(ln)["step"] for ln in (tmp_path / METRICS_FILE).read_text().splitlines()] == [1, 2, 3]

@@ -11,6 +11,7 @@ launch holding all of its variants.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -25,11 +26,16 @@ from safetensors.torch import load_file
 from test_parity import HF_BASE, Case, make_batches, parity_spec, save_seeded_model
 
 from nodetrain.config.schema import Config, ConfigError, ModelConfig, StoreConfig, validate
+from nodetrain.core.topology import Topology
 from nodetrain.cost.memory import store_layout
 from nodetrain.cost.shape import shape_of
+from nodetrain.engine.host.tier_setup import open_tier, tier_skip
+from nodetrain.engine.startup import open_store
 from nodetrain.model import HFModel, build_hf_config
+from nodetrain.optim.adamw import StoreAdamW
 from nodetrain.optim.tier_files import TIER_FIELDS, TierLayout
 from nodetrain.plan.host import preflight
+from nodetrain.run.inject import NO_FAULTS
 
 # fmt: off
 ONE = Case("llama-1stage-gpipe-slots1-accum2x2", "LlamaForCausalLM", 1, "gpipe", 1, 2, 2)
@@ -226,3 +232,32 @@ def test_a_failing_tier_write_ends_every_rank_naming_the_file_and_errno(
     (run,) = (tmp_path / "runs").iterdir()
     assert "job failed" in (run / "rank1.log").read_text()
     assert not list((tmp_path / "tier").iterdir()), "the tier file outlived the run"
+
+
+def test_the_tier_says_what_lives_where(tmp_path: Path, shm_dir: Path, one_rank_world, caplog) -> None:
+    """Issue 32, item 6: the start-up log says how many GB stay in RAM, how many go to NVMe, and the
+    tier file's path; the figures are the files' own sizes (the store's mapping, the tier file, the pool)."""
+    cfg = _tiny_cfg(shm_dir, tier="nvme", tier_dir=str(tmp_path), tier_buffers=2)
+    model = HFModel(build_hf_config(cfg.model))
+    topo = Topology.single(0, 1, 0)
+    store = open_store(
+        model, torch.float32, "full", cfg.store, topo, 60.0, "tier-log", model.units, tier_skip(cfg)
+    )
+    try:
+        with caplog.at_level(logging.INFO, logger="nodetrain"):
+            tier = open_tier(
+                cfg, store, StoreAdamW(store, model.units, cfg.optim), topo, "tier-log", NO_FAULTS
+            )
+        line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("store.tier=nvme:"))
+        file_bytes, pool_bytes = os.fstat(tier.tier.fd).st_size, os.fstat(tier.tier._pool_fd).st_size
+        ram_bytes = store.layout.nbytes - file_bytes + pool_bytes
+        found = re.fullmatch(
+            r"store\.tier=nvme: ([\d.]+) GB in RAM \(.*\), ([\d.]+) GB on NVMe \(.*\) in (.+)", line
+        )
+        assert found, line
+        assert float(found[1]) == pytest.approx(ram_bytes / 1e9, rel=1e-3)
+        assert float(found[2]) == pytest.approx(file_bytes / 1e9, rel=1e-3) and file_bytes > 0
+        assert Path(found[3]).parent == tmp_path and "master, exp_avg, exp_avg_sq" in line
+        tier.close()
+    finally:
+        store.close()

@@ -154,13 +154,16 @@ class Checkpointing:
         self._wait_optimizer = lambda: None  # the engine's, from attach to close
         self.wandb_run_id: str | None = self.state.get("wandb_run_id") if self.state else None
         """The wandb run this training continues (kept in ``trainer_state.json``; set by the caller)."""
+        self.metrics_rows: list[dict] = list(self.state.get("metrics_rows", [])) if self.state else []
+        """``metrics.jsonl`` rows a save carries in ``trainer_state.json`` (set by the caller before each
+        step's ``after_step``: ``MetricsLogger.rows_to_carry``); on resume, the checkpoint's."""
 
     def _resumed(self, resume_path: str | None) -> tuple[Path | None, dict | None]:
         if resume_path is None:
             return None, None
         path = Path(resume_path)
         state = st.read_state(path)  # every rank reads it: every read checks its digest
-        check_training_state(path, state, self.model.units, self.cfg.optim.state)  # headers only
+        check_training_state(path, state, self.model.units, self.cfg.optim.state, self.model)  # headers only
         if self.rank == 0:
             self._report(path, state)
         return path, state
@@ -185,7 +188,7 @@ class Checkpointing:
     def init_fn(self):
         """The ``init_from`` callable for ``Engine``: checkpoint state, HF weights, or None (random)."""
         if self.path is not None:
-            load = training_state_loader(self.path, self.state, self.cfg.optim.state)
+            load = training_state_loader(self.path, self.state, self.cfg.optim.state, self.model)
             if not any(self.model.constants):
                 return load
             path = self.path
@@ -320,4 +323,5 @@ class Checkpointing:
             "optim_state": self.cfg.optim.state,
             "weights": {"model": "model", "master": self.writer.master_prefix, "optimizer": "optimizer"},
             "wandb_run_id": self.wandb_run_id,
+            "metrics_rows": self.metrics_rows,
         }

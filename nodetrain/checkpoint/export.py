@@ -3,8 +3,9 @@
 Owns: building the run's tokenizer as a ``transformers`` fast tokenizer (the prepared dataset's
 ``tokenizer.json``, with the special tokens and chat template of the tokenizer directory it came
 from when that is a Hugging Face directory), the bos/eos/pad ids written into ``config.json`` and
-``generation_config.json``, and writing those files plus the tokenizer files into a checkpoint
-directory. Does not own: the weights (writer.py) or when a checkpoint is written (checkpointing.py).
+``generation_config.json`` (eos: the stop list, :func:`stop_ids`), and writing those files plus the
+tokenizer files into a checkpoint directory. Does not own: the weights (writer.py) or when a
+checkpoint is written (checkpointing.py).
 
     tok = run_tokenizer(data_dir, cfg.data.tokenizer)         # once, rank 0
     write_export_files(step_dir, hf_config, tok, init_from)   # per checkpoint: config + tokenizer
@@ -17,9 +18,9 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerFast
 
-from nodetrain.data.chat import turn_terminator
+from nodetrain.data.chat import turn_terminators
 
-__all__ = ["run_tokenizer", "special_token_ids", "write_export_files"]
+__all__ = ["run_tokenizer", "special_token_ids", "stop_ids", "write_export_files"]
 
 _SPECIAL = ("bos", "eos", "pad")
 
@@ -60,14 +61,38 @@ def _eot_token(tok: PreTrainedTokenizerFast, data_dir: Path) -> str | None:
     return None if eot_id is None else tok.convert_ids_to_tokens(eot_id)
 
 
+def _ids(value) -> list[int]:
+    return [] if value is None else [int(v) for v in (value if isinstance(value, list | tuple) else [value])]
+
+
+def stop_ids(tok: PreTrainedTokenizerFast, imported=()) -> list[int]:
+    """The ids ``generate`` must stop on, in a stable order: the imported model's own eos ids
+    (``imported``: its ``config.json``'s, then its ``generation_config.json``'s; kept where the run's
+    tokenizer has them as special tokens: a BPE trained for the run has another vocabulary), the
+    tokenizer's eos, then the chat template's turn terminators (``chat.turn_terminators``: a
+    reply's and a tool call's), each once.
+
+    Args:
+        tok: the run's tokenizer.
+        imported: eos ids of the imported model (ints, lists or None); empty for a model from scratch.
+
+    Returns:
+        The union, first occurrence first (e.g. Llama-3.1-Instruct's ``[<|end_of_text|>, <|eom_id|>,
+        <|eot_id|>]`` kept with a base tokenizer whose eos is ``<|end_of_text|>``).
+    """
+    special = {i for i, t in tok.added_tokens_decoder.items() if t.special} | set(tok.all_special_ids)
+    ours = [i for value in imported for i in _ids(value) if i in special]
+    ours += _ids(tok.eos_token_id) + turn_terminators(tok)
+    return list(dict.fromkeys(ours))
+
+
 def special_token_ids(
-    tok: PreTrainedTokenizerFast, hf_config: PretrainedConfig
+    tok: PreTrainedTokenizerFast, hf_config: PretrainedConfig, generation_eos=None
 ) -> dict[str, int | list[int] | None]:
     """``{bos,eos,pad}_token_id`` for the exported config and generation config: the tokenizer's
     ids; where the tokenizer has none, an imported config's own value (a model built from scratch
-    has none to keep). When the chat template ends an assistant turn on another token than the
-    eos (a base model's ``<|endoftext|>`` with ChatML's ``<|im_end|>``), eos is the list [eos,
-    terminator]: ``generate`` stops on either."""
+    has none to keep). eos is :func:`stop_ids` of the imported config's eos and ``generation_eos``
+    (the imported ``generation_config.json``'s): one id, or the list ``generate`` stops on any of."""
     imported = bool(getattr(hf_config, "name_or_path", ""))
     ids = {}
     for name in _SPECIAL:
@@ -75,9 +100,9 @@ def special_token_ids(
         if token_id is None and imported:
             token_id = getattr(hf_config, f"{name}_token_id", None)
         ids[f"{name}_token_id"] = token_id
-    terminator, eos = turn_terminator(tok), ids["eos_token_id"]
-    if terminator is not None and terminator != eos and not (isinstance(eos, list) and terminator in eos):
-        ids["eos_token_id"] = [*([] if eos is None else eos if isinstance(eos, list) else [eos]), terminator]
+    stops = stop_ids(tok, (getattr(hf_config, "eos_token_id", None), generation_eos) if imported else ())
+    if stops:
+        ids["eos_token_id"] = stops[0] if len(stops) == 1 else stops
     return ids
 
 
@@ -97,8 +122,8 @@ def write_export_files(
         dtype: the export dtype (``torch.dtype``), recorded as ``config.json``'s ``dtype``.
         source_dir: the imported model directory (``model.init_from``); its
             ``generation_config.json``'s sampling defaults are kept when present, its special ids
-            replaced by the run's tokenizer's (``special_token_ids``): they are another
-            tokenizer's after ``data.tokenizer=`` a chat tokenizer or ``bpe``.
+            replaced by the run's tokenizer's (``special_token_ids``: another tokenizer's after
+            ``data.tokenizer=`` a chat tokenizer or ``bpe``), its eos ids joining the stop list.
 
     Returns:
         The files written (for the checkpoint's manifest).
@@ -106,15 +131,16 @@ def write_export_files(
     written = [directory / "config.json", directory / "generation_config.json"]
     hf = hf_config.__class__.from_dict(hf_config.to_dict())
     hf.use_cache, hf.dtype = True, dtype
-    ids = special_token_ids(tok, hf_config) if tok is not None else {}
+    source = Path(source_dir).expanduser() / "generation_config.json" if source_dir else None
+    generation = GenerationConfig.from_pretrained(source.parent) if source and source.is_file() else None
+    generation_eos = None if generation is None else generation.eos_token_id
+    ids = special_token_ids(tok, hf_config, generation_eos) if tok is not None else {}
     for key, value in ids.items():
         setattr(hf, key, value)
     if tok is not None:
         written += [Path(f) for f in tok.save_pretrained(directory) if Path(f).is_file()]
     hf.to_json_file(directory / "config.json")
-    source = Path(source_dir).expanduser() / "generation_config.json" if source_dir else None
-    if source is not None and source.is_file():
-        generation = GenerationConfig.from_pretrained(source.parent)
+    if generation is not None:
         for key, value in ids.items():
             setattr(generation, key, value)
     else:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from nodetrain.model import HFModel, Param
 
-__all__ = ["Piece", "checkpoint_pieces", "import_pieces", "saved_by_name"]
+__all__ = ["Piece", "checkpoint_pieces", "import_pieces"]
 
 
 @dataclass(frozen=True)
@@ -77,18 +77,18 @@ def checkpoint_pieces(model: HFModel, param: Param) -> tuple[Piece, ...]:
     )
 
 
-def saved_by_name(model: HFModel) -> bool:
-    """True when transformers saves every parameter of ``model`` as one tensor under its own name."""
-    return model.config.model_type not in _PER_EXPERT or not any(
-        _FUSED.match(p.hf_name) for u in model.units for p in u.params
-    )
+_HEAD = "lm_head.weight"
 
 
 def import_pieces(model: HFModel | None, param: Param, names) -> tuple[Piece, ...]:
     """The pieces of ``param`` a directory holding tensors ``names`` provides: the parameter under
     its own name when present (a fused checkpoint, e.g. another trainer's), else transformers'
-    saved layout (:func:`checkpoint_pieces`; the caller reports what is missing). Without a
-    model: the parameter's own name."""
+    saved layout (:func:`checkpoint_pieces`; the caller reports what is missing). A tied model's
+    embedding whose one stored matrix is named ``lm_head.weight`` is read from it (transformers
+    loads such a checkpoint: either name fills the tied pair). Without a model: the parameter's own
+    name."""
     if param.hf_name in names or model is None:
         return (Piece(param.hf_name, 0, param.shape),)
+    if model.tied and param.hf_name == model.units[0].params[0].hf_name and _HEAD in names:
+        return (Piece(_HEAD, 0, param.shape),)
     return checkpoint_pieces(model, param)

@@ -23,9 +23,10 @@ import numpy as np
 import torch
 
 from nodetrain.checkpoint import state as st
+from nodetrain.checkpoint.hf_layout import import_pieces
 from nodetrain.checkpoint.state import lean_key
 from nodetrain.checkpoint.tensors import TensorEntry, read_index, read_into
-from nodetrain.model import Unit
+from nodetrain.model import HFModel, Unit
 from nodetrain.optim.adamw import StoreAdamW
 from nodetrain.store import LEAN_MOMENT_FIELDS, HostStore, StoreLayout
 
@@ -123,11 +124,18 @@ def _entries(
 
 
 def check_training_state(
-    ckpt: Path, state: dict[str, Any], units: list[Unit], optim_state: str = "full"
+    ckpt: Path,
+    state: dict[str, Any],
+    units: list[Unit],
+    optim_state: str = "full",
+    model: HFModel | None = None,
 ) -> tuple[dict[str, TensorEntry], dict[str, TensorEntry]]:
     """Check, from the file headers alone, that a checkpoint holds every tensor of ``units`` (the
     whole model, before the store is allocated) with the right shape, and that its optimizer state
-    (``optim_state`` in trainer_state.json, ``full`` when absent) can become this run's.
+    (``optim_state`` in trainer_state.json, ``full`` when absent) can become this run's. The master
+    weights are read by parameter name (``master-*``), or, where the export is them (an fp32 export;
+    a lean checkpoint's bf16 one), in transformers' saved layout, experts one per expert
+    (``hf_layout.import_pieces`` with ``model``).
 
     ``full`` → ``lean`` is allowed (the fp32 state is rounded and quantized, logged); ``lean`` →
     ``full`` is refused: the fp32 master and moments were never kept.
@@ -150,7 +158,9 @@ def check_training_state(
     master = read_index(ckpt, state["weights"]["master"])
     opt = read_index(ckpt, "optimizer")
     params = [p for u in units for p in u.params]
-    problems = _entries(master, ckpt, [(p.hf_name, p.shape) for p in params])
+    problems = _entries(
+        master, ckpt, [(q.name, q.shape) for p in params for q in import_pieces(model, p, master)]
+    )
     if saved == "lean":
         layout = StoreLayout(tuple(u.numel for u in units), torch.bfloat16, state="lean")
         moments = [
@@ -166,46 +176,55 @@ def check_training_state(
     return master, opt
 
 
-def load_training_state(ckpt: Path, state: dict[str, Any], store: HostStore, units: list[Unit]) -> None:
+def _read_master(master: dict[str, TensorEntry], model: HFModel | None, p, buf) -> None:
+    """``p``'s master weights from its pieces (check_training_state) into ``buf`` (its unit's field)."""
+    for q in import_pieces(model, p, master):
+        read_into(master[q.name], buf[p.offset + q.offset : p.offset + q.offset + q.numel])
+
+
+def load_training_state(
+    ckpt: Path, state: dict[str, Any], store: HostStore, units: list[Unit], model: HFModel | None = None
+) -> None:
     """Fill fp32 master weights, ``exp_avg`` and ``exp_avg_sq`` of ``units`` from a ``full`` checkpoint
-    (into a ``full`` store, or a optim.lean.FullScratch that is then quantized).
+    (into a ``full`` store, or a optim.lean.FullScratch that is then quantized); ``model``: the run's,
+    so that master weights exported one tensor per expert are found (:func:`check_training_state`).
 
     Raises:
         CheckpointError: as :func:`check_training_state`.
     """
-    master, opt = check_training_state(ckpt, state, units)
+    master, opt = check_training_state(ckpt, state, units, model=model)
     for u in units:
-        for field, index, suffix in (
-            ("master", master, ""),
-            ("exp_avg", opt, ".exp_avg"),
-            ("exp_avg_sq", opt, ".exp_avg_sq"),
-        ):
+        for p in u.params:
+            _read_master(master, model, p, store.buffer(u.index, "master"))
+        for field in ("exp_avg", "exp_avg_sq"):
             buf = store.buffer(u.index, field)
             for p in u.params:
-                read_into(index[p.hf_name + suffix], buf[p.offset : p.offset + p.numel])
+                read_into(opt[f"{p.hf_name}.{field}"], buf[p.offset : p.offset + p.numel])
 
 
-def load_lean_state(ckpt: Path, state: dict[str, Any], store: HostStore, units: list[Unit]) -> None:
+def load_lean_state(
+    ckpt: Path, state: dict[str, Any], store: HostStore, units: list[Unit], model: HFModel | None = None
+) -> None:
     """Fill a lean store's bf16 master weights and quantized moments of ``units`` from a lean
-    checkpoint, byte for byte.
+    checkpoint, byte for byte (``model``: as :func:`load_training_state`).
 
     Raises:
         CheckpointError: as :func:`check_training_state`.
     """
-    master, opt = check_training_state(ckpt, state, units, "lean")
+    master, opt = check_training_state(ckpt, state, units, "lean", model)
     for u in units:
-        buf = store.buffer(u.index, "compute")
         for p in u.params:
-            read_into(master[p.hf_name], buf[p.offset : p.offset + p.numel])
+            _read_master(master, model, p, store.buffer(u.index, "compute"))
         for f in LEAN_MOMENT_FIELDS:
             read_into(opt[lean_key(u, f)], store.buffer(u.index, f))
 
 
-def training_state_loader(ckpt: Path, state: dict[str, Any], optim_state: str):
+def training_state_loader(ckpt: Path, state: dict[str, Any], optim_state: str, model: HFModel | None = None):
     """The ``init_from`` callable of a resume: ``(store, units) -> None``. A lean checkpoint into a lean
-    run loads bytes (``lean_loader``); a full one into a lean run is quantized unit by unit (logged)."""
+    run loads bytes (``lean_loader``); a full one into a lean run is quantized unit by unit (logged).
+    ``model``: the run's (master weights exported one tensor per expert, :func:`check_training_state`)."""
     if state.get("optim_state", "full") == "lean":
-        fn = lambda store, units: load_lean_state(ckpt, state, store, units)  # noqa: E731
+        fn = lambda store, units: load_lean_state(ckpt, state, store, units, model)  # noqa: E731
         fn.lean_loader = True
         return fn
     if optim_state == "lean":
@@ -214,7 +233,7 @@ def training_state_loader(ckpt: Path, state: dict[str, Any], optim_state: str):
             "and exp_avg / exp_avg_sq quantized to 4 / 8 bits (optim/lean.py)",
             ckpt,
         )
-    return lambda store, units: load_training_state(ckpt, state, store, units)
+    return lambda store, units: load_training_state(ckpt, state, store, units, model)
 
 
 def restore_steps(ckpt: Path, optimizer: StoreAdamW, units: list[Unit]) -> None:

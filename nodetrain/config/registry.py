@@ -24,9 +24,30 @@ from nodetrain.config.schema import Config
 __all__ = ["register_configs", "run_id", "to_typed"]
 
 
+def _stamp(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds).strftime("%Y-%m-%d_%H-%M-%S")
+
+
 def _start_time(pid: int) -> str:
     """Creation time of process ``pid`` as ``YYYY-mm-dd_HH-MM-SS`` (local time)."""
-    return datetime.fromtimestamp(psutil.Process(pid).create_time()).strftime("%Y-%m-%d_%H-%M-%S")
+    return _stamp(psutil.Process(pid).create_time())
+
+
+def _launch_time(agent: int) -> str:
+    """When ``agent`` (the torchrun agent) started this launch's ranks: the earliest creation time
+    among its children that run this process's command line (every rank of the launch exists
+    from then on, so all compute the same). Not the agent's own: a shell that ``exec``s torchrun as
+    the last step of a longer command keeps its process, and so its start time (README command 1's
+    ``pip install`` before ``torchrun``)."""
+    me = psutil.Process()
+    command, starts = me.cmdline(), []
+    for child in psutil.Process(agent).children():
+        try:
+            if child.cmdline() == command:
+                starts.append(child.create_time())
+        except psutil.Error:  # a sibling that exited meanwhile
+            continue
+    return _stamp(min(starts, default=me.create_time()))
 
 
 _UNSAFE = re.compile(r"[^-\w.]")
@@ -36,21 +57,24 @@ def run_id() -> str:
     """A run id that every rank of one torchrun launch on a node computes identically, race-free.
 
     Hydra's ``${now:}`` is resolved by each rank at its own instant and can straddle a second; the
-    start time of the shared parent (the torchrun agent) cannot.
+    start of the launch (when the shared parent, the torchrun agent, started its ranks) cannot.
 
     Returns:
         ``$NODETRAIN_RUN_ID`` when set (the multi-node launchers set it once for every node, whose
-        torchrun agents start at different instants); else ``<parent start>_<TORCHELASTIC_RUN_ID>``
-        when torchrun set a rendezvous id (not ``none``); else ``<parent start>_p<ppid>`` under
-        torchrun (``LOCAL_RANK`` set); else, for a plain ``python`` process, ``<own start>_p<pid>``.
+        torchrun agents start at different instants); else ``<launch>_<TORCHELASTIC_RUN_ID>`` when
+        torchrun set a rendezvous id (not ``none``); else ``<launch>_p<ppid>`` under torchrun
+        (``LOCAL_RANK`` set), ``<launch>`` the time its ranks started (``_launch_time``; an elastic
+        restart's ranks are a launch of their own); else, for a plain ``python`` process,
+        ``<own start>_p<pid>``.
     """
     if given := os.environ.get("NODETRAIN_RUN_ID", ""):
         return _UNSAFE.sub("_", given)
     rdzv_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if rdzv_id and rdzv_id.lower() != "none":
-        return f"{_start_time(os.getppid())}_{_UNSAFE.sub('_', rdzv_id)}"
-    pid = os.getppid() if "LOCAL_RANK" in os.environ else os.getpid()
-    return f"{_start_time(pid)}_p{pid}"
+        return f"{_launch_time(os.getppid())}_{_UNSAFE.sub('_', rdzv_id)}"
+    if "LOCAL_RANK" in os.environ:
+        return f"{_launch_time(os.getppid())}_p{os.getppid()}"
+    return f"{_start_time(os.getpid())}_p{os.getpid()}"
 
 
 def _rank() -> int:

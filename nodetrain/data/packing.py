@@ -46,10 +46,23 @@ class PackedRows:
     position_ids: np.ndarray
     num_truncated: int = 0
     """Documents longer than T that were cut to their first T positions."""
+    num_tokens: np.ndarray | None = None
+    """[R] int64: the positions of each row that hold documents (the rest is padding); None = all T."""
 
     @property
     def num_rows(self) -> int:
         return self.input_ids.shape[0]
+
+    def _take(self, seed: int, index: int, num_rows: int) -> list[int]:
+        if self.num_rows < num_rows:
+            raise ValueError(f"{self.num_rows} packed rows, fewer than the {num_rows} of one batch")
+        take = []
+        start = index * num_rows
+        while len(take) < num_rows:
+            epoch, offset = divmod(start + len(take), self.num_rows)
+            perm = np.random.default_rng([seed, epoch]).permutation(self.num_rows)
+            take.extend(perm[offset : offset + num_rows - len(take)].tolist())
+        return take
 
     def batch(self, seed: int, index: int, num_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Rows of batch ``index`` (a pure function of seed and index): each epoch is a fresh
@@ -61,15 +74,24 @@ class PackedRows:
         Raises:
             ValueError: fewer rows than one batch needs.
         """
-        if self.num_rows < num_rows:
-            raise ValueError(f"{self.num_rows} packed rows, fewer than the {num_rows} of one batch")
-        take = []
-        start = index * num_rows
-        while len(take) < num_rows:
-            epoch, offset = divmod(start + len(take), self.num_rows)
-            perm = np.random.default_rng([seed, epoch]).permutation(self.num_rows)
-            take.extend(perm[offset : offset + num_rows - len(take)].tolist())
+        take = self._take(seed, index, num_rows)
         return self.input_ids[take], self.labels[take], self.position_ids[take]
+
+    def token_mask(self, seed: int, index: int, num_rows: int) -> np.ndarray | None:
+        """Which positions of batch ``index``'s rows (those of :meth:`batch`) hold document tokens,
+        not padding: [num_rows, T] bool, transformers' ``attention_mask`` of right-padded rows; None
+        when no row of the batch is padded.
+
+        Raises:
+            ValueError: fewer rows than one batch needs.
+        """
+        if self.num_tokens is None:
+            return None
+        lengths = self.num_tokens[self._take(seed, index, num_rows)]  # [num_rows]
+        width = self.input_ids.shape[1]
+        if (lengths == width).all():
+            return None
+        return np.arange(width)[None, :] < lengths[:, None]
 
 
 def pack(
@@ -80,7 +102,9 @@ def pack(
     With ``packing`` a document goes into the current row if it fits, else it starts a new one
     (order kept; no document is split across rows); without, each document has a row of its own.
     The rest of a row is padding: ``pad_id`` inputs, -100 labels, positions restarting at 0 (a
-    block of its own, which no real token attends to). Documents longer than ``seq_len`` are cut.
+    block of its own, which no real token attends to), counted out by ``num_tokens`` (a mixture of
+    experts' router statistics leave it out, as transformers' ``attention_mask`` does). Documents
+    longer than ``seq_len`` are cut.
 
     Raises:
         ValueError: ``seq_len`` < 1, or no document with at least one pair.
@@ -105,6 +129,7 @@ def pack(
     out = PackedRows(
         np.full(shape, pad_id, np.int64), np.full(shape, IGNORE_INDEX, np.int64), np.zeros(shape, np.int64)
     )
+    out.num_tokens = np.zeros(len(rows), np.int64)
     for r, row in enumerate(rows):
         at = 0
         for inputs, labels in row:
@@ -113,5 +138,6 @@ def pack(
             out.position_ids[r, at : at + n] = np.arange(n)
             at += n
         out.position_ids[r, at:] = np.arange(seq_len - at)
+        out.num_tokens[r] = at
     out.num_truncated = truncated
     return out

@@ -6,9 +6,9 @@ Owns: ``data.format=records``: reading ``.jsonl``/``.json`` files (with ``json``
 ``{"text"}`` (every token a target, pre-training), ``{"prompt", "completion"}`` (only the completion
 and its eos), ``{"messages", "tools"?}`` and conversational ``{"prompt": [...], "completion": [...]}``
 rendered with the chat template (only assistant turns, segmented by chat.py); packing the documents
-into rows (packing.py) and writing them, with the tokenizer, into ``data.dir``. Does not own: the
-plain-text token stream (datasets.py), attention across documents (packing.py) or which tokens of
-a conversation are the assistant's (chat.py).
+into rows (packing.py) and writing them, with the tokenizer, under the datasets' root (cache.py).
+Does not own: the plain-text token stream (datasets.py), attention across documents (packing.py) or
+which tokens of a conversation are the assistant's (chat.py).
 
     rows_dir = prepare_records(cfg.data, seq_len, seed)        # rank 0, once
     train = RecordsDataset.open(rows_dir, "train")             # every rank
@@ -32,6 +32,7 @@ import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nodetrain.config.schema import DataConfig
+from nodetrain.data.cache import data_root
 from nodetrain.data.chat import MARKERS_FIX, chat_tokens
 from nodetrain.data.corpus import jsonl_records, source_name
 from nodetrain.data.packing import IGNORE_INDEX, PackedRows, pack, pairs
@@ -243,7 +244,7 @@ def _tools(record: dict) -> list[dict] | None:
     return tools or None
 
 
-def _conversation(tok, messages: list[dict], tools, first: int, what: str):
+def _conversation(tok, messages: list[dict], tools, first: int, what: str, template: str = ""):
     if not tok.chat_template:
         raise ValueError(
             f"records with {what} need a tokenizer with a chat template (data.tokenizer), and "
@@ -256,14 +257,14 @@ def _conversation(tok, messages: list[dict], tools, first: int, what: str):
         raise ValueError(
             f"{what} hold no assistant turn to train on (roles: {roles}); fix: add one or drop it"
         )
-    ids, mask = chat_tokens(tok, messages, tools, first)
+    ids, mask = chat_tokens(tok, messages, tools, first, template)
     if not any(mask):
         raise ValueError(f"the chat template renders no token of its assistant turns; {MARKERS_FIX}")
     return ids, mask
 
 
 def tokenize_record(
-    record: dict[str, Any], tok: PreTrainedTokenizerBase, add_bos: bool | None = None
+    record: dict[str, Any], tok: PreTrainedTokenizerBase, add_bos: bool | None = None, template: str = ""
 ) -> tuple[list[int], list[bool]]:
     """Token ids of one record, exactly as a model sees it at inference, and its loss mask (True = a
     training target).
@@ -272,7 +273,9 @@ def tokenize_record(
     strings: tokenized once as one text, targets the completion's tokens and the EOS. ``messages``
     (with ``tools``), or ``prompt`` + ``completion`` as message lists (TRL's conversational
     format): ``apply_chat_template``'s tokens (the template writes its own BOS and terminators),
-    targets the assistant turns (of the completion) as chat.py segments them.
+    targets the assistant turns (of the completion) as chat.py segments them (after a last assistant
+    turn of a template that closes no turn itself, GLM-4.5's, the next role's marker is appended and
+    trained). ``template`` names the chat template in refusals.
 
     Raises:
         ValueError: a record of no known kind, a malformed field, a conversation without an
@@ -280,14 +283,16 @@ def tokenize_record(
     """
     tools = _tools(record)
     if record.get("messages") is not None:
-        return _conversation(tok, _messages(record["messages"], "messages"), tools, 0, "'messages'")
+        return _conversation(tok, _messages(record["messages"], "messages"), tools, 0, "'messages'", template)
     prompt, completion = record.get("prompt"), record.get("completion")
     if prompt is not None and completion is not None:
         if isinstance(prompt, str) and isinstance(completion, str):
             return _text(tok, prompt + completion, len(prompt), document_ends(tok, add_bos))
         if isinstance(prompt, list) and isinstance(completion, list):
             prompt, completion = _messages(prompt, "prompt"), _messages(completion, "completion")
-            return _conversation(tok, prompt + completion, tools, len(prompt), "'completion' messages")
+            return _conversation(
+                tok, prompt + completion, tools, len(prompt), "'completion' messages", template
+            )
         raise ValueError(
             f"'prompt' ({type(prompt).__name__}) and 'completion' ({type(completion).__name__}) must both be "
             "strings or both be lists of messages"
@@ -331,11 +336,13 @@ def _tokenize_all(cfg: DataConfig, tok: PreTrainedTokenizerBase) -> list[tuple[n
         ValueError: a record that cannot be tokenized, naming ``data.source`` and where the record is.
     """
     add_bos = None if cfg.add_bos is None else bool(cfg.add_bos)
+    template = f"data.chat_template={cfg.chat_template}" if cfg.chat_template else ""
+    template = template or f"the chat template of data.tokenizer={cfg.tokenizer}"
     records, docs = read_records(cfg.source), []
     with TaskProgress("data: tokenizing records", len(records), "records") as bar:
         for where, record in records:
             try:
-                ids, mask = tokenize_record(record, tok, add_bos)
+                ids, mask = tokenize_record(record, tok, add_bos, template)
             except ValueError as exc:
                 raise ValueError(f"data.source: {where}: {exc}") from exc
             docs.append(pairs(np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)))
@@ -345,10 +352,11 @@ def _tokenize_all(cfg: DataConfig, tok: PreTrainedTokenizerBase) -> list[tuple[n
 
 def prepare_records(cfg: DataConfig, seq_len: int, seed: int = 0) -> Path:
     """Read, tokenize and pack the records of ``data.source`` into
-    ``<data.dir>/<source name>-records-<settings hash>`` (rank 0, once per launch: the rows are
-    rebuilt each time, so an edited source is always read again).
+    ``<root>/<source name>-records-<settings hash>`` (``root``: ``data.dir``, cache.py; rank 0, once
+    per launch: the rows are rebuilt each time, so an edited source is always read again).
 
-    Writes ``{train,val}.{input_ids,labels,position_ids}.npy`` ([R, seq_len] int64), the tokenizer
+    Writes ``{train,val}.{input_ids,labels,position_ids}.npy`` ([R, seq_len] int64) and
+    ``{train,val}.num_tokens.npy`` ([R] int64: each row's positions before its padding), the tokenizer
     (``save_pretrained``, with ``data.chat_template`` when set: checkpoints carry it) and
     ``meta.json`` (vocab size, eot id, rows, truncated documents). The last ``data.val_fraction`` of
     the documents (at least one) is the validation split.
@@ -375,7 +383,7 @@ def prepare_records(cfg: DataConfig, seq_len: int, seed: int = 0) -> Path:
     meta |= {"packing": cfg.packing}
     for split, part in (("train", docs[:-num_val]), ("val", docs[-num_val:])):
         rows = _supervised(pack(part, seq_len, pad_id, cfg.packing), split, seq_len)
-        for name in _SPLIT_FILES:
+        for name in (*_SPLIT_FILES, "num_tokens"):
             np.save(out / f"{split}.{name}.npy", getattr(rows, name))
         meta[f"num_{split}_rows"], meta[f"num_{split}_truncated"] = rows.num_rows, rows.num_truncated
         meta[f"num_{split}_records"] = len(part)
@@ -412,11 +420,12 @@ def _supervised(rows: PackedRows, split: str, seq_len: int) -> PackedRows:
         seq_len,
     )
     arrays = (rows.input_ids[keep], rows.labels[keep], rows.position_ids[keep])
-    return PackedRows(*arrays, num_truncated=rows.num_truncated)
+    lengths = None if rows.num_tokens is None else rows.num_tokens[keep]
+    return PackedRows(*arrays, num_truncated=rows.num_truncated, num_tokens=lengths)
 
 
 def records_dir(cfg: DataConfig, seq_len: int) -> Path:
-    """The directory of the packed rows of ``cfg``: one per source and settings under ``data.dir``
+    """The directory of the packed rows of ``cfg``: one per source and settings under the datasets' root
     (as stream datasets are), so a records run never replaces another dataset."""
     settings = {
         "source": str(Path(cfg.source).expanduser().absolute()),
@@ -429,7 +438,7 @@ def records_dir(cfg: DataConfig, seq_len: int) -> Path:
     if cfg.chat_template:  # unset keeps the directories of earlier runs
         settings["chat_template"] = str(Path(cfg.chat_template).expanduser().absolute())
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
-    return Path(cfg.dir).expanduser().absolute() / f"{source_name(cfg.source)}-records-{key}"
+    return data_root(cfg.dir) / f"{source_name(cfg.source)}-records-{key}"
 
 
 def _meta(directory: Path) -> dict:
@@ -452,6 +461,8 @@ class RecordsDataset(PackedRows):
         """Raises: FileNotFoundError: a missing file of the split (prepare it again)."""
         directory = Path(directory)
         ds = cls(*(np.load(directory / f"{split}.{name}.npy") for name in _SPLIT_FILES))
+        if (lengths := directory / f"{split}.num_tokens.npy").is_file():  # absent: written before it was kept
+            ds.num_tokens = np.load(lengths)
         ds.path = directory / f"{split}.input_ids.npy"
         meta = json.loads((directory / "meta.json").read_text())
         ds.vocab_size, ds.num_records = meta["vocab_size"], meta.get(f"num_{split}_records")

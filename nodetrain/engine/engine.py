@@ -246,6 +246,7 @@ class Engine:
         labels: torch.Tensor,
         stop: bool = False,
         position_ids: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
     ) -> StepResult:
         """One optimizer step over the run's micro-batches (``run.batch.microbatches_per_step``), in the
         pipeline rounds of :func:`~nodetrain.engine.pipeline.step_rounds` (1F1B: one round of all of them).
@@ -258,6 +259,8 @@ class Engine:
             stop: this rank was asked to stop (a signal); shared with every rank in ``StepResult.stop``.
             position_ids: [N, B, T] int64 positions of packed documents (restarting at 0 for each,
                 see nodetrain/data/packing.py), or None (0..T-1 in every row).
+            token_mask: [N, B, T] bool, False on the rows' padding (``PackedRows.token_mask``), which
+                a router auxiliary loss leaves out; None = no padding.
 
         Raises:
             ValueError: a batch of the wrong shape.
@@ -268,8 +271,12 @@ class Engine:
         self._check_batch(inputs, labels, self.run.batch.global_microbatches)
         tokens = int((labels != IGNORE_INDEX).sum())  # of the global batch: every replica scales by it
         inputs, labels, positions = self._replica_share(inputs, labels, position_ids)
+        if token_mask is not None:  # this replica's share, as the inputs'
+            token_mask = token_mask[
+                replica_slice(token_mask.shape[0], self.topo.replica, self.topo.num_replicas)
+            ]
         lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
-        batch = StepBatch.of(self.runner, inputs, labels, positions, self.device)  # one H2D per tensor
+        batch = StepBatch.of(self.runner, inputs, labels, positions, self.device, token_mask)  # one H2D each
         loss_sum = self._forward_backward(step, lr, batch, tokens)
         grad_sq = self._settle_grads(step)
         with self.timeline.phase("optim"):
@@ -388,14 +395,15 @@ class Engine:
             got = self.p2p.exchange(group, out, base)
             mb = base + a.mb
             lab, pos, packed = batch.microbatch(mb)  # views of the step's device copies
+            mask = batch.token_mask_of(mb)
             if a.kind == "F":
                 x = batch.inputs[mb] if self.runner.is_first else got.to(self.device)
-                out = self.runner.forward(mb, x, lab, train, pos, loss_scale, packed)
+                out = self.runner.forward(mb, x, lab, train, pos, loss_scale, packed, mask)
                 if self.runner.is_last:
                     loss_sum += out  # on the device: no sync per micro-batch
             else:
                 g = None if self.runner.is_last else got.to(self.device)
-                out = self.runner.backward(mb, g, position_ids=pos, packed=packed)
+                out = self.runner.backward(mb, g, position_ids=pos, packed=packed, token_mask=mask)
         self.p2p.exchange(groups[-1], out, base)
 
     def _check_batch(self, inputs: torch.Tensor, labels: torch.Tensor, num_mb: int) -> None:

@@ -143,6 +143,7 @@ class StageRunner:
         position_ids: torch.Tensor | None = None,
         loss_scale: float = 1.0,
         packed: bool = True,
+        token_mask: torch.Tensor | None = None,
     ):
         """Forward micro-batch ``mb``.
 
@@ -157,6 +158,8 @@ class StageRunner:
             loss_scale: last stage, training: 1 / (valid tokens of the whole step), the scale of
                 the head's gradients (see :meth:`backward`).
             packed: False when no row of ``position_ids`` restarts (``HFModel.context``).
+            token_mask: [B, T] bool on the device, False on padding (the router auxiliary loss leaves
+                it out, ``HFModel.context``), or None: no padding.
 
         Returns:
             hidden [B, T, D] to send on, or on the last stage the summed token loss (fp32 scalar).
@@ -176,7 +179,7 @@ class StageRunner:
                     self.window.release()
                     break
                 if ctx is None and block != 0:
-                    ctx = self.model.context(x, position_ids, packed)
+                    ctx = self.model.context(x, position_ids, packed, token_mask)
                 saved.append((self._save(mb, x) if keep else x, self._rng_state()))
                 x = self.model.forward_block(block, params, x, ctx)
                 self.window.release()
@@ -231,6 +234,7 @@ class StageRunner:
         loss_scale: float = 1.0,
         position_ids: torch.Tensor | None = None,
         packed: bool = True,
+        token_mask: torch.Tensor | None = None,
     ):
         """Backward micro-batch ``mb``: recompute each block, offload its weight gradients.
 
@@ -241,7 +245,7 @@ class StageRunner:
         Args:
             grad_out: gradient of the stage output [B, T, D] (None on the last stage).
             labels, loss_scale: unused (the head's loss was taken in forward); kept for callers.
-            position_ids, packed: the same as in forward.
+            position_ids, packed, token_mask: the same as in forward.
 
         Returns:
             gradient of the stage input [B, T, D], or None on the first stage.
@@ -257,7 +261,7 @@ class StageRunner:
                 return None
             params = self.window.acquire(block)
             if ctx is None and block != 0:
-                ctx = self.model.context(x, position_ids, packed)
+                ctx = self.model.context(x, position_ids, packed, token_mask)
             grad_out = self._backward_block(block, params, x, rng, ctx, grad_out)
             self.window.release()
         return grad_out

@@ -323,7 +323,13 @@ class HFModel:
 
     # ---- compute ---------------------------------------------------------------------------
 
-    def context(self, h: torch.Tensor, position_ids: torch.Tensor | None = None, packed: bool = True) -> dict:
+    def context(
+        self,
+        h: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        packed: bool = True,
+        token_mask: torch.Tensor | None = None,
+    ) -> dict:
         """Per micro-batch inputs every decoder layer needs: rotary (cos, sin), position ids, masks.
 
         Args:
@@ -335,6 +341,8 @@ class HFModel:
             packed: False when the caller knows that no row of ``position_ids`` restarts: the masks
                 are then built without position ids (the same causal mask, without the detection,
                 whose ``.all()`` is a device sync on CUDA). Without ``position_ids`` they never see any.
+            token_mask: [B, T] bool on h's device, False on padding (``PackedRows.token_mask``): the
+                router auxiliary loss leaves those tokens out (moe.py); None = no padding.
         """
         device = h.device
         if device not in self._rotary:
@@ -355,7 +363,7 @@ class HFModel:
         masks = {"full_attention": create_causal_mask(*args, position_ids=mask_pos)}
         if getattr(self.config, "sliding_window", None) is not None:
             masks["sliding_attention"] = create_sliding_window_causal_mask(*args, position_ids=mask_pos)
-        return {"position_embeddings": cos_sin, "position_ids": pos, "masks": masks}
+        return {"position_embeddings": cos_sin, "position_ids": pos, "masks": masks, "token_mask": token_mask}
 
     def _rope_for(self, layer: int, cos_sin):
         return cos_sin[self.config.layer_types[layer]] if isinstance(cos_sin, dict) else cos_sin
@@ -402,9 +410,11 @@ class HFModel:
         }
         if self.router_aux is None or not self.routers[layer] or not torch.is_grad_enabled():
             return functional_call(template, params, (x,), kwargs)
-        return self._forward_with_aux(layer, template, params, x, kwargs, aux_out)
+        return self._forward_with_aux(layer, template, params, x, kwargs, aux_out, ctx.get("token_mask"))
 
-    def _forward_with_aux(self, layer: int, template: nn.Module, params: dict, x, kwargs: dict, aux_out):
+    def _forward_with_aux(
+        self, layer: int, template: nn.Module, params: dict, x, kwargs: dict, aux_out, mask
+    ):
         """A MoE layer whose output carries ``scale · Σ aux`` of its routers into the backward."""
         logits: list[torch.Tensor] = []
         hooks = [r.register_forward_hook(lambda m, i, o: logits.append(o[0])) for r in self.routers[layer]]
@@ -413,7 +423,8 @@ class HFModel:
         finally:
             for h in hooks:
                 h.remove()
-        aux = sum(switch_aux_loss(z, self.router_aux.top_k) for z in logits)
+        keep = None if mask is None else mask.reshape(-1)  # [B·T], the routers' token order
+        aux = sum(switch_aux_loss(z, self.router_aux.top_k, keep) for z in logits)
         if aux_out is not None:
             aux_out.append(aux.detach() * self._aux_weight)
         return with_aux_grad(out, aux, self._aux_scale)

@@ -13,15 +13,17 @@ routers outside the layer: the load-balancing loss, chosen by ``model.router_aux
   arXiv:2101.03961, eq. 4) with top-k assignments: ``aux_l = E · Σ_e f_e · P_e`` over the
   micro-batch's tokens, f_e the fraction of top-k assignments that go to expert e and P_e the
   mean router probability of e (``switch_aux_loss``; equal to transformers'
-  ``load_balancing_loss_func`` given one layer's logits and no mask). The step's objective is the
+  ``load_balancing_loss_func`` given one layer's logits and the same mask). The step's objective is the
   token-mean cross-entropy plus ``router_aux_loss_coef / (L_moe · M) · Σ_mb Σ_l aux_l`` (L_moe MoE
   layers, M micro-batches per step: the mean over both). Its gradient enters each layer's backward
   through Megatron-LM's ``MoEAuxLossAutoScaler`` (``_AuxLossGrad``): the layer's output carries
-  the term, whose gradient is the constant scale, so no stage sends anything more. Every token
-  of the micro-batch counts (the engine has no padding mask: transformers' value without
-  ``attention_mask``). The reported loss is transformers' ``outputs.loss``: the cross-entropy plus
-  ``router_aux_loss_coef · aux_loss``, with ``aux_loss = Σ_mb Σ_l aux_l / (L_moe · M)`` (what
-  transformers returns as ``outputs.aux_loss``, unscaled), logged on its own as well.
+  the term, whose gradient is the constant scale, so no stage sends anything more. Padding does
+  not count: the tokens of a micro-batch are its rows' documents (``HFModel.context``'s
+  ``token_mask``, from ``packing.PackedRows.token_mask``), transformers' value with the
+  ``attention_mask`` of right-padded rows (PR #28517). The reported loss is transformers'
+  ``outputs.loss``: the cross-entropy plus ``router_aux_loss_coef · aux_loss``, with
+  ``aux_loss = Σ_mb Σ_l aux_l / (L_moe · M)`` (what transformers returns as ``outputs.aux_loss``,
+  unscaled), logged on its own as well.
 
 The pooled form is refused: each layer's gradient would need the router counts of other stages'
 layers (the reason in full: docs/models.md).
@@ -53,12 +55,15 @@ AUX_FORMS = ("auto", "off", "per_layer")
 """Values of ``model.router_aux_loss``."""
 
 
-def switch_aux_loss(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """One layer's load-balancing loss ``E · Σ_e f_e · P_e`` (Switch Transformer eq. 4, top-k).
+def switch_aux_loss(logits: torch.Tensor, top_k: int, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One layer's load-balancing loss ``E · Σ_e f_e · P_e`` (Switch Transformer eq. 4, top-k) over
+    the tokens ``token_mask`` keeps: padding does not vote (transformers' ``load_balancing_loss_func``
+    with an ``attention_mask``, PR #28517).
 
     Args:
         logits: [N, E] router logits (any float dtype) of one layer's tokens.
         top_k: experts each token is sent to.
+        token_mask: [N] bool on the logits' device, False on padding; None = every token counts.
 
     Returns:
         fp32 scalar; differentiable through P (the softmax), not through f (the assignments).
@@ -66,10 +71,17 @@ def switch_aux_loss(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     num_experts = logits.shape[-1]
     probs = torch.softmax(logits.float(), dim=-1)  # [N, E]
     chosen = torch.topk(probs, top_k, dim=-1).indices  # [N, k]
+    if token_mask is None:
+        counts = torch.zeros(num_experts, dtype=torch.float32, device=logits.device)
+        counts.index_add_(0, chosen.flatten(), torch.ones(chosen.numel(), device=logits.device))
+        f = counts / probs.shape[0]  # [E] assignments per token
+        return num_experts * torch.sum(f * probs.mean(dim=0))
+    keep = token_mask.to(torch.float32)  # [N]
+    tokens = keep.sum().clamp(min=1.0)  # no sync: a micro-batch of padding only gives 0
     counts = torch.zeros(num_experts, dtype=torch.float32, device=logits.device)
-    counts.index_add_(0, chosen.flatten(), torch.ones(chosen.numel(), device=logits.device))
-    f = counts / probs.shape[0]  # [E] assignments per token
-    return num_experts * torch.sum(f * probs.mean(dim=0))
+    counts.index_add_(0, chosen.flatten(), keep.repeat_interleave(top_k))
+    p = (probs * keep[:, None]).sum(dim=0) / tokens  # [E] mean probability over kept tokens
+    return num_experts * torch.sum(counts / tokens * p)
 
 
 class _AuxLossGrad(torch.autograd.Function):

@@ -5,10 +5,11 @@ components that have a test knob, as ``Comm`` is passed its ``dist``: the copy w
 (:meth:`Faults.before_copy`, ``stream.test_copy_delay_s``; ``Faults.skip_compute_wait``), the optimizer thread
 (:meth:`Faults.before_update`, ``optim.test_delay_s``), the checkpoint writer thread
 (:meth:`Faults.before_write`, ``checkpoint.test_write_delay_s``), the engine's NaN gradient
-(:meth:`Faults.nan_hook`, ``test.nan_*``) and the training loop's failing rank
-(:meth:`Faults.maybe_fail`, ``test.fail_*``). Production code holds :data:`NO_FAULTS` (or one built
-from a config with every knob off), whose hooks do nothing; no component reads a test knob or sleeps
-itself. Does not own what a slowed copy or a failed rank exposes (the tests say).
+(:meth:`Faults.nan_hook`, ``test.nan_*``), the training loop's failing rank
+(:meth:`Faults.maybe_fail`, ``test.fail_*``) and ``metrics.jsonl``'s full disk
+(:meth:`Faults.metrics_write`, ``test.metrics_full_step``). Production code holds :data:`NO_FAULTS`
+(or one built from a config with every knob off), whose hooks do nothing; no component reads a test
+knob or sleeps itself. Does not own what a slowed copy or a failed rank exposes (the tests say).
 """
 
 from __future__ import annotations
@@ -91,6 +92,18 @@ class Faults:
     def tier_free_bytes(self, real: int) -> int:
         """Free bytes of ``store.tier_dir`` as the start-up check sees them (``test.tier_free_bytes``)."""
         return real if self.test.tier_free_bytes < 0 else self.test.tier_free_bytes
+
+    def metrics_write(self, file, data, step: int) -> int:
+        """``metrics.jsonl``'s write of the row of the 1-based ``step`` (``file.write(data)``);
+        ``test.metrics_full_step``: from that step's row on, raise ``OSError(ENOSPC)`` as a full disk
+        does.
+
+        Raises:
+            OSError: ENOSPC when armed.
+        """
+        if 0 <= self.test.metrics_full_step <= step:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return file.write(data)
 
     def host_available_bytes(self, real: int) -> int:
         """Available host memory as the start-up fit check sees it (``test.host_available_bytes``)."""

@@ -1,8 +1,10 @@
 """Where a run's numbers go: ``metrics.jsonl``, wandb and a progress line, on one rank only.
 
 Owns: the record sink (one JSON object per logged step, flushed line by line; a row the disk had no
-room for is cut back, never left torn, and reported as :attr:`MetricsLogger.failed`; a torn last
-row an older crash left is dropped with a warning when a launch resumes), the wandb run's life cycle
+room for is cut back, never left torn, reported as :attr:`MetricsLogger.failed` and kept in
+:attr:`MetricsLogger.unwritten`, which the next checkpoint carries (``rows_to_carry``) and a resume
+from it writes back (``carried``); a torn last row an older crash left is dropped with a warning
+when a launch resumes), the wandb run's life cycle
 (init with project/entity/group/name/tags/notes and the resolved config, log, finish; resume by id)
 and the progress line (console, and the run's ``rank<N>.log``). Does not own: computing the numbers
 (throughput, MFU and the stall/bubble/optimizer breakdown are measured by breakdown.py and passed in
@@ -142,6 +144,10 @@ class MetricsLogger:
             (``checkpoint.resume=auto`` finding an earlier run, see outputs.py): when this run has
             no file yet, its rows up to ``start_step`` start this run's file, so one file holds
             the whole curve; None = none.
+        carried: rows the checkpoint this launch resumes carried (:meth:`rows_to_carry`): those of
+            steps up to ``start_step`` the file lacks (a full disk refused them) are written first.
+        write: ``write(file, data, step) -> bytes written`` (``Faults.metrics_write``: the file's
+            write, or a full disk a test injects); None = the file's.
     """
 
     def __init__(
@@ -162,6 +168,8 @@ class MetricsLogger:
         resume_id: str | None = None,
         start_step: int | None = None,
         history: Path | None = None,
+        carried: list[dict[str, Any]] = (),
+        write=None,
     ) -> None:
         self.enabled = enabled
         self.total_steps = total_steps
@@ -174,6 +182,9 @@ class MetricsLogger:
         self._console: Console | None = None
         self.failed: str | None = None
         """Why a row could not be written (the filesystem is full), or None; no row is written after."""
+        self.unwritten: list[dict[str, Any]] = []
+        """The rows of trained steps a full disk refused (JSON-safe), for the next checkpoint to carry."""
+        self._write = write or (lambda file, data, step: file.write(data))
         self._start_s = time.monotonic()
         self._first_step: int | None = None  # the step before the first logged training step
         if not enabled:
@@ -185,6 +196,8 @@ class MetricsLogger:
             shutil.copyfile(history, self.path)  # truncated to start_step just below
         if start_step is not None and self.path.is_file():
             _truncate_after(self.path, start_step)
+        if start_step is not None and carried:
+            _restore(self.path, carried, start_step)
         self._file = self.path.open("ab", buffering=0)  # unbuffered: a failed row is cut back exactly
         self._console = Console(highlight=False, soft_wrap=True)
         if use_wandb:
@@ -211,11 +224,14 @@ class MetricsLogger:
         Raises:
             KeyError: the record has no ``step``.
         """
-        if self._file is None or self.failed is not None:
+        if self._file is None:
             return
         step = int(record["step"])
         clean = _jsonable(record)
-        if not self._append((json.dumps(clean, allow_nan=False) + "\n").encode(), step):
+        if self.failed is not None or not self._append(
+            (json.dumps(clean, allow_nan=False) + "\n").encode(), step
+        ):
+            self.unwritten.append(clean)
             return
         if self._run is not None:
             self._run.log({k: v for k, v in clean.items() if v is not None}, step=step)
@@ -240,7 +256,7 @@ class MetricsLogger:
         try:
             view = memoryview(row)
             while view:
-                view = view[self._file.write(view) :]
+                view = view[self._write(self._file, view, step) :]
         except OSError as e:
             os.ftruncate(self._file.fileno(), start)
             if not is_disk_full(e):
@@ -257,6 +273,12 @@ class MetricsLogger:
             log.error("%s", self.failed)
             return False
         return True
+
+    def rows_to_carry(self, record: dict[str, Any]) -> list[dict[str, Any]]:
+        """What a checkpoint saved after ``record``'s step carries of ``metrics.jsonl`` (JSON-safe): the
+        rows a full disk refused and ``record``'s own, not yet written when the checkpoint is, so a
+        resume from it loses no trained step's row (``carried``)."""
+        return [*self.unwritten, _jsonable(record)] if self.enabled else []
 
     def raise_if_failed(self, kept: str = "") -> None:
         """Raise the refusal of a row that could not be written, adding ``kept`` (e.g. the newest
@@ -309,6 +331,23 @@ def read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
             continue
         rows.append((line, rec))
     return rows
+
+
+def _restore(path: Path, carried: list[dict[str, Any]], start_step: int) -> None:
+    """Append the ``carried`` rows of steps up to ``start_step`` that ``path`` lacks, in step order."""
+    present = {rec.get("step") for _, rec in read_rows(path)} if path.is_file() else set()
+    wanted = [r for r in carried if r.get("step", 0) <= start_step and r.get("step") not in present]
+    missing = sorted(wanted, key=lambda r: r["step"])
+    if not missing:
+        return
+    log.warning(
+        "%s: writing the row(s) of step(s) %s the checkpoint of step %d carried (a full disk refused them)",
+        path,
+        ", ".join(str(r["step"]) for r in missing),
+        start_step,
+    )
+    with path.open("a", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r, allow_nan=False) + "\n" for r in missing))
 
 
 def _truncate_after(path: Path, start_step: int) -> None:

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from nodetrain.checkpoint import state as st
-from nodetrain.checkpoint.hf_layout import saved_by_name
 from nodetrain.checkpoint.writer import EXPORT_DTYPES
 from nodetrain.config.schema import Config, ConfigError
 from nodetrain.model import HFModel
@@ -62,13 +61,12 @@ def checkpoint_dir(cfg: Config, run_dir: Path) -> Path:
 
 def checkpoint_bytes(model: HFModel, export_dtype: str) -> int:
     """Bytes of one checkpoint's tensor files: per parameter the export copy, the fp32 master (unless
-    the export is fp32 and by parameter name: experts exported one per expert have master shards of
-    their own), ``exp_avg`` and ``exp_avg_sq`` (fp32), plus one fp32 update count per tensor; JSON
-    files and safetensors headers (a few kB) are not counted."""
+    the export is fp32: the export is then the master), ``exp_avg`` and ``exp_avg_sq`` (fp32), plus
+    one fp32 update count per tensor; JSON files and safetensors headers (a few kB) are not counted."""
     numel = sum(u.numel for u in model.units)
     tensors = sum(len(u.params) for u in model.units)
     export = EXPORT_DTYPES[export_dtype].itemsize
-    master = 0 if export == 4 and saved_by_name(model) else 4
+    master = 0 if export == 4 else 4
     return numel * (export + master + 8) + tensors * 4
 
 

@@ -8,6 +8,8 @@ check, the updating thread). Does not own the tier's I/O (optim/tier_files.py) o
 
 from __future__ import annotations
 
+import logging
+
 import torch.distributed as dist
 
 from nodetrain.config.schema import Config
@@ -18,7 +20,9 @@ from nodetrain.optim.tier import TieredOptimizer
 from nodetrain.optim.tier_files import TIER_FIELDS, TierFile, TierLayout
 from nodetrain.run.inject import Faults
 
-__all__ = ["open_tier", "tier_opener", "tier_skip"]
+__all__ = ["open_tier", "tier_line", "tier_opener", "tier_skip"]
+
+log = logging.getLogger(__name__)
 
 
 def tier_skip(cfg: Config) -> tuple[str, ...]:
@@ -37,6 +41,21 @@ def _tier_thread() -> None:
     set_role("tier")
 
 
+def tier_line(tier: TierFile, buffers: int, ranks: int) -> str:
+    """What lives where with ``store.tier=nvme`` (logged once per node, by its creator): the host store's
+    bytes in RAM (the fields the tier does not hold, plus ``buffers`` pool slots on each of ``ranks``
+    ranks), the tier's bytes on NVMe, and the tier file's path."""
+    layout = tier.layout
+    pool = ranks * buffers * tier.slot_bytes
+    ram = layout.store.nbytes - layout.nbytes + pool
+    fields = ", ".join(layout.fields)
+    return (
+        f"store.tier=nvme: {ram / 1e9:.4g} GB in RAM (the host store without {fields}, and {ranks} x "
+        f"{buffers} pool slots of {tier.slot_bytes / 1e6:.4g} MB), {layout.nbytes / 1e9:.4g} GB on NVMe "
+        f"({fields}) in {tier.path}"
+    )
+
+
 def open_tier(cfg: Config, store, optimizer, topo: Topology, run_id: str, faults: Faults) -> TieredOptimizer:
     """``optimizer`` with its tier fields in this node's tier file under ``store.tier_dir``.
 
@@ -50,6 +69,7 @@ def open_tier(cfg: Config, store, optimizer, topo: Topology, run_id: str, faults
     if topo.local_rank == 0:
         tier = TierFile.create(layout, store, cfg.store.tier_dir, run_id, faults.tier_pwrite)
         path = [str(tier.path)]
+        log.info("%s", tier_line(tier, cfg.store.tier_buffers, topo.num_stages))
     dist.broadcast_object_list(path, src=topo.node_root, group=node_group(topo, cfg.dist.timeout_s))
     if topo.local_rank != 0:
         tier = TierFile.open(layout, store, path[0], faults.tier_pwrite)
