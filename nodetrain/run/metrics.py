@@ -116,6 +116,20 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _open_history(run_dir: Path, history: Path | None, start_step: int | None, carried) -> Path:
+    """The run's ``metrics.jsonl`` ready to append to: copied from ``history`` (a resumed run's) when
+    the run directory has none, cut after ``start_step``, the rows a checkpoint ``carried`` written back."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / METRICS_FILE
+    if history is not None and Path(history).is_file() and not path.exists():
+        shutil.copyfile(history, path)  # truncated to start_step just below
+    if start_step is not None and path.is_file():
+        _truncate_after(path, start_step)
+    if start_step is not None and carried:
+        _restore(path, carried, start_step)
+    return path
+
+
 class MetricsLogger:
     """Appends each record to ``<run_dir>/metrics.jsonl``, sends it to wandb and prints a progress line.
 
@@ -189,15 +203,7 @@ class MetricsLogger:
         self._first_step: int | None = None  # the step before the first logged training step
         if not enabled:
             return
-        run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = run_dir / METRICS_FILE
-        if history is not None and Path(history).is_file() and not self.path.exists():
-            shutil.copyfile(history, self.path)  # truncated to start_step just below
-        if start_step is not None and self.path.is_file():
-            _truncate_after(self.path, start_step)
-        if start_step is not None and carried:
-            _restore(self.path, carried, start_step)
+        self.path = _open_history(Path(run_dir), history, start_step, carried)
         self._file = self.path.open("ab", buffering=0)  # unbuffered: a failed row is cut back exactly
         self._console = Console(highlight=False, soft_wrap=True)
         if use_wandb:
