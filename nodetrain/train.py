@@ -69,6 +69,7 @@ from nodetrain.model import HFModel, build_hf_config, router_aux_of
 from nodetrain.plan.host import preflight
 from nodetrain.plan.planner import model_of
 from nodetrain.run.faults import BadSteps, Stopped, StopRequest, stop_with_launcher
+from nodetrain.run.inject import Faults
 from nodetrain.run.jobs import Job, Release, current_job, fail_fast, refusals_of
 from nodetrain.run.metrics import MetricsLogger
 from nodetrain.run.outputs import RunOutputs, check_space, check_writable, checkpoint_bytes, checkpoint_dir
@@ -183,6 +184,7 @@ def _claim_and_run(cfg: Config, run_dir: Path, resolved: dict, job: Job, signals
         dist.barrier()  # (not still finishing the previous job) is there to print a refusal
     world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
     validate(cfg, world, local)
+    faults = Faults.from_env(world)  # test-only (NODETRAIN_FAULTS): read and checked once, here
     stages = cfg.pipeline.stages or local or world
     batch, choices = resolve_batch(cfg, shape_of(model_of(cfg)), stages, max(1, world // stages))
     for line in choices:  # the same arithmetic on every rank: the same choice
@@ -197,7 +199,7 @@ def _claim_and_run(cfg: Config, run_dir: Path, resolved: dict, job: Job, signals
     on_rank0(lambda: check_writable("store.dir", Path(cfg.store.dir), create=False))
     ckpt_dir = Path(on_rank0(lambda: outputs.acquire(resolved, search)))  # locks held by rank 0
     try:
-        return _run(cfg, batch, run_dir, resolved, job, ckpt_dir, signals, *ranks)
+        return _run(cfg, batch, run_dir, resolved, job, ckpt_dir, signals, faults, *ranks)
     finally:
         outputs.release()
 
@@ -241,13 +243,13 @@ def _prepare(cfg: Config, data_cfg, resume: str | None) -> tuple[str, str]:
 
 
 def _run(
-    cfg, batch, run_dir, resolved, job, ckpt_dir, signals, rank, world_size, local_rank, device
+    cfg, batch, run_dir, resolved, job, ckpt_dir, signals, faults, rank, world_size, local_rank, device
 ) -> list[dict]:
     """The run itself, while rank 0 holds the output directories (see :func:`run`): set-up, the
     training loop, teardown."""
     topology, release = Topology.from_env(cfg.pipeline.stages), Release()
     resume, data_dir, data_cfg, train_ds, val_ds, model = _data_and_model(cfg, batch, ckpt_dir)
-    _check_fit(cfg, model, topology, ckpt_dir)
+    _check_fit(cfg, model, topology, ckpt_dir, faults)
     ckpt = _checkpointing(
         cfg,
         batch,
@@ -271,6 +273,7 @@ def _run(
         device=device,
         init_from=ckpt.init_fn(),
         topology=topology,
+        faults=faults,
         batch=batch,
     )
     try:
@@ -304,10 +307,10 @@ def _data_and_model(cfg, batch: BatchShape, ckpt_dir: Path):
     return resume, data_dir, data_cfg, train_ds, val_ds, model
 
 
-def _check_fit(cfg, model: HFModel, topology: Topology, ckpt_dir: Path) -> None:
+def _check_fit(cfg, model: HFModel, topology: Topology, ckpt_dir: Path, faults: Faults) -> None:
     """Refuse a store the node cannot hold (nodes are alike: node 0 answers for all) and a checkpoint
     that does not fit, before the store exists, not at the first save after hours of training."""
-    on_rank0(lambda: preflight(cfg, model, topology.num_stages))
+    on_rank0(lambda: preflight(cfg, model, topology.num_stages, faults))
     if cfg.checkpoint.enable:
         ckpt_bytes = checkpoint_bytes(model, cfg.checkpoint.export_dtype)
         on_rank0(lambda: check_space(ckpt_dir, ckpt_bytes, "checkpoint.dir"))
@@ -372,7 +375,7 @@ def _steps(cfg, engine, ckpt, metrics, signals, train_ds, val_ds, num_mb, record
             return
         metrics.log({"step": 0, "val_loss": val})
     for step in range(start, cfg.train.steps):
-        engine.faults.maybe_fail(rank, step + 1)  # test-only (test.fail_*, run/inject.py)
+        engine.faults.maybe_fail(rank, step + 1)  # test-only (NODETRAIN_FAULTS fail_*, run/inject.py)
         x, y, pos, mask = _step_batch(train_ds, engine.run.batch, cfg.seed, step, num_mb)
         asked = signals.requested or metrics.failed is not None
         r = engine.train_step(step, x, y, stop=asked, position_ids=pos, token_mask=mask)

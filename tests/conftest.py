@@ -20,6 +20,17 @@ os.environ.setdefault("NODETRAIN_CHECK_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 
+TINY_HF = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 64,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+}
+"""The HF fields of a tiny Llama (2 layers, 32 wide, 128 tokens) for in-process unit tests."""
+
 TINY_RUN = [
     "model.hf.hidden_size=64",
     "model.hf.num_hidden_layers=2",
@@ -65,8 +76,9 @@ def free_port() -> int:
 def job_env(**extra: str) -> dict[str, str]:
     """The environment of a launched job: this checkout first on ``PYTHONPATH`` (what it held stays:
     the GPU test machine's wheels in /tmp/site), one OpenMP thread per rank (the machine is shared),
-    no network (HF hub offline, wandb disabled), quiet transformers; ``extra`` is set last (e.g.
-    ``WANDB_MODE="offline"``)."""
+    no network (HF hub offline, wandb disabled), quiet transformers, no injected faults; ``extra`` is set
+    last (e.g. ``WANDB_MODE="offline"``, or ``NODETRAIN_FAULTS="fail_rank=1,fail_step=2"``,
+    nodetrain/run/inject.py)."""
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
@@ -74,6 +86,7 @@ def job_env(**extra: str) -> dict[str, str]:
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_VERBOSITY="error",
         WANDB_MODE="disabled",
+        NODETRAIN_FAULTS="",
     )
     env.update(extra)
     return env

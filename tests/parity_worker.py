@@ -62,6 +62,7 @@ from nodetrain.core.topology import Topology
 from nodetrain.engine.engine import Engine
 from nodetrain.engine.startup import build_engine
 from nodetrain.model import HFModel, build_hf_config, router_aux_of
+from nodetrain.run.inject import Faults
 
 
 def _config(spec: dict) -> Config:
@@ -186,6 +187,7 @@ def run_spec(spec: dict, device: torch.device) -> None:
         device=device,
         init_from=init_from,
         topology=Topology.from_env(cfg.pipeline.stages),
+        faults=Faults(**spec.get("faults", {})),  # test-only: slowed copies and updates
     )
     steps, grads = [], {}
     torch.manual_seed(0)  # dropout's random numbers: the same for every variant (start-up may draw)

@@ -32,6 +32,7 @@ from bench._engine import base_config, model_config
 from nodetrain.engine.engine import Engine
 from nodetrain.engine.startup import build_engine
 from nodetrain.model import HFModel, build_hf_config
+from nodetrain.run.inject import Faults
 
 V, T, B, D = 256, 8, 2, 32
 SAVED = 3
@@ -61,7 +62,7 @@ def _engine(shm_dir, schedule: str, accum: int, m: int, offload: bool) -> Engine
         model_config("llama_10m", V, **HF),
         train={"seq_len": T, "micro_batch_size": B, "dtype": "float32", "steps": STEPS, "grad_accum": accum},
         pipeline={"stages": 1, "microbatches": m, "schedule": schedule},
-        stream={"device_budget": 0, "offload_activations": offload, "test_copy_delay_s": DELAY},
+        stream={"device_budget": 0, "offload_activations": offload},
     )
     cfg.data.vocab_size, cfg.store.dir = V, str(shm_dir)
     model = HFModel(build_hf_config(cfg.model))
@@ -74,6 +75,7 @@ def _engine(shm_dir, schedule: str, accum: int, m: int, offload: bool) -> Engine
         local_rank=0,
         run_id=f"offload{next(_ids)}",
         device=torch.device("cpu"),
+        faults=Faults(copy_delay_s=DELAY),
     )
 
 

@@ -102,18 +102,21 @@ def work() -> Path:
 
 
 def _cmd(
-    work: Path, nproc: int, run_dir: Path, overrides: list[str], corpus: Path | None = None
+    work: Path, nproc: int, run_dir: Path, overrides: list[str], corpus: Path | None = None, faults: str = ""
 ) -> tuple[list[str], dict]:
-    """The launch of a run on the module's corpus, or on ``corpus`` (prepared beside it)."""
+    """The launch of a run on the module's corpus, or on ``corpus`` (prepared beside it), with the
+    test-only ``faults`` (``NODETRAIN_FAULTS``, nodetrain/run/inject.py)."""
     source = corpus or work / "corpus.txt"
     prepared = corpus.parent / "prepared" if corpus else work / "prepared"
     data = [f"data.source={source}", f"data.dir={prepared}", f"store.dir={work / 'shm'}"]
     cmd = torchrun_cmd(nproc, "-m", "nodetrain.train", f"hydra.run.dir={run_dir}")
-    return cmd + COMMON + data + overrides, job_env()
+    return cmd + COMMON + data + overrides, job_env(NODETRAIN_FAULTS=faults)
 
 
-def train(work: Path, nproc: int, run_dir: Path, overrides: list[str], corpus: Path | None = None) -> str:
-    cmd, env = _cmd(work, nproc, run_dir, overrides, corpus)
+def train(
+    work: Path, nproc: int, run_dir: Path, overrides: list[str], corpus: Path | None = None, faults: str = ""
+) -> str:
+    cmd, env = _cmd(work, nproc, run_dir, overrides, corpus, faults)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"exit {proc.returncode}: {' '.join(cmd)}\n{out[-6000:]}"
@@ -331,7 +334,8 @@ def test_kill_during_save_keeps_the_previous_checkpoint_and_auto_resumes(work: P
         work,
         2,
         run,
-        [*Q, "checkpoint.every=2", "checkpoint.keep_last=2", "checkpoint.test_write_delay_s=0.5"],
+        [*Q, "checkpoint.every=2", "checkpoint.keep_last=2"],
+        faults="write_delay_s=0.5",
     )
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
@@ -364,7 +368,7 @@ def test_sigterm_saves_the_step_every_rank_stopped_after_and_resume_is_exact(wor
     after, save it (``checkpoint.on_signal=save``) and exit; ``auto`` resumes exactly (bitwise)."""
     run = work / "q_signal"
     args = [*Q, "checkpoint.every=0", "checkpoint.on_signal=save"]
-    cmd, env = _cmd(work, 2, run, [*args, "stream.test_copy_delay_s=0.05"])  # ~1 s steps, same arithmetic
+    cmd, env = _cmd(work, 2, run, args, faults="copy_delay_s=0.05")  # ~1 s steps, same arithmetic
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
@@ -665,7 +669,7 @@ def test_resume_onto_the_tier_and_back_to_ram_on_another_stage_count(work: Path,
     args = [*Q, "checkpoint.every=1", "checkpoint.keep_last=0", "plan.rank_overhead_gb=0"]
     tier = ["store.tier=nvme", f"store.tier_dir={tier_dir}", "store.tier_buffers=2"]
     resume = f"checkpoint.resume={q_ref / 'checkpoints' / 'step-3'}"
-    out = train(work, 2, tiered, [*args, *tier, f"test.host_available_bytes={allowed}", resume])
+    out = train(work, 2, tiered, [*args, *tier, resume], faults=f"host_available_bytes={allowed}")
     assert "resuming from" in out and not list(tier_dir.iterdir())
     want = records(q_ref)
     _assert_same_steps(records(tiered), want, range(4, STEPS + 1))

@@ -161,9 +161,9 @@ def test_crash_resume_keeps_one_row_per_step_and_exports_usable_checkpoints(tmp_
     base += ["train.steps=5", "checkpoint.every=2", "train.dtype=float32", f"hydra.run.dir={run}"]
     base += ["checkpoint.async_write=false"]  # step-2 is committed at step 3, before the failure
     crash = subprocess.run(
-        torchrun_cmd(2, "-m", "nodetrain.train", *base, "test.fail_rank=0", "test.fail_step=4"),
+        torchrun_cmd(2, "-m", "nodetrain.train", *base),
         cwd=ROOT,
-        env=job_env(),
+        env=job_env(NODETRAIN_FAULTS="fail_rank=0,fail_step=4"),
         capture_output=True,
         text=True,
         timeout=240,

@@ -36,7 +36,7 @@ from safetensors.torch import load_file
 from test_parity import ATOL_WEIGHT, OPTIM, RTOL, lr_schedule
 
 from nodetrain.checkpoint import state as st
-from nodetrain.config.schema import Config, DataConfig, FaultInjectionConfig, ModelConfig
+from nodetrain.config.schema import Config, ConfigError, DataConfig, ModelConfig
 from nodetrain.data import datasets as data
 from nodetrain.data import reader
 from nodetrain.data.checks import check_vocab, open_splits
@@ -45,7 +45,7 @@ from nodetrain.engine.comm.p2p import P2P
 from nodetrain.model import build_hf_config
 from nodetrain.run import inject
 from nodetrain.run.faults import BadSteps, NonFiniteError, StopRequest
-from nodetrain.run.inject import Faults, poison_grads
+from nodetrain.run.inject import ENV, NO_FAULTS, Faults, poison_grads
 
 TINY = [
     *TINY_RUN,
@@ -54,9 +54,9 @@ TINY = [
 ]
 
 
-def _launch(nproc: int, overrides: list[str], tmp: Path) -> subprocess.Popen:
+def _launch(nproc: int, overrides: list[str], tmp: Path, faults: str = "") -> subprocess.Popen:
     cmd = torchrun_cmd(nproc, "-m", "nodetrain.train", *overrides)
-    return start_job(cmd, job_env(NODETRAIN_RUNS=str(tmp / "runs")))
+    return start_job(cmd, job_env(NODETRAIN_RUNS=str(tmp / "runs"), NODETRAIN_FAULTS=faults))
 
 
 def _finish(proc: subprocess.Popen, timeout_s: float = 240) -> tuple[int, str, float]:
@@ -117,22 +117,52 @@ def test_bad_steps_stop_after_max_in_a_row() -> None:
 
 
 def test_fault_knobs_fire_only_on_their_rank_and_step() -> None:
-    test = FaultInjectionConfig(fail_rank=1, fail_step=2, nan_rank=0, nan_step=3)
-    faults = Faults(test=test)
+    faults = Faults(fail_rank=1, fail_step=2, nan_rank=0, nan_step=3)
     faults.maybe_fail(0, 2)
     faults.maybe_fail(1, 3)
-    with pytest.raises(RuntimeError, match=r"test\.fail_rank=1, test\.fail_step=2: injected failure"):
+    with pytest.raises(RuntimeError, match=r"fail_rank=1, fail_step=2: injected failure"):
         faults.maybe_fail(1, 2)
     grads = [torch.zeros(3), torch.zeros(2)]
-    poison_grads(test, 0, 2, grads)
-    poison_grads(test, 1, 3, grads)
+    poison_grads(faults, 0, 2, grads)
+    poison_grads(faults, 1, 3, grads)
     assert all(torch.isfinite(g).all() for g in grads)
-    poison_grads(test, 0, 3, grads)
+    poison_grads(faults, 0, 3, grads)
     assert torch.isfinite(grads[0]).all() and math.isnan(grads[1][0])
 
 
+def test_faults_come_from_one_environment_variable_read_as_key_values_or_json() -> None:
+    """Test knobs are no config keys: ``NODETRAIN_FAULTS`` sets them (run/inject.py); unset = none."""
+    assert Faults.from_env(environ={}) is NO_FAULTS
+    assert Faults.from_env(environ={ENV: " "}) is NO_FAULTS
+    kv = Faults.from_env(2, {ENV: "fail_rank=1, fail_step=2,fail_mode=hang,copy_delay_s=0.5"})
+    assert kv == Faults(fail_rank=1, fail_step=2, fail_mode="hang", copy_delay_s=0.5)
+    assert Faults.from_env(environ={ENV: '{"nan_rank": 0, "nan_step": 3}'}) == Faults(nan_rank=0, nan_step=3)
+
+
+def test_bad_faults_are_refused_at_once_naming_each_key_value_and_fix() -> None:
+    text = "fail_rank=2,nan_step=0,fail_mode=crash,copy_delay_s=-1,optim_delay_s=slow,nan_rnak=1,oops"
+    with pytest.raises(ConfigError) as info:
+        Faults.from_env(2, {ENV: text})
+    message = str(info.value)
+    assert message.startswith(f"{ENV}='{text}' (test-only fault injection): 7 problem(s):"), message
+    for line in (
+        "fail_rank=2: not a rank of 2; use -1 (off)",
+        "nan_step=0: must be -1 (off) or a 1-based step; use -1",
+        "fail_mode=crash: not one of raise, hang; pick one",
+        "copy_delay_s=-1.0: must be a finite number >= 0; use 0",
+        "optim_delay_s=slow: not a number; give a number",
+        "nan_rnak=1: unknown key; use one of copy_delay_s,",
+        "oops: not key=value",
+    ):
+        assert f"  - {line}" in message, message
+    with pytest.raises(ConfigError, match="not a JSON object"):
+        Faults.from_env(environ={ENV: "{fail_rank: 1}"})
+    with pytest.raises(ConfigError, match=r"fail_step=2\.5: not an integer"):
+        Faults.from_env(environ={ENV: '{"fail_step": 2.5}'})
+
+
 def test_nan_injection_is_no_hook_when_off_and_poisons_the_last_unit_at_its_step(monkeypatch) -> None:
-    """The engine's one NaN hook: None when ``test.nan_*`` is off (the optimizer thread calls nothing);
+    """The engine's one NaN hook: None when ``nan_*`` is off (the optimizer thread calls nothing);
     on, it poisons only the stage's last unit, only at ``nan_step`` (1-based; the hook's step 0-based)."""
     assert Faults().nan_hook(None, 7) is None
 
@@ -145,7 +175,7 @@ def test_nan_injection_is_no_hook_when_off_and_poisons_the_last_unit_at_its_step
 
     monkeypatch.setattr(inject.dist, "get_rank", lambda: 0)
     store = Store()
-    poison = Faults(test=FaultInjectionConfig(nan_rank=0, nan_step=2)).nan_hook(store, 7)
+    poison = Faults(nan_rank=0, nan_step=2).nan_hook(store, 7)
     poison(0, 6, 7)  # step 1: not yet
     poison(1, 6)  # step 2, but the last unit is not among these
     assert all(torch.isfinite(g).all() for g in store.grads.values())
@@ -274,14 +304,13 @@ def test_raise_on_rank_1_of_4_ends_every_rank_with_its_traceback(
     tmp_path: Path, corpus, shm_dir: Path
 ) -> None:
     overrides = [*TINY, *corpus, "model.hf.num_hidden_layers=4", "train.steps=50", f"store.dir={shm_dir}"]
-    overrides += ["test.fail_rank=1", "test.fail_step=2"]
-    rc, out, exited = _finish(_launch(4, overrides, tmp_path))
+    rc, out, exited = _finish(_launch(4, overrides, tmp_path, "fail_rank=1,fail_step=2"))
     assert rc != 0
     (run,) = (tmp_path / "runs").iterdir()
     failed = [ln for ln in (run / "rank1.log").read_text().splitlines() if "job failed" in ln]
     assert failed, "rank 1 did not log its failure"
     assert exited - _log_time(failed[0]) < 60, f"the job ended {exited - _log_time(failed[0]):.0f}s after"
-    assert "test.fail_rank=1, test.fail_step=2: injected failure" in out
+    assert "fail_rank=1, fail_step=2: injected failure" in out
     root = out[out.index("Root Cause (first observed failure)") :]
     assert re.search(r"rank\s+: 1 \(local_rank: 1\)", root) and "maybe_fail" in root, root[:3000]
     for r in range(4):
@@ -293,8 +322,7 @@ def test_a_hang_ends_at_dist_timeout(tmp_path: Path, corpus, shm_dir: Path) -> N
     """Rank 1 enters a barrier no other rank joins while rank 0 waits for its activation gradient:
     both waits fail after dist.timeout_s=5 instead of torch's default 30 minutes."""
     overrides = [*TINY, *corpus, "train.steps=50", f"store.dir={shm_dir}", "dist.timeout_s=5"]
-    overrides += ["test.fail_rank=1", "test.fail_step=2", "test.fail_mode=hang"]
-    rc, out, exited = _finish(_launch(2, overrides, tmp_path))
+    rc, out, exited = _finish(_launch(2, overrides, tmp_path, "fail_rank=1,fail_step=2,fail_mode=hang"))
     assert rc != 0
     assert out.count("Timed out waiting 5000ms") >= 2, out[-4000:]  # each rank's own error
     (run,) = (tmp_path / "runs").iterdir()
@@ -435,9 +463,9 @@ def test_nan_gradient_is_skipped_on_every_stage(tmp_path: Path, corpus, shm_dir:
     ]
     overrides += ["train.dtype=float32", f"train.steps={NAN_STEPS}", "optim.max_grad_norm=0.3"]
     overrides += [f"optim.{k}={v}" for k, v in OPTIM.items()]
-    overrides += ["test.nan_rank=1", f"test.nan_step={NAN_AT}", "checkpoint.export_dtype=float32"]
+    overrides += ["checkpoint.export_dtype=float32"]
     with _leaked_stores(shm_dir) as removed_the_stale_store_only:  # one launch checks both
-        rc, out, _ = _finish(_launch(2, overrides, tmp_path))
+        rc, out, _ = _finish(_launch(2, overrides, tmp_path, f"nan_rank=1,nan_step={NAN_AT}"))
         assert rc == 0, out[-4000:]
         removed_the_stale_store_only(out)
     (run,) = (tmp_path / "runs").iterdir()
@@ -481,8 +509,8 @@ def test_nan_gradient_is_skipped_on_every_stage(tmp_path: Path, corpus, shm_dir:
 def test_kill9_of_the_launcher_stops_every_rank_within_seconds(tmp_path: Path, corpus, shm_dir: Path) -> None:
     """``kill -9`` of torchrun forwards nothing; the kernel's parent-death signal (faults.py) makes
     each rank stop as on SIGTERM: after the same step, saving it, and leaving no store behind."""
-    overrides = [*TINY, *corpus, f"store.dir={shm_dir}", "train.steps=500", "stream.test_copy_delay_s=0.02"]
-    job = _launch(2, overrides, tmp_path)
+    overrides = [*TINY, *corpus, f"store.dir={shm_dir}", "train.steps=500"]
+    job = _launch(2, overrides, tmp_path, "copy_delay_s=0.02")
     ranks: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 180

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT, TINY_RUN, job_env, torchrun_cmd
+from conftest import ROOT, TINY_HF, TINY_RUN, job_env, torchrun_cmd
 
 from nodetrain.checkpoint import state as st
 from nodetrain.checkpoint import writer as writer_mod
@@ -32,21 +32,11 @@ from nodetrain.optim.adamw import StoreAdamW
 from nodetrain.run.jobs import REFUSALS
 from nodetrain.store import HostStore, StoreLayout
 
-HF = {
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 64,
-    "vocab_size": 128,
-    "max_position_embeddings": 64,
-}
-
 
 @pytest.fixture
 def writer(tmp_path: Path, shm_dir: Path, one_rank_world):
     """A CheckpointWriter of a tiny model's whole store, rank 0 of a world of one (gloo)."""
-    model = HFModel(build_hf_config(ModelConfig(name="t", hf=HF)))
+    model = HFModel(build_hf_config(ModelConfig(name="t", hf=TINY_HF)))
     store = HostStore.create(
         StoreLayout(tuple(u.numel for u in model.units), torch.bfloat16), shm_dir, "disk"
     )
@@ -136,14 +126,15 @@ def test_a_full_data_dir_is_a_refusal_naming_the_space(tmp_path: Path, monkeypat
 
 def test_a_full_disk_under_metrics_jsonl_loses_no_trained_step_s_row(tmp_path: Path, corpus) -> None:
     """Issue 32, item 6, as a user meets it (2 ranks): from step 8 on the run directory's disk is full
-    (``test.metrics_full_step``), so the run stops after step 9 with a refusal and the checkpoint of
-    step 9; once space is freed, ``checkpoint.resume=auto`` finishes, and metrics.jsonl holds every
-    step 1..12 once: the checkpoint carried the rows of steps 8 and 9."""
+    (``NODETRAIN_FAULTS=metrics_full_step=8``), so the run stops after step 9 with a refusal and the
+    checkpoint of step 9; once space is freed, ``checkpoint.resume=auto`` finishes, and metrics.jsonl holds
+    every step 1..12 once: the checkpoint carried the rows of steps 8 and 9."""
     run = tmp_path / "run"
     base = [*TINY_RUN, *corpus, "logging.wandb=false", "logging.plots=false", f"store.dir={tmp_path}"]
     base += ["train.eval_every=0", "train.steps=12", "checkpoint.every=0", f"hydra.run.dir={run}"]
     kw = {"cwd": ROOT, "env": job_env(), "capture_output": True, "text": True, "timeout": 240}
-    full = subprocess.run(torchrun_cmd(2, "-m", "nodetrain.train", *base, "test.metrics_full_step=8"), **kw)
+    full_env = job_env(NODETRAIN_FAULTS="metrics_full_step=8")
+    full = subprocess.run(torchrun_cmd(2, "-m", "nodetrain.train", *base), **{**kw, "env": full_env})
     assert full.returncode != 0
     assert "the filesystem is full: the row of step 8 in metrics.jsonl" in full.stdout + full.stderr
     rows = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]

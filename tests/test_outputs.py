@@ -239,9 +239,9 @@ def test_a_store_dir_that_is_not_a_writable_directory_is_refused_by_name(tmp_pat
 # ----------------------------------------------------------------------------- real launches
 
 
-def _launch(overrides: list[str], runs: Path) -> subprocess.Popen:
+def _launch(overrides: list[str], runs: Path, faults: str = "") -> subprocess.Popen:
     cmd = torchrun_cmd(2, "-m", "nodetrain.train", *overrides)
-    return start_job(cmd, job_env(NODETRAIN_RUNS=str(runs)))
+    return start_job(cmd, job_env(NODETRAIN_RUNS=str(runs), NODETRAIN_FAULTS=faults))
 
 
 def _sha256s(directory: Path) -> dict[str, str]:
@@ -276,7 +276,7 @@ def test_two_launches_on_one_run_dir_the_second_is_refused(tmp_path: Path, corpu
     run = tmp_path / "run"
     args = [*corpus, *TINY_RUN, f"hydra.run.dir={run}", f"store.dir={shm_dir}", "train.eval_every=0"]
     args += ["logging.wandb=false", "logging.plots=false", "train.steps=500", "checkpoint.on_signal=exit"]
-    first = _launch([*args, "stream.test_copy_delay_s=0.05"], tmp_path)  # slow steps: still running later
+    first = _launch(args, tmp_path, "copy_delay_s=0.05")  # slow steps: still running later
     try:
         deadline = time.monotonic() + 120
         while not (run / "metrics.jsonl").is_file():

@@ -154,8 +154,8 @@ def test_a_stop_while_the_last_checkpoint_is_written_finishes_it(
 ) -> None:
     """SIGTERM while the final save is being written (1 s per file): the rank says at once that it
     finishes the save first, and step-2 is committed whole (it used to be cut off by the signal)."""
-    overrides = [*TINY, *corpus, f"store.dir={shm_dir}", "train.steps=2", "checkpoint.test_write_delay_s=1"]
-    job = _launch(2, overrides, tmp_path)
+    overrides = [*TINY, *corpus, f"store.dir={shm_dir}", "train.steps=2"]
+    job = _launch(2, overrides, tmp_path, "write_delay_s=1")
     try:
         deadline = time.monotonic() + 180
         while not list((tmp_path / "runs").glob("*/checkpoints/step-2.tmp/*")):

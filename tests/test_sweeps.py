@@ -33,7 +33,7 @@ TINY = [*TINY_RUN, "train.eval_batches=1"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def _env(tmp_path: Path, wandb_mode: str) -> dict[str, str]:
+def _env(tmp_path: Path, wandb_mode: str, faults: str = "") -> dict[str, str]:
     wandb_home = str(tmp_path / "wandb_home")
     return dict(
         os.environ,
@@ -44,6 +44,7 @@ def _env(tmp_path: Path, wandb_mode: str) -> dict[str, str]:
         WANDB_CONFIG_DIR=wandb_home,
         WANDB_CACHE_DIR=wandb_home,
         WANDB_DATA_DIR=wandb_home,
+        NODETRAIN_FAULTS=faults,
     )
 
 
@@ -159,16 +160,21 @@ def test_a_refused_later_job_of_a_sweep_is_printed_once_by_rank_0(
 
 
 def test_multirun_job_failing_on_one_rank_ends_the_sweep(tmp_path: Path, corpus: list[str], shm_dir) -> None:
-    """Rank 1 of 2 raises at step 2 of job 0 (``test.fail_*``); rank 0 is then waiting for it in the
-    pipeline. Hydra would start job 1 after a failed job; instead every rank exits within seconds,
-    job 1 never starts, rank 1's traceback is torchrun's root cause, and nothing of the run is left in
-    /dev/shm (DESIGN invariant 7; issue 5's 2-rank failure)."""
+    """Rank 1 of 2 raises at step 2 of job 0 (``NODETRAIN_FAULTS=fail_rank=1,fail_step=2``); rank 0 is then
+    waiting for it in the pipeline. Hydra would start job 1 after a failed job; instead every rank exits
+    within seconds, job 1 never starts, rank 1's traceback is torchrun's root cause, and nothing of the run is
+    left in /dev/shm (DESIGN invariant 7; issue 5's 2-rank failure)."""
     overrides = [*TINY, *corpus, "train.steps=20", "train.eval_every=0", "logging.plots=false"]
-    overrides += [f"store.dir={shm_dir}", "test.fail_rank=1", "test.fail_step=2", "optim.lr=1e-3,3e-4"]
+    overrides += [f"store.dir={shm_dir}", "optim.lr=1e-3,3e-4"]
     cmd = torchrun_cmd(2)
     cmd += ["-m", "nodetrain.train", "--multirun", *overrides]
     proc = subprocess.run(
-        cmd, cwd=ROOT, env=_env(tmp_path, "disabled"), capture_output=True, text=True, timeout=300
+        cmd,
+        cwd=ROOT,
+        env=_env(tmp_path, "disabled", "fail_rank=1,fail_step=2"),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     exited = time.time()
     out = proc.stdout + proc.stderr
@@ -176,7 +182,7 @@ def test_multirun_job_failing_on_one_rank_ends_the_sweep(tmp_path: Path, corpus:
     (sweep,) = (tmp_path / "runs").iterdir()
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0"], "job 1 started after a failure"
     log = (sweep / "0" / "rank1.log").read_text()
-    assert "job failed; ending this rank" in log and "test.fail_step=2: injected failure" in log
+    assert "job failed; ending this rank" in log and "fail_step=2: injected failure" in log
     assert [r["step"] for r in _records(sweep / "0")] == [1], "step 2 must not complete"
     failed = re.search(r"^\[([\d\- :,]+)\]\[rank1\]\[nodetrain\.run\.jobs\]\[ERROR\] - job failed", log, re.M)
     failed_at = failed[1]

@@ -35,7 +35,7 @@ from nodetrain.model import HFModel, build_hf_config
 from nodetrain.optim.adamw import StoreAdamW
 from nodetrain.optim.tier_files import TIER_FIELDS, TierLayout
 from nodetrain.plan.host import preflight
-from nodetrain.run.inject import NO_FAULTS
+from nodetrain.run.inject import NO_FAULTS, Faults
 
 # fmt: off
 ONE = Case("llama-1stage-gpipe-slots1-accum2x2", "LlamaForCausalLM", 1, "gpipe", 1, 2, 2)
@@ -191,23 +191,21 @@ def test_a_full_tier_dir_is_refused_up_front_and_ram_fits_less(tmp_path: Path) -
     store = store_layout(shape_of(model), torch.float32)
     tier = TierLayout(store).nbytes
     assert tier == sum(-(-4 * n // 4096) * 4096 * 3 for n in store.unit_numels)  # master + 2 moments
-    cfg.test.tier_free_bytes = tier - 1
     with pytest.raises(
         ConfigError, match=rf"store\.tier_dir={tmp_path}: the tier needs 0\.00 GB .* use store\.tier=ram"
     ):
-        preflight(cfg, model, 1)
-    cfg.test.tier_free_bytes = tier
-    preflight(cfg, model, 1)
+        preflight(cfg, model, 1, Faults(tier_free_bytes=tier - 1))
+    preflight(cfg, model, 1, Faults(tier_free_bytes=tier))
     cfg.store.tier_dir = str(tmp_path / "missing")  # the training start-up, not validate, refuses it
     with pytest.raises(ConfigError, match=f"store.tier_dir={tmp_path / 'missing'}: not a directory"):
-        preflight(cfg, model, 1)
+        preflight(cfg, model, 1, Faults(tier_free_bytes=tier))
     cfg.store.tier_dir = str(tmp_path)
     # RAM allowed: more than the store without its tier fields (+ the pool), less than the whole store
-    cfg.test.host_available_bytes = store.nbytes - 1
-    preflight(cfg, model, 1)
+    faults = Faults(tier_free_bytes=tier, host_available_bytes=store.nbytes - 1)
+    preflight(cfg, model, 1, faults)
     cfg.store.tier = "ram"
     with pytest.raises(ConfigError, match="host memory: the host store needs"):
-        preflight(cfg, model, 1)
+        preflight(cfg, model, 1, faults)
 
 
 def test_a_failing_tier_write_ends_every_rank_naming_the_file_and_errno(
@@ -216,10 +214,11 @@ def test_a_failing_tier_write_ends_every_rank_naming_the_file_and_errno(
     """Rank 1's tier writes fail with EIO from its 6th on (after its start-up fills: during step 1's
     or 2's write-backs); the job ends, the error names the tier file, the offset and the errno."""
     (tmp_path / "tier").mkdir()
-    tier = [f"store.tier_dir={tmp_path / 'tier'}", "test.tier_fail_rank=1", "test.tier_fail_write=6"]
-    overrides = [*TINY, *corpus, "train.steps=20", f"store.dir={shm_dir}", "store.tier=nvme", *tier]
+    tier = [f"store.tier_dir={tmp_path / 'tier'}", "store.tier=nvme"]
+    overrides = [*TINY, *corpus, "train.steps=20", f"store.dir={shm_dir}", *tier]
     cmd = torchrun_cmd(2, "-m", "nodetrain.train", *overrides)
-    proc = start_job(cmd, job_env(NODETRAIN_RUNS=str(tmp_path / "runs")))
+    faults = "tier_fail_rank=1,tier_fail_write=6"
+    proc = start_job(cmd, job_env(NODETRAIN_RUNS=str(tmp_path / "runs"), NODETRAIN_FAULTS=faults))
     try:
         out, _ = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:

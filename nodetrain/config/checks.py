@@ -1,11 +1,12 @@
 """Start-up validation of the config: every field and cross-field rule, checked once, before any allocation.
 
-Owns: what a valid config is beyond one key's range (fields.py holds those and runs first): rules
-between keys, the Hugging Face keys each arch accepts, the model shape, stages vs ranks vs layers,
-batch divisibility, the test-only knobs; and the one ``ConfigError`` that lists every problem as
-``key=value: what is wrong; fix``. Runs identically on every rank. Does not own: the schema's fields
-and defaults (nodetrain/config/schema.py, which re-exports ``validate``, ``ConfigError``, ``HF_KEYS``
-and ``SUPPORTED_ARCHS``), reading YAML (Hydra), or anything that needs torch.distributed.
+Owns: what a valid config is beyond one key's range (those sit on the fields, walked first by
+fields.py): rules between keys grouped by section, the Hugging Face keys each arch accepts, the model
+shape, stages vs ranks vs layers, batch divisibility; and the one ``ConfigError`` that lists every
+problem as ``key=value: what is wrong; fix``. Runs identically on every rank. Does not own: the
+schema's fields, defaults and one-field rules (nodetrain/config/schema.py, which re-exports
+``validate``, ``ConfigError``, ``HF_KEYS`` and ``SUPPORTED_ARCHS``), reading YAML (Hydra), or anything
+that needs torch.distributed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from nodetrain.config.fields import check_fields
 from nodetrain.config.tier_checks import check_tier
 
 if TYPE_CHECKING:  # the schema imports this module: types only, no runtime import back
-    from nodetrain.config.schema import Config, FaultInjectionConfig, ModelConfig, PipelineConfig, TrainConfig
+    from nodetrain.config.schema import Config, ModelConfig, PipelineConfig, TrainConfig
 
 __all__ = [
     "HF_KEYS",
@@ -155,8 +156,8 @@ def check_unknown_keys(cfg: Config) -> None:
     problems.raise_if_any()
 
 
-def _check_cross_fields(cfg: Config, infinite: set[str], problems: Problems) -> None:
-    """Rules between keys of the run (``infinite``: keys :func:`check_fields` found non-finite)."""
+def _check_data(cfg: Config, problems: Problems) -> None:
+    """``data``'s rules between keys."""
     if cfg.data.tokenizer in ("", "bpe") and cfg.data.vocab_size < 257:  # data preparation's rule
         problems.add(
             "data.vocab_size",
@@ -164,6 +165,10 @@ def _check_cross_fields(cfg: Config, infinite: set[str], problems: Problems) -> 
             "must be >= 257 for the BPE data.tokenizer trains",
             "a byte-level BPE needs the 256 bytes and the end-of-text token",
         )
+
+
+def _check_optim(cfg: Config, infinite: set[str], problems: Problems) -> None:
+    """``optim``'s rules between keys (``infinite``: keys :func:`check_fields` found non-finite)."""
     if not infinite & {"optim.lr", "optim.min_lr"} and not 0 <= cfg.optim.min_lr <= cfg.optim.lr:
         problems.add("optim.min_lr", cfg.optim.min_lr, f"must be <= optim.lr={cfg.optim.lr}", "lower it")
     if cfg.optim.state == "lean" and cfg.train.dtype != "bfloat16":
@@ -318,17 +323,6 @@ def _check_batch(train: TrainConfig, pipeline: PipelineConfig, nodes: int, probl
         problems.add("train.grad_accum", train.grad_accum, what, "leave it at 1 when train.batch_size is set")
 
 
-def _check_test_knobs(test: FaultInjectionConfig, world_size: int, problems: Problems) -> None:
-    for kind in ("fail", "nan"):
-        rank, step = getattr(test, f"{kind}_rank"), getattr(test, f"{kind}_step")
-        if not -1 <= rank < world_size:
-            problems.add(
-                f"test.{kind}_rank", rank, f"not a rank of {world_size}", "use -1 (off) outside tests"
-            )
-        if step == 0 or step < -1:
-            problems.add(f"test.{kind}_step", step, "must be -1 (off) or a 1-based step", "use -1")
-
-
 def validate(cfg: Config, world_size: int, local_world_size: int = 0) -> None:
     """Check every field and cross-field rule once, before any allocation (identically on every rank).
 
@@ -342,7 +336,9 @@ def validate(cfg: Config, world_size: int, local_world_size: int = 0) -> None:
     """
     assert world_size >= 1, f"world_size must be >= 1, got {world_size}"
     problems = Problems()
-    _check_cross_fields(cfg, check_fields(cfg, problems), problems)
+    infinite = check_fields(cfg, problems)  # every section's one-field rules (config/fields.py)
+    _check_data(cfg, problems)
+    _check_optim(cfg, infinite, problems)
     _check_hf_keys(cfg.model, problems)
     hf = _effective_hf(cfg.model, problems)
     _check_shape(cfg.model, hf, problems)
@@ -350,6 +346,5 @@ def validate(cfg: Config, world_size: int, local_world_size: int = 0) -> None:
     per_node = local_world_size or world_size
     _check_stages(cfg, world_size, per_node, hf, problems)
     _check_batch(cfg.train, cfg.pipeline, max(1, world_size // per_node), problems)
-    _check_test_knobs(cfg.test, world_size, problems)
     check_tier(cfg, problems)
     problems.raise_if_any()

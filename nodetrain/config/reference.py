@@ -109,8 +109,9 @@ def render(config_dir: Path = CONFIG_DIR) -> str:
         "`torchrun --nproc_per_node 2 -m nodetrain.train train.steps=500 optim.lr=1e-3"
         " pipeline.schedule=gpipe`.",
         "Unknown keys are refused, and the whole config is checked before anything is allocated",
-        "(nodetrain/config/checks.py, [failures.md](failures.md)). The `test` group and `*.test_*` keys are",
-        "test-only knobs; the `hardware` keys are a profile's numbers (`conf/hardware/`).",
+        "(each key's range beside it in nodetrain/config/schema.py, the rules between keys in",
+        "nodetrain/config/checks.py, [failures.md](failures.md)); the `hardware` keys are a profile's",
+        "numbers (`conf/hardware/`). Test-only knobs are no keys (`NODETRAIN_FAULTS`, run/inject.py).",
         "",
         "## Groups",
         "",

@@ -197,12 +197,13 @@ def build_engine(
             (checkpoint import); default is random init.
         topology: stage and replica of this rank when several nodes each run a replica of the pipeline
             (core/topology.py); default: one pipeline over the world, stage = rank.
-        faults: test-only fault injection (run/inject.py); default: ``Faults.from_config(cfg)``.
+        faults: test-only fault injection (run/inject.py); default: ``Faults.from_env(world_size)``
+            (``NODETRAIN_FAULTS``).
         batch: the run's batch, already resolved (train.py resolves it before the data); default: resolved
             here.
     """
     topo = topology or Topology.single(rank, world_size, local_rank)
-    faults = faults or Faults.from_config(cfg)
+    faults = faults or Faults.from_env(world_size)
     cores = bind_rank_threads(cfg.stream.accum_threads, cfg.optim.threads, device, topo.local_rank)
     dtype = DTYPES[cfg.train.dtype]
     peak = peak_flops(device, dtype, cfg.train.peak_flops, cfg.hardware)

@@ -19,11 +19,12 @@ from nodetrain.config.tier_checks import tier_dir_problem, tier_space_problem
 from nodetrain.core.update import update_kind
 from nodetrain.cost.memory import field_bytes, pin_overhead_bytes, store_layout
 from nodetrain.cost.shape import shape_of
+from nodetrain.cost.tier import ram_store_bytes
+from nodetrain.cost.tier import tier_bytes as nvme_bytes  # the name tier_bytes is a local below
 from nodetrain.cost.traffic import speculative_backup_bytes
 from nodetrain.model import HFModel
-from nodetrain.optim.tier_files import TierLayout
-from nodetrain.run.inject import Faults
-from nodetrain.store import StoreLayout, remove_stale_stores
+from nodetrain.run.inject import NO_FAULTS, Faults
+from nodetrain.store import remove_stale_stores
 
 __all__ = ["host_problems", "preflight"]
 
@@ -75,15 +76,7 @@ def host_problems(
     return problems
 
 
-def _tier_split(layout: StoreLayout, buffers: int) -> tuple[int, int]:
-    """(host RAM bytes, tier file bytes) of a store with ``store.tier=nvme``: RAM keeps the fields the
-    tier does not hold and ``buffers`` of its largest units' tier fields (the pool, optim/tier.py)."""
-    tier = TierLayout(layout)
-    per_unit = sorted((tier.unit_nbytes(u) for u in range(len(layout.unit_numels))), reverse=True)
-    return layout.nbytes - tier.nbytes + sum(per_unit[:buffers]), tier.nbytes
-
-
-def preflight(cfg: Config, model: HFModel, world_size: int) -> int:
+def preflight(cfg: Config, model: HFModel, world_size: int, faults: Faults = NO_FAULTS) -> int:
     """Refuse, before anything is allocated, a run whose host store cannot fit this node.
 
     Removes host stores of dead runs from ``store.dir`` first (as ``HostStore.create`` would), so
@@ -103,25 +96,24 @@ def preflight(cfg: Config, model: HFModel, world_size: int) -> int:
     if not store_dir.is_dir():
         raise ConfigError(f"store.dir={store_dir}: not a directory; create it or use /dev/shm")
     remove_stale_stores(store_dir, remove=cfg.store.cleanup_stale)
-    shape, faults = shape_of(model), Faults.from_config(cfg)
+    shape = shape_of(model)
     layout = store_layout(shape, getattr(torch, cfg.train.dtype), cfg.optim.state)
     nbytes = ram_bytes = layout.nbytes
     tier_problem = None
     if cfg.store.tier == "nvme":  # RAM holds the rest of the store and the tier's pool
         if missing := tier_dir_problem(cfg.store.tier_dir):
             raise ConfigError(missing)
-        ram_bytes, tier_bytes = _tier_split(layout, cfg.store.tier_buffers)
+        ram_bytes = ram_store_bytes(layout, "nvme", cfg.store.tier_buffers)  # the planner's arithmetic
+        tier_bytes = nvme_bytes(layout, cfg.store.tier_buffers)[0]
         real = os.statvfs(cfg.store.tier_dir)
-        free = faults.tier_free_bytes(real.f_bavail * real.f_frsize)
+        free = faults.seen_tier_free_bytes(real.f_bavail * real.f_frsize)
         tier_problem = tier_space_problem(cfg.store.tier_dir, tier_bytes, free)
     overhead = int(cfg.plan.rank_overhead_gb * GB)
     overhead += speculative_backup_bytes(shape, update_kind(cfg.optim) == "speculative") // world_size
     if torch.cuda.is_available():  # each rank page-locks the transfer copies it loads (HostStore.pin)
-        compute = field_bytes(store_layout(shape, getattr(torch, cfg.train.dtype), cfg.optim.state))[
-            "compute"
-        ]
+        compute = field_bytes(layout)["compute"]
         overhead += pin_overhead_bytes(compute) // world_size
-    available = faults.host_available_bytes(psutil.virtual_memory().available)
+    available = faults.seen_host_available_bytes(psutil.virtual_memory().available)
     free = shutil.disk_usage(store_dir).free
     problems = host_problems(ram_bytes, world_size, overhead, available, free, store_dir)
     problems += [tier_problem] if tier_problem else []
