@@ -168,3 +168,14 @@ def family_tokenizer(name: str) -> transformers.PreTrainedTokenizerFast:
     tok.add_special_tokens({"additional_special_tokens": special})
     tok.chat_template = (TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8")
     return tok
+
+
+def target_runs(tok, ids: list[int], mask: list[bool]) -> list[str]:
+    """The decoded runs of consecutive target tokens (``mask`` true) of ``ids``, in order."""
+    runs, run = [], []
+    for i, m in zip(ids, mask, strict=True):
+        if m:
+            run.append(i)
+        elif run:
+            runs, run = [*runs, run], []
+    return [tok.decode(r) for r in [*runs, run] if r]

@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 
 import pytest
-from chat_fixtures import MULTI_TURN, TOOL_CHAT, WEATHER_TOOL, family_tokenizer, save
+from chat_fixtures import MULTI_TURN, TOOL_CHAT, WEATHER_TOOL, family_tokenizer, save, target_runs
 
 from nodetrain.config.schema import DataConfig
 from nodetrain.data.chat import turn_terminators
@@ -84,17 +84,6 @@ def _conversations(family: str) -> dict[str, tuple[list[dict], list[dict] | None
     return out
 
 
-def _runs(tok, ids: list[int], mask: list[bool]) -> list[str]:
-    """The decoded runs of consecutive target tokens."""
-    runs, run = [], []
-    for i, m in zip(ids, mask, strict=True):
-        if m:
-            run.append(i)
-        elif run:
-            runs, run = [*runs, run], []
-    return [tok.decode(r) for r in [*runs, run] if r]
-
-
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_stock_templates_train_the_terminator_each_turn_ends_with(family: str) -> None:
     """The targets of each family's stock template, multi-turn and with tool calls, as the rule says."""
@@ -102,7 +91,7 @@ def test_stock_templates_train_the_terminator_each_turn_ends_with(family: str) -
     for name, want in EXPECTED[family].items():
         messages, tools = _conversations(family)[name]
         ids, mask = tokenize_record({"messages": messages, "tools": tools}, tok)
-        assert _runs(tok, ids, mask) == want, (family, name)
+        assert target_runs(tok, ids, mask) == want, (family, name)
         plain = list(tok.apply_chat_template(messages, tools=tools, return_dict=True)["input_ids"])
         if family == "glm4moe":  # the marker a next message would open with, appended (as TRL's renders)
             assert ids == [*plain, tok.convert_tokens_to_ids("<|user|>")] and mask[-1]
@@ -120,11 +109,11 @@ def test_glm_turns_end_with_the_next_role_s_marker_whatever_comes_next() -> None
     messages += [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "More?"}]
     messages += [{"role": "assistant", "content": "No."}]
     ids, mask = tokenize_record({"messages": messages, "tools": [WEATHER_TOOL]}, tok)
-    runs = _runs(tok, ids, mask)
+    runs = target_runs(tok, ids, mask)
     ends = ("</tool_call><|observation|>", "Clear.<|system|>", "No.<|user|>")
     assert len(runs) == 3 and all(r.endswith(e) for r, e in zip(runs, ends, strict=True)), runs
     ids, mask = tokenize_record({"prompt": messages[:5], "completion": messages[5:]}, tok)
-    assert _runs(tok, ids, mask) == ["\n<think></think>\nNo.<|user|>"]
+    assert target_runs(tok, ids, mask) == ["\n<think></think>\nNo.<|user|>"]
 
 
 def test_glm_records_are_packed_with_the_appended_marker_as_the_last_label(tmp_path: Path) -> None:

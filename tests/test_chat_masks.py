@@ -23,6 +23,7 @@ from chat_fixtures import (
     WEATHER_TOOL,
     qwen3_tokenizer,
     save,
+    target_runs,
 )
 
 from nodetrain.config.schema import DataConfig
@@ -52,17 +53,6 @@ CONVERSATIONS = {
 }
 
 
-def _segments(tok, ids: list[int], mask: list[bool]) -> list[str]:
-    """The decoded runs of consecutive target tokens."""
-    runs, run = [], []
-    for i, m in zip(ids, mask, strict=True):
-        if m:
-            run.append(i)
-        elif run:
-            runs, run = [*runs, run], []
-    return [tok.decode(r) for r in [*runs, run] if r]
-
-
 @pytest.mark.parametrize("eos", ["<|im_end|>", "<|endoftext|>"])
 @pytest.mark.parametrize("name", list(CONVERSATIONS))
 def test_qwen3_masks_equal_the_template_s_own_generation_markers(name: str, eos: str) -> None:
@@ -89,7 +79,7 @@ def test_a_tool_call_turn_trains_the_call_and_the_tools_reach_the_system_prompt(
     text = tok.decode(ids)
     assert text == tok.apply_chat_template(TOOL_CHAT, tools=[WEATHER_TOOL], tokenize=False)
     assert '"name": "get_weather"' in text.split("<|im_end|>")[0], "the schema is in the system prompt"
-    call, answer = _segments(tok, ids, mask)
+    call, answer = target_runs(tok, ids, mask)
     assert (
         call
         == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Verona"}}\n</tool_call><|im_end|>\n'
@@ -103,8 +93,8 @@ def test_single_and_multi_turn_records_get_the_same_rule() -> None:
     Qwen3's think block), and an earlier turn ends on the same terminator."""
     tok = qwen3_tokenizer("<|endoftext|>")
     single = [MULTI_TURN[0], *MULTI_TURN[3:]]  # system, the last question, the last answer
-    (alone,) = _segments(tok, *tokenize_record({"messages": single}, tok))
-    first, last = _segments(tok, *tokenize_record({"messages": MULTI_TURN}, tok))
+    (alone,) = target_runs(tok, *tokenize_record({"messages": single}, tok))
+    first, last = target_runs(tok, *tokenize_record({"messages": MULTI_TURN}, tok))
     assert last == alone == "<think>\n\n</think>\n\n" + MULTI_TURN[4]["content"] + "<|im_end|>\n"
     assert first == MULTI_TURN[2]["content"] + "<|im_end|>\n"
 
@@ -118,7 +108,7 @@ def test_conversational_prompt_completion_trains_the_completion_only() -> None:
     assert ids == full_ids == list(tok.apply_chat_template(MULTI_TURN, return_dict=True)["input_ids"])
     context = len(tok.apply_chat_template(prompt, add_generation_prompt=True, return_dict=True)["input_ids"])
     assert mask == [m and k >= context for k, m in enumerate(full_mask)]
-    assert _segments(tok, ids, mask) == _segments(tok, full_ids, full_mask)[1:]
+    assert target_runs(tok, ids, mask) == target_runs(tok, full_ids, full_mask)[1:]
 
 
 def test_the_turn_terminator_is_the_template_s_not_the_eos() -> None:

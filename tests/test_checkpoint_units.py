@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import TINY_HF
 from safetensors.torch import load_file, save_file
 
 from nodetrain import train
@@ -30,16 +31,6 @@ from nodetrain.config.schema import ModelConfig
 from nodetrain.model import HFModel, build_hf_config
 from nodetrain.run.jobs import REFUSALS
 from nodetrain.store import HostStore, StoreLayout
-
-TINY = {
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 64,
-    "vocab_size": 128,
-    "max_position_embeddings": 64,
-}
 
 # ----------------------------------------------------------------------------- tensors.py
 
@@ -82,13 +73,13 @@ def test_index_naming_a_missing_shard_is_refused(tmp_path: Path) -> None:
 
 
 def _model(arch: str = "LlamaForCausalLM", **hf) -> HFModel:
-    return HFModel(build_hf_config(ModelConfig(name="t", arch=arch, hf={**TINY, **hf})))
+    return HFModel(build_hf_config(ModelConfig(name="t", arch=arch, hf={**TINY_HF, **hf})))
 
 
 def _save_hf(
     path: Path, arch: str = "LlamaForCausalLM", dtype=torch.float32, **hf
 ) -> dict[str, torch.Tensor]:
-    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**{**TINY, **hf})
+    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**{**TINY_HF, **hf})
     torch.manual_seed(1)
     model = getattr(transformers, arch)(config).to(dtype)
     model.save_pretrained(path, max_shard_size="20KB")  # several shards and an index
@@ -123,7 +114,7 @@ def test_init_from_without_weights_is_a_refusal(tmp_path: Path, monkeypatch) -> 
     """A ``model.init_from`` dir with config.json (and a tokenizer) but no weights: a CheckpointError
     refusal from train's Checkpointing construction, not a FileNotFoundError traceback on every rank."""
     hf_dir = tmp_path / "hf"
-    transformers.LlamaConfig(**TINY, architectures=["LlamaForCausalLM"]).save_pretrained(hf_dir)
+    transformers.LlamaConfig(**TINY_HF, architectures=["LlamaForCausalLM"]).save_pretrained(hf_dir)
     (hf_dir / "tokenizer.json").write_text("{}")
     model = _model()
     # the construction's import check, without the process group Checkpointing itself needs

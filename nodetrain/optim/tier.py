@@ -2,7 +2,7 @@
 unit's update and written back behind it.
 
 Owns: :class:`TieredOptimizer`, which wraps the stage's AdamW (full or lean) so that every
-:meth:`~TieredOptimizer.step_unit` finds the unit's tier fields (tier_files.py :data:`TIER_FIELDS`:
+:meth:`~TieredOptimizer.step_unit` finds the unit's tier fields (cost/tier.py :data:`TIER_FIELDS`:
 ``full`` fp32 master, ``exp_avg``, ``exp_avg_sq``; ``lean`` the quantized moments and their absmax) in
 RAM, and the bounded pool that holds them; the two I/O threads (one reads, one writes back); the reads
 other components make of tier state (:meth:`~TieredOptimizer.read_fields`: checkpoint save, tests).

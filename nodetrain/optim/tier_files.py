@@ -1,11 +1,11 @@
 """The tier's file: where ``store.tier=nvme`` keeps the fields only the optimizer update touches.
 
-Owns: which fields those are (:data:`TIER_FIELDS`), the file's byte layout (:class:`TierLayout`: per
-unit, the page-aligned extents of those fields in the host store, packed in unit order), the file's
-lifecycle (created and fully allocated by local rank 0, opened by every rank, its name removed once
-all have opened it, as the store's), and the checked I/O of one unit between the file and its store
-range (:class:`TierFile`). Does not own when a unit is read or written back (tier.py), the config
-checks (config/tier_checks.py) or the store (store.py).
+Owns: the file's byte layout (:class:`TierLayout`: per unit, the page-aligned extents of those fields
+(cost/tier.py :data:`TIER_FIELDS`) in the host store, packed in unit order), the file's lifecycle (created and
+fully allocated by local rank 0, opened by every rank, its name removed once all have opened it, as the
+store's), and the checked I/O of one unit between the file and its store range (:class:`TierFile`). Does not
+own when a unit is read or written back (tier.py), the config checks (config/tier_checks.py) or the store
+(store.py).
 
 The pool: ``store.tier_buffers`` slots of page-aligned host memory (a ``memfd``, allocated once, each
 slot as large as the largest unit's tier fields). A unit's tier ranges in the store are never backed
@@ -33,15 +33,13 @@ from pathlib import Path
 
 import torch
 
-from nodetrain.store import LEAN_MOMENT_FIELDS, PAGE_BYTES, StoreLayout, pid_alive
+from nodetrain.cost.tier import TIER_FIELDS
+from nodetrain.store import PAGE_BYTES, StoreLayout, pid_alive
 
 __all__ = ["TIER_FIELDS", "TierIOError", "TierLayout", "TierFile", "remove_stale_tiers"]
 
 log = logging.getLogger(__name__)
 
-TIER_FIELDS = {"full": ("master", "exp_avg", "exp_avg_sq"), "lean": LEAN_MOMENT_FIELDS}
-"""``optim.state`` -> the store fields only the optimizer update reads and writes (and checkpoint,
-import and resume, which go through the tier)."""
 _PROT_NONE, _MAP_FIXED, _MAP_NORESERVE, _MAP_POPULATE = 0, 0x10, 0x4000, 0x8000  # <sys/mman.h>, Linux
 _NAME = re.compile(r"^nodetrain-(?P<run>.+)-(?P<pid>\d+)\.tier$")
 
