@@ -1,6 +1,6 @@
 """Counts, on the calling thread, what would stall the host on a GPU: scalar reads and data moves.
 
-Not a benchmark itself: ``gpu_syncs.py`` and ``tests/test_step_syncs.py`` use it. Inside
+Not a benchmark itself: ``gpu_syncs.py`` and ``tests/parity/test_step_syncs.py`` use it. Inside
 ``with SyncCounter() as c:`` it counts, on this thread only (torch's function and dispatch modes
 are thread-local, so the window's copy workers and the optimizer thread are not counted):
 

@@ -13,7 +13,7 @@
 # whole check is sized for 8 minutes on one H200 (DEADLINE_S): each step after gpu_syncs gets the
 # time left less what the steps after it expect (EXPECT_*_S, estimates for an H200), so a slow
 # machine skips the optional parts (the automatic-residency run, the FSDP2 peer) rather than overrun.
-# 1. gpu_tests: `pytest -m gpu` (the CUDA cases of tests/test_gpu.py, whose CPU cases run in the
+# 1. gpu_tests: `pytest -m gpu` (the CUDA cases of tests/dist/test_gpu.py, whose CPU cases run in the
 #    suite: CUDA parity in fp32 against a CUDA reference, side-stream copies, a slot reloaded only
 #    after its reads with no host sync before release(), the D2H staging wait, saved inputs' round
 #    trip through pinned host buffers (stream.offload_activations), CUDA timeline), ≤ 150 s, log and
@@ -75,7 +75,7 @@ print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
                   "gpu": torch.cuda.get_device_name(0) if cuda else None}))
 EOF
 
-timeout 150 "$py" -m pytest -m gpu -q -p no:cacheprovider --junitxml "$out/gpu_tests.xml" tests/test_gpu.py \
+timeout 150 "$py" -m pytest -m gpu -q -p no:cacheprovider --junitxml "$out/gpu_tests.xml" tests/dist/test_gpu.py \
     >"$out/gpu_tests.log" 2>&1
 tests_rc=$?
 tail -n 3 "$out/gpu_tests.log"

@@ -1,7 +1,7 @@
 """The planner figures README.md and docs/planner.md quote, recomputed from the commands they show:
 check or rewrite them.
 
-    python bench/readme_figures.py --check   # exit 1, naming every figure that differs (tests/test_readme.py)
+    python bench/readme_figures.py --check   # exit 1 naming each differing figure (tests/e2e/test_readme.py)
     python bench/readme_figures.py --write   # rewrite those figures in both documents, in place
 
 Two kinds of quote:

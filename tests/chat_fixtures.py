@@ -2,15 +2,15 @@
 tokens of Qwen3 and Llama-3, and their chat templates.
 
 ``templates/qwen3.jinja`` is Qwen3's chat template byte for byte as Qwen/Qwen3-0.6B ships it (the copy
-TRL keeps to recognise it, trl/chat_templates/qwen3.jinja; tests/test_trl_agreement.py checks they are
+TRL keeps to recognise it, trl/chat_templates/qwen3.jinja; tests/parity/test_trl_agreement.py checks they are
 equal). ``templates/qwen3_marked.jinja`` is that template with ``{% generation %}`` markers around
-each assistant turn's output and nothing else changed (tests/test_chat_masks.py checks it renders
+each assistant turn's output and nothing else changed (tests/unit/test_chat_masks.py checks it renders
 the same tokens), so transformers' ``return_assistant_tokens_mask`` on it is an independent
 reference for the segmentation of the unmarked one.
 
 ``templates/{glm4moe,gptoss,deepseekv3,phi3}.jinja`` are the stock templates of GLM-4.5, GPT-OSS,
 DeepSeek-V3 and Phi-3 as TRL keeps them to recognise those models (trl 1.16,
-``trl/chat_templates/<name>.jinja``; tests/test_chat_families.py checks they are TRL's), each with a
+``trl/chat_templates/<name>.jinja``; tests/unit/test_chat_families.py checks they are TRL's), each with a
 tokenizer of that family's special tokens (:func:`family_tokenizer`).
 """
 

@@ -43,6 +43,12 @@ TINY_RUN = [
 ]
 """Hydra overrides of a 2-layer, hidden-64 Llama on 16-token sequences: the cheapest real CLI run."""
 TESTS = Path(__file__).resolve().parent
+"""tests/: the shared helpers (fixtures, *_worker.py scripts run by path, templates/) live here."""
+TIERS = ("unit", "dist", "parity", "e2e")
+"""The suite's layers (README): in-process units, multi-process, against references, end to end."""
+for _tier in TIERS:  # a test may import a sibling test module's helpers across tiers (test_plan's _config_a)
+    if str(TESTS / _tier) not in sys.path:
+        sys.path.append(str(TESTS / _tier))
 
 
 SONNET = (

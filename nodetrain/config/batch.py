@@ -30,7 +30,7 @@ def grad_accum_for(cfg: Config, micro_batch_size: int, microbatches: int, num_re
 
 def microbatches_per_step(grad_accum: int, microbatches: int) -> int:
     """Micro-batches one replica runs per optimizer step: ``grad_accum`` rounds (G) of
-    ``pipeline.microbatches`` (M), G·M. The one place this product is taken (tests/test_layout.py)."""
+    ``pipeline.microbatches`` (M), G·M. The one place this product is taken (tests/unit/test_layout.py)."""
     return grad_accum * microbatches
 
 

@@ -161,7 +161,7 @@ def p2p_groups(actions: list[Action], stage: int, num_stages: int) -> list[tuple
     ``send_backward_recv_forward`` (arXiv:2104.04473) generalised to every action: NCCL runs a
     rank pair's operations in the order they were posted and ignores tags, so a send posted on
     its own before a receive from the same peer deadlocks in 1F1B's steady state (both stages
-    send first); posted as one group, the two complete together. tests/test_pipeline.py checks
+    send first); posted as one group, the two complete together. tests/unit/test_pipeline.py checks
     every schedule, 2-8 stages, against a model of those semantics.
 
     Returns:

@@ -62,7 +62,7 @@ class Faults:
         metrics_full_step: the step from whose row on every write to ``metrics.jsonl`` fails with
             ENOSPC (a full disk).
         skip_compute_wait: a planted bug, not in the variable: the copy workers do not wait for the
-            compute queued before a job (CUDA; proves the slot-reuse test can fail, tests/test_gpu.py).
+            compute queued before a job (CUDA; proves the slot-reuse test can fail, tests/dist/test_gpu.py).
     """
 
     copy_delay_s: float = 0.0

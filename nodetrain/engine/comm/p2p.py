@@ -27,7 +27,7 @@ class P2P:
     with a receive is waited for (its data is needed next, in the ``bubble`` phase). A group of
     sends only is held until it is known complete: once a later group receiving from the same peer
     was waited (that peer posted the receive of every earlier send no later than it sent what
-    arrived, true of ``p2p_groups``' order for every schedule, tests/test_memory.py; so waiting the
+    arrived, true of ``p2p_groups``' order for every schedule, tests/dist/test_memory.py; so waiting the
     held send returns once its data is through), or as soon as ``is_completed()`` says so (NCCL; a
     gloo send reports completion only once waited), or at :meth:`wait_sends`. So each sent
     activation is let go during the step, not at its end. Tags (``2·mb`` activations,

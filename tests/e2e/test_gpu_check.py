@@ -1,0 +1,195 @@
+"""``bench/gpu_check.sh``: its syntax, its usage errors, and its dry run on CPU end to end.
+
+The dry run goes through the same steps as on a GPU machine (``pytest -m gpu``, which skips here,
+the copy bandwidths of ``bench/copy_bandwidth.py`` on the CPU, the 2-rank vs 1-rank loss check of
+``bench/gpu_two_rank.py`` on gloo, the sync counts, a streamed ``torchrun -m nodetrain.train`` of a
+tiny Llama-3.2-3B-like shape, the peers of ``bench/gpu_peers.py`` (plain PyTorch, FSDP2 with CPU
+offload on a gloo CPU mesh), a tiny Qwen3-MoE run and the resume check of ``bench/gpu_resume.py``)
+and must leave the JSON files the GPU run leaves, with the fields the closing note reports, in one
+``check.json``. The comparisons the check makes (resumed vs uninterrupted, ratios to the peers, the
+start-up read from a log) are checked on their own below, each with a case that must fail.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu_check.sh"
+sys.path.insert(0, str(ROOT))
+from bench import _check_json  # noqa: E402
+from bench._gpu_shapes import DENSE, MOE  # noqa: E402
+
+
+def test_syntax_and_usage(tmp_path: Path) -> None:
+    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+    no_args = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True)
+    assert no_args.returncode == 2 and "usage" in no_args.stderr
+    bad = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "--fast"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--dry-run" in bad.stderr
+
+
+def test_dry_run_writes_the_results(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), str(out), "--dry-run"], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    check = json.loads((out / "check.json").read_text())
+    assert check["dry_run"] and check["passed"] and check["gpu"] is None
+    steps = check["steps"]
+    assert set(steps) == set(_check_json.STEPS)
+    assert all(s["passed"] and s["rc"] == 0 and s["s"] >= 0 for s in steps.values()), steps
+    assert steps["gpu_tests"]["tests"] == steps["gpu_tests"]["skipped"] > 0  # no CUDA here
+    assert steps["copy_bandwidth"]["h2d_store_gbps"] > 0
+    assert 0 <= steps["two_rank"]["max_abs_diff"] <= 1e-5 and "gloo" in steps["two_rank"]["backend_2rank"]
+    assert steps["gpu_syncs"]["grows_with_microbatches"] is False  # the CPU counter's, on a dry run
+    streamed = steps["train"]["streamed"]
+    assert streamed["mfu"] > 0 and streamed["peak_flops_source"] == "measured matmul (CPU)"
+    assert streamed["startup_s"] > 0 and streamed["startup_gbps"] > 0
+    loss = streamed["loss_first_last"]
+    assert loss[1] < loss[0]
+    peers = steps["peers"]
+    for shape, peer in (("dense", "plain"), ("dense", "fsdp2_offload"), ("moe", "plain")):
+        assert peers[shape][peer]["tokens_per_s"] > 0 and peers[shape][peer]["mfu"] > 0, (shape, peer)
+    assert peers["dense"]["plain"]["layers"] == steps["train"]["layers"] == 4
+    assert streamed["vs_plain"] > 0 and streamed["vs_fsdp2_offload"] > 0
+    moe = steps["train_moe"]["moe"]
+    assert steps["train_moe"]["layers"] == peers["moe"]["plain"]["layers"] == 2
+    assert moe["vs_plain"] > 0 and moe["mfu"] > 0 and "vs_fsdp2_offload" not in moe
+    resume = steps["resume"]
+    assert resume["steps_equal"] and resume["checkpoint_equal"] and resume["tensors"] > 0
+    two = json.loads((out / "two_rank" / "two_rank.json").read_text())
+    assert len(two["losses_1rank"]) == len(two["losses_2rank"]) == 5
+    copies = json.loads((out / "copy_bandwidth.json").read_text())
+    keys = ("h2d_store_gbps", "h2d_pageable_gbps", "d2h_staging_gbps", "d2h_pageable_gbps", "offload_gbps")
+    for key in keys:
+        assert copies[key] > 0, key
+    assert copies["device"] == "cpu" and not copies["staging_pinned"]
+    summary = json.loads((out / "summary.json").read_text())
+    run = summary["runs"]["streamed"]
+    for key in ("tflops", "mfu", "h2d_gbps", "d2h_gbps", "stall_pct", "step_s", "shares_pct"):
+        assert key in run, key
+    assert run["h2d_gbps"] > 0 and 0 < run["mfu"]
+    last = json.loads((out / "streamed.json").read_text())["last_step"]
+    assert "stage0/compute_s" in last and last["num_resident"] == 0
+    # no checkpoint unless asked (gpu_train.py --checkpoint): the 3B run's would be ~45 GB
+    assert summary["failed"] == {} and "ckpt_stall_s" not in last
+    assert not list(out.rglob("step-*")), sorted(str(p.relative_to(out)) for p in out.rglob("step-*"))
+    written = [str(p.relative_to(out)) for d in out.rglob("checkpoints") for p in d.iterdir()]
+    assert written == []  # each run's checkpoint.dir only held its lock file while the run lived
+
+
+def _gpu_train():
+    """bench/gpu_train.py as a module (it is a script beside the package)."""
+    spec = importlib.util.spec_from_file_location("gpu_train", ROOT / "bench" / "gpu_train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_checkpoint_space_is_checked_up_front(tmp_path: Path) -> None:
+    """``--checkpoint`` is refused before any launch unless the free space of ``--out`` holds the
+    checkpoint, less the host store's size when the store is on the same filesystem."""
+    gpu_train, gb = _gpu_train(), 1 << 30
+    free = shutil.disk_usage(tmp_path).free
+    other = "/dev/shm"
+    assert os.stat(other).st_dev != os.stat(tmp_path).st_dev
+    assert gpu_train.checkpoint_refusal(tmp_path, other, free, free // 2) is None  # the store lives elsewhere
+    refusal = gpu_train.checkpoint_refusal(tmp_path, str(tmp_path), free // 2 + gb, free // 2)
+    assert refusal is not None and "less the host store's" in refusal and "without --checkpoint" in refusal
+    refusal = gpu_train.checkpoint_refusal(tmp_path, other, 0, free + 4 * gb)
+    assert refusal is not None and f"{(free + 4 * gb) / 1e9:.1f} GB" in refusal
+    # the 3B model's checkpoint: 14 bytes per parameter (bf16 export, fp32 master, exp_avg, exp_avg_sq)
+    params = sum(u.numel for u in DENSE.hf_model(28, False).units)
+    assert 3.2e9 < params < 3.3e9 and gpu_train.checkpoint_nbytes(28, False) >= 14 * params
+
+
+def test_shapes_of_the_check() -> None:
+    """The models the check trains, as their docstrings state them: the 3B store fits a 128 GiB node's
+    /dev/shm, and the shortened MoE's store, total and active parameters are what ``MOE`` says."""
+    from bench._gpu_shapes import store_bytes
+
+    assert 59e9 < store_bytes(DENSE, 28, False) < 60e9
+    moe = MOE.hf_model(2, False)
+    assert 1.86e9 < sum(u.numel for u in moe.units) < 1.88e9
+    assert 0.42e9 < sum(moe.block_cost(i) for i in range(len(moe.units))) < 0.43e9
+    assert 33e9 < store_bytes(MOE, 2, False) < 35e9
+
+
+def test_startup_is_read_from_the_log(tmp_path: Path) -> None:
+    """From the first line of build_engine to the engine's layout line; None without both."""
+    gpu_train = _gpu_train()
+    lines = [
+        "[2026-12-04 17:48:02,339][rank0][nodetrain][INFO] - process group: nccl, world size 1",
+        "[2026-12-04 17:48:05,259][rank0][nodetrain.engine.host.binding][INFO] - host threads of this rank's",
+        "[2026-12-04 17:48:38,896][rank0][nodetrain.store][INFO] - page-locked 6425.5 MB of the host store",
+        "[2026-12-04 17:48:39,598][rank0][nodetrain.engine.engine][INFO] - stage 0/1 (replica 0/1): embed",
+    ]
+    log = tmp_path / "rank0.log"
+    log.write_text("\n".join(lines))
+    assert abs(gpu_train.startup(log) - 34.339) < 1e-9
+    log.write_text("\n".join(lines[:3]))
+    assert gpu_train.startup(log) is None
+
+
+def test_ratios_to_the_peers_need_the_same_model() -> None:
+    """vs_plain / vs_fsdp2_offload: tok/s over the peer's at the same layer count; None otherwise."""
+    summary = {"layers": 28, "runs": {"streamed": {"tokens_per_s": 8000.0}}, "failed": {}}
+    peers = {"dense": {"plain": {"tokens_per_s": 20000.0, "layers": 28}, "fsdp2_offload": None}}
+    step = {"passed": True}
+    _check_json._training(step, summary, peers, "dense")
+    assert step["streamed"]["vs_plain"] == 0.4 and step["streamed"]["vs_fsdp2_offload"] is None
+    peers["dense"]["plain"]["layers"] = 27  # a shortened peer is not the same model
+    _check_json._training(step, summary, peers, "dense")
+    assert step["streamed"]["vs_plain"] is None and step["passed"]
+    _check_json._training(
+        step, {**summary, "failed": {"auto_residency": "the loss did not go down"}}, peers, "dense"
+    )
+    assert not step["passed"]
+
+
+def _gpu_resume():
+    spec = importlib.util.spec_from_file_location("gpu_resume", ROOT / "bench" / "gpu_resume.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_resume_comparison_fails_on_any_difference(tmp_path: Path) -> None:
+    """The resume check compares the steps after K exactly and every checkpoint tensor with torch.equal:
+    one changed loss bit or one changed weight element fails it."""
+    gpu_resume = _gpu_resume()
+    k = gpu_resume.K
+    full = [
+        {"step": s, "loss": 5.0 - s / 7, "grad_norm": 1.0 + s / 3} for s in range(1, gpu_resume.STEPS + 1)
+    ]
+    resumed = [dict(r) for r in full if r["step"] > k]
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        save_file({"model.w": torch.arange(6.0).view(2, 3)}, str(d / "master-00001-of-00001.safetensors"))
+    assert gpu_resume.compare(full, resumed, a, b)["checkpoint_equal"]
+    assert gpu_resume.compare(full, resumed, a, b)["steps_equal"]
+    resumed[-1]["loss"] = math.nextafter(resumed[-1]["loss"], math.inf)  # one bit off
+    assert not gpu_resume.compare(full, resumed, a, b)["steps_equal"]
+    w = torch.arange(6.0).view(2, 3)
+    w[1, 2] = torch.nextafter(w[1, 2], torch.tensor(10.0))
+    save_file({"model.w": w}, str(b / "master-00001-of-00001.safetensors"))
+    result = gpu_resume.compare(full, full[k:], a, b)
+    assert (
+        result["steps_equal"]
+        and not result["checkpoint_equal"]
+        and result["tensors_differ"] == ["master/model.w"]
+    )
