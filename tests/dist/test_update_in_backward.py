@@ -159,17 +159,20 @@ def test_nonfinite_unit_is_left_out_and_hooks_run_in_final_order(store, order: s
 
 
 class _Launch:
-    """The ``torchrun`` fixture, with ``overrides`` (and ``export_state``) added to the spec that
-    ``test_parity.run_nodetrain`` writes; keeps the last launch's spec and output."""
+    """The ``torchrun`` fixture, with ``overrides``, test-only ``faults`` (run/inject.py) and
+    ``export_state`` added to the spec that ``test_parity.run_nodetrain`` writes; keeps the last
+    launch's spec and output."""
 
-    def __init__(self, torchrun, overrides: dict | None = None, export_state: bool = False):
+    def __init__(self, torchrun, overrides: dict | None = None, export_state: bool = False, faults=None):
         self.torchrun, self.overrides, self.export_state = torchrun, overrides or {}, export_state
+        self.faults = faults or {}
         self.spec: dict = {}
         self.output = ""
 
     def __call__(self, nproc: int, script: Path, spec_file: str, timeout_s: float = 180) -> str:
         spec = json.loads(Path(spec_file).read_text())
         spec["overrides"].update(self.overrides)
+        spec["faults"].update(self.faults)
         spec["export_state"] = self.export_state
         Path(spec_file).write_text(json.dumps(spec))
         self.spec = spec
@@ -214,7 +217,7 @@ def test_in_backward_parity_and_overlap(tmp_path: Path, shm_dir: Path, torchrun)
 
 
 NAN_AT = 2
-"""1-based step whose gradient ``test.nan_rank`` (the last stage) poisons, in its last unit (the head)."""
+"""1-based step whose gradient ``nan_rank`` (NODETRAIN_FAULTS; the last stage) poisons, in its last unit (the head)."""
 NAN_CASE = Case(
     "llama-2stage-tied-1f1b-slots1-accum1x4-noclip-delay5ms-optdelay2ms-5layers-nan",
     "LlamaForCausalLM",
@@ -296,8 +299,8 @@ def run_nan_case(overrides: dict, tmp_path: Path, shm_dir: Path, torchrun):
     model_dir = tmp_path / "hf"
     save_seeded_model(NAN_CASE, model_dir)
     inputs, labels, lengths = make_batches(NAN_CASE)
-    overrides = {**overrides, "test.nan_rank": 1, "test.nan_step": NAN_AT}
-    launch = _Launch(torchrun, overrides, export_state=True)
+    nan = {"nan_rank": 1, "nan_step": NAN_AT}
+    launch = _Launch(torchrun, overrides, export_state=True, faults=nan)
     run = run_nodetrain(NAN_CASE, tmp_path, shm_dir, model_dir, inputs, labels, launch)
     out = Path(launch.spec["out_dir"])
     state, counts = {}, {}
