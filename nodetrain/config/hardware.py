@@ -55,6 +55,21 @@ class HardwareConfig:
     """What one core's stream of loads and stores reaches, GB/s (a one-thread STREAM triad,
     ``bench/cpu_profile.py --threads 1``); a team of k threads reaches k × this, at most the rank's
     share of ``host_memory_bandwidth_gbps``."""
+    host_link_d2h_gbps: float = 0.0
+    """Device → host bandwidth of one device when measured apart (``bench/copy_bandwidth.py``), GB/s;
+    0 = ``host_link_gbps``."""
+    host_link_gated_gbps: float = 0.0
+    """Host → device bandwidth while the CPU AdamW runs on the same DRAM (a step's first loads wait for
+    their units' updates and cross beside the optimizer), GB/s; 0 = ``host_link_gbps``."""
+    accum_gbps: float = 0.0
+    """One rank's host accumulation (the D2H worker adding gradients into the fp32 accumulators),
+    measured, in the planner's accumulation bytes (``cost.traffic.StageTraffic.accum_bytes``) per
+    second, GB/s (``bench/cpu_profile.py --host``); 0 = its ``stream.accum_threads`` ×
+    ``core_memory_bandwidth_gbps``, at most the rank's share of ``host_memory_bandwidth_gbps``."""
+    optimizer_gbps: float = 0.0
+    """One rank's CPU AdamW (with the transfer-copy refresh), measured, in the planner's optimizer bytes
+    (``cost.traffic.optimizer_bytes_per_param``) per second, GB/s (``bench/cpu_profile.py --host``);
+    0 = its ``optim.threads`` × ``core_memory_bandwidth_gbps``, at most the rank's DRAM share."""
     nvme_read_gbps: float = 0.0
     """Sequential read bandwidth of the node's local NVMe drives together (``store.tier=nvme``), GB/s;
     0 = no NVMe tier on this profile."""

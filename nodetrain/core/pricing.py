@@ -16,7 +16,8 @@ from nodetrain.config.schema import Config
 from nodetrain.core.machine import GB, Machine
 from nodetrain.cost.memory import store_layout
 from nodetrain.cost.shape import ModelShape
-from nodetrain.cost.step_time import HostRates, StepTime, step_time
+from nodetrain.cost.rates import HostRates
+from nodetrain.cost.step_time import StepTime, step_time
 from nodetrain.cost.tier import tier_bytes
 from nodetrain.cost.work import StageWork
 
@@ -37,6 +38,10 @@ def host_rates(machine: Machine, num_stages: int) -> HostRates:
         optim_threads=machine.cores.optim_threads,
         nvme_read_bytes_per_s=hw.nvme_read_gbps * GB,
         nvme_write_bytes_per_s=hw.nvme_write_gbps * GB,
+        accum_bytes_per_s=hw.accum_gbps * GB,
+        optim_bytes_per_s=hw.optimizer_gbps * GB,
+        d2h_link_bytes_per_s=hw.host_link_d2h_gbps * GB / share,
+        gated_link_bytes_per_s=hw.host_link_gated_gbps * GB / share,
     )
 
 
@@ -103,4 +108,5 @@ def priced_step(
         shared_cores=hw.cores if machine.on_cpu else 0,
         tier_bytes_per_param=_tier_per_param(cfg, shape, dtype, hw),
         offload_activations=cfg.stream.offload_activations,
+        slots=cfg.stream.slots,
     )

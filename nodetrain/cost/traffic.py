@@ -22,6 +22,7 @@ __all__ = [
     "speculative_backup_bytes",
     "StageTraffic",
     "stage_traffic",
+    "block_traffic",
 ]
 
 
@@ -110,3 +111,19 @@ def stage_traffic(
     owned = sum(shape.unit_numels[i] for i in blocks)
     opt = owned * optimizer_bytes_per_param(e)
     return StageTraffic(len(work.loads) + len(resident), h2d, d2h, accum, opt)
+
+
+def block_traffic(
+    shape: ModelShape, work: StageWork, block: int, *, n: int, itemsize: int
+) -> tuple[int, int, int]:
+    """(H2D, D2H, accumulation) bytes of one of ``work.blocks`` in the step, by :func:`stage_traffic`'s
+    rules (its sums over the blocks, without the activation offload: tests/test_step_time.py checks
+    that they agree); the per-block overlap model (``blocks.py``) spreads them over the block's passes."""
+    e, p, num_mb = itemsize, shape.load_numels[block], work.num_microbatches
+    if block in work.resident:
+        return p * e, 4 * p, 8 * p
+    if block == 0 and work.rows:
+        out = num_mb * (n * shape.hidden * e + 8 * n)
+        return num_mb * n * shape.hidden * e, out, 4 * p + out + num_mb * 8 * n * shape.hidden
+    loads = sum(1 for i in work.loads if i == block)
+    return loads * p * e, num_mb * p * e, num_mb * p * e + 4 * p + (num_mb - 1) * 8 * p
