@@ -159,6 +159,10 @@ FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
             "fp32_attention_flops",
             "device_memory_bandwidth_gbps",
             "layer_overhead_s",
+            "host_link_d2h_gbps",
+            "host_link_gated_gbps",
+            "accum_gbps",
+            "optimizer_gbps",
         )
     ),
     ("hardware.device_memory_gb", lambda v: v >= 0, "must be >= 0", "use 0 on a CPU profile"),

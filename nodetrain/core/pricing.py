@@ -15,8 +15,8 @@ import torch
 from nodetrain.config.schema import Config
 from nodetrain.core.machine import GB, Machine
 from nodetrain.cost.memory import store_layout
-from nodetrain.cost.shape import ModelShape
 from nodetrain.cost.rates import HostRates
+from nodetrain.cost.shape import ModelShape
 from nodetrain.cost.step_time import StepTime, step_time
 from nodetrain.cost.tier import tier_bytes
 from nodetrain.cost.work import StageWork

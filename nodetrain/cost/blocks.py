@@ -16,7 +16,8 @@ The model (issue 33; measured against ../shared/gpu-runs/2026-12-04-h200, docs/p
   gradient's D2H copy and the host's fp32 accumulation, max of the two: the worker lands chunk k
   while chunk k+1 crosses) queued to the D2H worker in order; block j's offload waits for offload
   j − ``slots`` (at most ``slots`` staging buffers in flight, ``engine/device/window.py``): the
-  compute's wait for that is ``d2h_wait``, so a backward takes about Σ max(B_i, H2D_i, offload_i);
+  compute's wait for that is ``d2h_wait``, so a backward takes about Σ max(B_i, H2D_i, offload_i),
+  and a micro-batch at least its offloads' seconds (the worker's backlog carries over);
 - a resident block accumulates on the device and ships its fp32 gradient once, at the step's last
   backward: that pass carries the ships, and the offloads left when its compute ends are the step's
   flush (``d2h_wait`` too); a backward's tail otherwise overlaps the next forward.
@@ -111,11 +112,15 @@ def pass_times(blocks: list[BlockCost], slots: int) -> PassTimes:
     end, _, bwd_stall, wait = _sweep(order, slots, backward=True)
     last_end, last_worker, _, _ = _sweep(order, slots, backward=True, last=True)
     compute = sum(b.forward_s + b.backward_s for b in blocks)
+    # the worker's backlog carries into the next micro-batch: over the step it keeps pace only if a
+    # micro-batch takes its offloads' seconds; what the last backward's flush already waits for is
+    # not waited for twice
+    carry = max(0.0, sum(b.offload_s for b in blocks) - forward - end)
     return PassTimes(
         forward_s=forward,
-        backward_s=end,
+        backward_s=end + carry,
         compute_s=compute,
         stall_s=fwd_stall + bwd_stall,
-        d2h_wait_s=wait,
-        last_extra_s=(last_end - end) + (last_worker - last_end),
+        d2h_wait_s=wait + carry,
+        last_extra_s=max(0.0, (last_end - end) + (last_worker - last_end) - carry),
     )
