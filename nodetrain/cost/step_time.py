@@ -334,8 +334,7 @@ def step_time(
         shared_cores: the node's cores when the stages compute on them (a CPU profile; the rates
             above are then one core's), else 0;
         tier_bytes_per_param: NVMe bytes/param read + written once a step (:func:`_optim_rates`; 0: none);
-        offload_activations: ``stream.offload_activations`` (``traffic.stage_traffic``);
-        slots: ``stream.slots``, the offloads a backward keeps in flight at most (``blocks.py``).
+        offload_activations: ``stream.offload_activations``; slots: ``stream.slots`` (``blocks.py``).
 
     Raises:
         ValueError: an unknown ``update_mode``.
@@ -345,15 +344,10 @@ def step_time(
     stage_blocks = [w.blocks for w in works]
     compute = ComputeRates(flops_per_s, attention_flops_per_s, elementwise_bytes_per_s, layer_overhead_s)
     kw = dict(b=b, t=t, itemsize=itemsize, compute=compute, rates=rates)
-    st = _stages(
-        shape,
-        works,
-        **kw,
-        shared_cores=shared_cores,
-        offload=offload_activations,
-        tier=tier_bytes_per_param,
-        slots=slots,
+    more = dict(
+        shared_cores=shared_cores, offload=offload_activations, tier=tier_bytes_per_param, slots=slots
     )
+    st = _stages(shape, works, **kw, **more)
     optim = _optim_rates(rates, shape, stage_blocks, itemsize, optim_bytes_per_s, tier_bytes_per_param)
     spec = update_mode == "speculative"
     traffic = _speculative_traffic(shape, stage_blocks, st.traffic, clip_fraction) if spec else st.traffic
