@@ -86,3 +86,24 @@ def test_block_traffic_sums_to_the_stage_traffic() -> None:
             x = stage_traffic(SHAPE, w, n=32, itemsize=2)
             parts = [block_traffic(SHAPE, w, i, n=32, itemsize=2) for i in w.blocks]
             assert tuple(map(sum, zip(*parts, strict=True))) == (x.h2d_bytes, x.d2h_bytes, x.accum_bytes)
+
+
+def test_a_measured_profile_loads_as_a_hardware_config(tmp_path: Path) -> None:
+    """``bench/host_rates.write_profile`` (cpu_profile.py --host, copy_bandwidth.py --write-profile)
+    keeps the base profile's figures, sets the measured ones, and the result is a valid profile."""
+    from host_rates import write_profile
+    from omegaconf import OmegaConf
+
+    from nodetrain.config.hardware import HardwareConfig
+
+    out = tmp_path / "mine.yaml"
+    figures = {
+        "accum_gbps": 50.5,
+        "optimizer_gbps": 110.0,
+        "host_link_d2h_gbps": 40.0,
+        "triad_1_threads_gbps": 9,
+    }
+    write_profile(out, "h200_1gpu", figures, "measured here")
+    hw = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(out)))
+    assert (hw.name, hw.accum_gbps, hw.optimizer_gbps, hw.host_link_d2h_gbps) == ("mine", 50.5, 110.0, 40.0)
+    assert hw.peak_flops == 989.4e12 and hw.source.endswith("measured here")
