@@ -160,7 +160,10 @@ def on_device_request(on_device, state: str, tier: str) -> tuple[bool | str, str
     either is refused at start-up (config/checks.py), ``auto`` becomes False."""
     if on_device is False or (state == "full" and tier == "ram"):
         return on_device, ""
-    return False, f"optim.on_device={on_device}: none (needs optim.state=full and store.tier=ram)"
+    return (
+        False,
+        f"optim.on_device={str(on_device).lower()}: none (needs optim.state=full and store.tier=ram)",
+    )
 
 
 def saved_host_bytes(numel: int, itemsize: int) -> int:

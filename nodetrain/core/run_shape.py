@@ -160,6 +160,7 @@ def _on_device_line(cfg: Config, shape: ModelShape, machine: Machine, resident, 
         else "",
     ]
     reason = "; ".join(n for n in notes if n)
-    return f"optim.on_device={asked}: {got} of {held} resident blocks keep their optimizer on the device" + (
-        f" ({reason})" if reason else ""
+    return (
+        f"optim.on_device={str(asked).lower()}: {got} of {held} resident blocks keep their optimizer "
+        "on the device" + (f" ({reason})" if reason else "")
     )
