@@ -129,6 +129,8 @@ class StepTime:
     accumulation and optimizer move at one core's bandwidth."""
     shared_cores_s: float = 0.0
     """Σ ``core_s`` over the shared cores: the step is at least that long (work-conserving)."""
+    device_optimizer_s: float = 0.0
+    """The slowest stage's AdamW of units kept on the device (``optim.on_device``), in ``step_s``."""
 
     @property
     def tokens_per_day(self) -> float:
@@ -217,8 +219,9 @@ def _unit_timings(shape, works: list[StageWork], st: _Stages, *, b, t, itemsize,
             else:
                 final = last_b + sum(per_block[k][j][1] for j in blocks if j >= i)
             rows = i == 0 and work.rows
-            load = (n * shape.hidden if rows else shape.load_numels[i]) * e / rates.link_bytes_per_s
-            numel = shape.unit_numels[i]
+            host = i not in work.on_device  # else optim.on_device: no host update, no reload
+            load = host * (n * shape.hidden if rows else shape.load_numels[i]) * e / rates.link_bytes_per_s
+            numel = host * shape.unit_numels[i]
             units.append(
                 UnitTiming(
                     update_s=numel * optimizer_bytes_per_param(e) / optim_rates[k],
@@ -278,6 +281,7 @@ def step_time(
     shared_cores: int = 0,
     tier_bytes_per_param: float = 0.0,
     offload_activations: bool = False,
+    device_optimizer_bytes_per_s: float = 0.0,
 ) -> StepTime:
     """Step time when the window overlaps H2D, compute, D2H and the host accumulation on each stage
     (the module's model, "The step").
@@ -296,6 +300,8 @@ def step_time(
             above are then one core's), else 0;
         tier_bytes_per_param: NVMe bytes/param read + written once a step (:func:`_optim_rates`; 0: none);
         offload_activations: ``stream.offload_activations`` (``traffic.stage_traffic``).
+        device_optimizer_bytes_per_s: device memory bandwidth the on-device AdamW streams at
+            (``optim.on_device``: :func:`_device_optimizer_s`); 0: not priced.
 
     Raises:
         ValueError: an unknown ``update_mode``.
@@ -316,7 +322,16 @@ def step_time(
         st, traffic, rates, optim, exposure.of(update_mode, clip_fraction), pipeline, shared_cores
     )
     tokens = works[0].num_microbatches * b * t
-    return _result(shape, st, tuple(traffic), floors, exposure, update_mode, tokens=tokens, t=t)
+    device = _device_optimizer_s(st.traffic, device_optimizer_bytes_per_s)
+    floors = replace(floors, step=floors.step + device)
+    result = _result(shape, st, tuple(traffic), floors, exposure, update_mode, tokens=tokens, t=t)
+    return replace(result, device_optimizer_s=device)
+
+
+def _device_optimizer_s(traffic, bytes_per_s: float) -> float:
+    """The slowest stage's on-device AdamW (``optim.on_device``): after the all-reduce, before its next
+    forward, so added to the step; 0 when not priced."""
+    return max(x.device_optimizer_bytes for x in traffic) / bytes_per_s if bytes_per_s > 0 else 0.0
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nodetrain.cost.memory import saved_per_micro_batch
+from nodetrain.cost.memory import device_optimizer_bytes_per_param, saved_per_micro_batch
 from nodetrain.cost.shape import ModelShape
 from nodetrain.cost.work import StageWork
 
@@ -58,6 +58,9 @@ class StageTraffic:
     tier_bytes: int = 0
     """NVMe bytes of the stage's tier fields per step (``store.tier=nvme``): each read and written once,
     through host DRAM."""
+    device_optimizer_bytes: int = 0
+    """Device memory bytes of the fused AdamW of the units whose optimizer is on the device
+    (``optim.on_device``, ``cost.memory.device_optimizer_bytes_per_param``): not host bytes."""
 
     @property
     def host_bytes(self) -> int:
@@ -79,7 +82,9 @@ def stage_traffic(
     device and offloads its fp32 gradient once per step, copied into the accumulator (read 4 + write
     4). Stage 0's embedding when it travels as rows (``work.rows``) gathers only the n used rows
     (n·D·e in) and offloads an n-row gradient (n·D·e and the 8-byte ids out) that is scatter-added
-    into an accumulator zeroed once per step.
+    into an accumulator zeroed once per step. A resident block with its optimizer on the device
+    (``work.on_device``) moves nothing and its units add no host optimizer bytes: their update's
+    device bytes are ``device_optimizer_bytes``.
 
     With ``offload_activations`` every micro-batch's saved block inputs (``saved_per_micro_batch``) go
     D2H after its forward and come back H2D before its backward.
@@ -95,8 +100,12 @@ def stage_traffic(
     h2d += num_mb * row_bytes if work.rows else 0  # the gathered rows
     h2d += sum(shape.load_numels[i] * e for i in resident)
     d2h = accum = 0
+    kept = work.on_device  # resident with their optimizer: loaded once at start-up, never shipped
+    h2d -= sum(shape.load_numels[i] * e for i in kept)
     for i in blocks:
         p = shape.load_numels[i]
+        if i in kept:
+            continue
         if i in resident:
             d2h, accum = d2h + 4 * p, accum + 8 * p
         elif i == 0 and work.rows:
@@ -107,6 +116,10 @@ def stage_traffic(
             accum += num_mb * p * e + 4 * p + (num_mb - 1) * 8 * p
     saved = num_mb * saved_per_micro_batch(shape, blocks, n, e) if offload_activations else 0
     h2d, d2h = h2d + saved, d2h + saved
-    owned = sum(shape.unit_numels[i] for i in blocks)
+    owned = sum(shape.unit_numels[i] for i in blocks if i not in kept)
+    on_device = sum(shape.unit_numels[i] for i in kept)
     opt = owned * optimizer_bytes_per_param(e)
-    return StageTraffic(len(work.loads) + len(resident), h2d, d2h, accum, opt)
+    loads = len(work.loads) + len(resident - kept)
+    return StageTraffic(
+        loads, h2d, d2h, accum, opt, device_optimizer_bytes=on_device * device_optimizer_bytes_per_param(e)
+    )
