@@ -300,8 +300,7 @@ def step_time(
             above are then one core's), else 0;
         tier_bytes_per_param: NVMe bytes/param read + written once a step (:func:`_optim_rates`; 0: none);
         offload_activations: ``stream.offload_activations`` (``traffic.stage_traffic``).
-        device_optimizer_bytes_per_s: device memory bandwidth the on-device AdamW streams at
-            (``optim.on_device``: :func:`_device_optimizer_s`); 0: not priced.
+        device_optimizer_bytes_per_s: the on-device AdamW's bytes/s (:func:`_with_device_optimizer`).
 
     Raises:
         ValueError: an unknown ``update_mode``.
@@ -322,16 +321,17 @@ def step_time(
         st, traffic, rates, optim, exposure.of(update_mode, clip_fraction), pipeline, shared_cores
     )
     tokens = works[0].num_microbatches * b * t
-    device = _device_optimizer_s(st.traffic, device_optimizer_bytes_per_s)
-    floors = replace(floors, step=floors.step + device)
     result = _result(shape, st, tuple(traffic), floors, exposure, update_mode, tokens=tokens, t=t)
-    return replace(result, device_optimizer_s=device)
+    return _with_device_optimizer(result, st.traffic, device_optimizer_bytes_per_s)
 
 
-def _device_optimizer_s(traffic, bytes_per_s: float) -> float:
-    """The slowest stage's on-device AdamW (``optim.on_device``): after the all-reduce, before its next
-    forward, so added to the step; 0 when not priced."""
-    return max(x.device_optimizer_bytes for x in traffic) / bytes_per_s if bytes_per_s > 0 else 0.0
+def _with_device_optimizer(result: StepTime, traffic, bytes_per_s: float) -> StepTime:
+    """``result`` with the slowest stage's on-device AdamW (``optim.on_device``) added to the step: it
+    runs after the all-reduce, before the stage's next forward; unchanged when not priced (0)."""
+    if bytes_per_s <= 0:
+        return result
+    device = max(x.device_optimizer_bytes for x in traffic) / bytes_per_s
+    return replace(result, step_s=result.step_s + device, device_optimizer_s=device)
 
 
 @dataclass(frozen=True)

@@ -282,7 +282,6 @@ class Engine:
                 replica_slice(token_mask.shape[0], self.topo.replica, self.topo.num_replicas)
             ]
         lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
-        self.device_opt.load()  # once: a resume has restored the store by now
         batch = StepBatch.of(self.runner, inputs, labels, positions, self.device, token_mask)  # one H2D each
         loss_sum = self._forward_backward(step, lr, batch, tokens)
         grad_sq = self._settle_grads(step)
@@ -290,8 +289,7 @@ class Engine:
             totals = self.comm.tensor([grad_sq, 0.0, float(stop), 0.0])  # on the group's device
             totals[1].copy_(loss_sum)  # the step's one read of the loss (with the all-reduce's)
             totals[3].copy_(self.runner.take_aux_loss())  # every stage's MoE layers' share
-            if self.topo.replica == 0:  # the device-held units' share (no host sync on CUDA)
-                totals[0].add_(self.device_opt.grad_sq().to(totals.device))
+            self._add_device_grad_sq(totals)
         with self.timeline.phase("bubble"):
             self.comm.all_reduce(totals)  # NaN/inf on any stage makes the sums non-finite on every stage
         grad_sq_all, loss_all, stop_all, aux = totals.tolist()  # one device → host copy
@@ -308,10 +306,17 @@ class Engine:
         res.breakdown = self.breakdown.gather(record)
         return res
 
+    def _add_device_grad_sq(self, totals: torch.Tensor) -> None:
+        """Add the on-device units' Σ gradient² into ``totals[0]`` (the stage's norm², before the
+        all-reduce) without a host sync; replicas ≠ 0 count none (replicas.py)."""
+        if self.topo.replica == 0:
+            totals[0].add_(self.device_opt.grad_sq().to(totals.device))
+
     def _forward_backward(self, step: int, lr: float, batch: StepBatch, tokens: int) -> torch.Tensor:
         """The step's pipeline rounds, with the window and the updates armed for them; returns the
         summed token loss (fp64 scalar on the device; 0 off the last stage). The gradients are all
         in the host store when it returns (flushed)."""
+        self.device_opt.load()  # once: a resume has restored the store by now
         self.updates.begin_step(lr, self._arrivals, step)
         self.window.begin(self._loads, self.plan.backwards)
         self.p2p.reset_timer()

@@ -109,13 +109,10 @@ class Window:
         self.rows = sorted(set(rows))
         assert not set(self.rows) & set(self.resident), "a block is either resident or gathered as rows"
         assert all(len(bindings[i]) == 1 and len(bindings[i][0].shape) == 2 for i in self.rows), self.rows
-        self._kept = dict(device_grads or {})  # block -> its gradients' device views (DeviceAdamW)
-        assert set(self._kept) <= set(self.resident), "a block keeps its optimizer only when resident"
-        self._make_buffers(blocks, slots, dtype)
+        self._make_buffers(blocks, slots, dtype, dict(device_grads or {}))
         self._backwards_left: dict[int, int] = {}  # resident block -> backwards left in this sequence
         self._acc_started: set[int] = set()  # resident blocks whose accumulator was written since begin()
         self._views = {i: self._slot_views(bindings[i]) for i in blocks}
-        self._acc_views = {i: self._split(i, a) for i, a in self._grad_acc.items()} | self._kept
         owned = set(blocks if owned_units is None else owned_units)
         self._grad_targets = {i: self._grad_views(bindings[i], owned) for i in blocks}
         self._check_targets()
@@ -147,9 +144,11 @@ class Window:
         resident accumulator's ship ``8`` (read its fp32 staging, write), its add into a shared target
         ``12``."""
 
-    def _make_buffers(self, blocks, slots: int, dtype: torch.dtype) -> None:
+    def _make_buffers(self, blocks, slots: int, dtype: torch.dtype, device_grads: dict) -> None:
         """The device buffers: ``slots`` slots sized by the largest streamed block, each resident
-        block's weights and its fp32 gradient accumulator (its gradients leave once per step)."""
+        block's weights and its fp32 gradient accumulator (or ``device_grads``' views)."""
+        assert set(device_grads) <= set(self.resident), "a block keeps its optimizer only when resident"
+        self._kept = device_grads  # block -> its gradients' device views (DeviceAdamW)
         streamed = [i for i in blocks if i not in self.resident and i not in self.rows]
         numel = max((self._numel(i) for i in streamed), default=0)
         self._slots = [torch.empty(numel, dtype=dtype, device=self.device) for _ in range(slots)]
@@ -161,10 +160,11 @@ class Window:
             for i in self.resident
             if i not in self._kept
         }
+        self._acc_views = {i: self._split(i, a) for i, a in self._grad_acc.items()} | self._kept
 
     def _split(self, block: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Local name -> the flat view of ``flat`` where ``block``'s binding of that name lies."""
-        return {n: flat[p : p + math.prod(s)] for n, p, s in self._views[block]}
+        return {n: flat[p : p + math.prod(s)] for n, p, s in self._slot_views(self.bindings[block])}
 
     def resident_views(self, block: int) -> dict[str, torch.Tensor]:
         """A resident block's weights: local name -> flat view of its buffer (compute dtype, device)."""
