@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import run_torchrun
 from test_checkpoint_runs import (
     RECORD_KEYS,
@@ -31,7 +32,16 @@ from test_checkpoint_runs import (
     train,
     work,  # noqa: F401  (the module's corpus and store directory, a fixture)
 )
-from test_parity import WORKER, Case, check_run, make_batches, read_run, save_seeded_model, write_spec
+from test_parity import (
+    WORKER,
+    Case,
+    check_parity,
+    check_run,
+    make_batches,
+    read_run,
+    save_seeded_model,
+    write_spec,
+)
 
 from nodetrain.config.checks import ConfigError
 from nodetrain.config.schema import Config, validate
@@ -216,6 +226,14 @@ def test_on_device_parity_with_transformers_adamw(case: Case, launched) -> None:
     run, reports, *rest = launched[case.id]
     assert [u for r in reports for u in r["on_device"]] == list(case.on_device), "not the placement named"
     check_run(case, run, *rest)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (gpu-marked)")
+def test_on_device_parity_on_cuda(tmp_path: Path, shm_dir: Path, torchrun) -> None:
+    """The fused AdamW, the norm² and the tied sum on a CUDA device, against a reference there
+    (test_parity.check_parity's measured tolerance). Not yet run on a GPU."""
+    check_parity(ONE_STAGE, tmp_path, shm_dir, torchrun, device="cuda")
 
 
 def test_every_unit_on_the_device_moves_no_host_byte(launched) -> None:

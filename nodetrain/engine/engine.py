@@ -25,6 +25,8 @@ Threads of a rank, what each alone writes, and the hand-offs between them (DESIG
 A unit's gradient changes hands once a step: the D2H worker accumulates it until GradReadiness says
 it is final (readiness.py: the one place that says so), then the thread that updates it owns it
 (the optimizer thread; for settled units the training thread until the update is submitted).
+Units kept on the device (``optim.on_device``, device_adamw.py) never change hands: the training
+thread alone writes their gradient, state and update.
 
 Owns: wiring store, window, stage runner, P2P and optimizer for this rank (each collaborator built
 here and passed to the next's constructor), and the order of a step: pipeline rounds → flush
