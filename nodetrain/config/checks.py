@@ -182,6 +182,27 @@ def _check_cross_fields(cfg: Config, infinite: set[str], problems: Problems) -> 
         )
 
 
+def _check_on_device(cfg: Config, problems: Problems) -> None:
+    """``optim.on_device=true`` keeps fp32 master weights and moments on the device, loaded from and
+    saved to the host store's fp32 state: it needs that state in RAM (``auto`` then keeps none)."""
+    if cfg.optim.on_device is not True:
+        return
+    if cfg.optim.state != "full":
+        problems.add(
+            "optim.on_device",
+            True,
+            f"keeps fp32 master weights and moments on the device, optim.state={cfg.optim.state} has none",
+            "set optim.on_device=auto or false (or optim.state=full)",
+        )
+    if cfg.store.tier != "ram":
+        problems.add(
+            "optim.on_device",
+            True,
+            f"loads the optimizer state from the host store, store.tier={cfg.store.tier} keeps it in files",
+            "set optim.on_device=auto or false (or store.tier=ram)",
+        )
+
+
 def no_effect(cfg: Config) -> list[str]:
     """Settings the user asked for that this combination of keys ignores, one line each (logged at
     start-up, train.run): not errors, but never silent."""
@@ -352,4 +373,5 @@ def validate(cfg: Config, world_size: int, local_world_size: int = 0) -> None:
     _check_batch(cfg.train, cfg.pipeline, max(1, world_size // per_node), problems)
     _check_test_knobs(cfg.test, world_size, problems)
     check_tier(cfg, problems)
+    _check_on_device(cfg, problems)
     problems.raise_if_any()

@@ -158,6 +158,7 @@ FIELD_CHECKS: list[tuple[str, Callable[[Any], bool], str, str]] = [
             "attention_flops",
             "fp32_attention_flops",
             "device_memory_bandwidth_gbps",
+            "hbm_bandwidth_gbps",
             "layer_overhead_s",
             "host_link_d2h_gbps",
             "host_link_gated_gbps",

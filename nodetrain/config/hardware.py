@@ -36,6 +36,10 @@ class HardwareConfig:
     """What one device's elementwise kernels (norms, activations, softmax) stream at, GB/s: a GPU's
     memory bandwidth; on a CPU profile one core's rate on activations (``bench/cpu_profile.py``), 0 =
     ``core_memory_bandwidth_gbps``. 0 on a GPU profile: elementwise work not priced."""
+    hbm_bandwidth_gbps: float = 0.0
+    """One GPU's memory bandwidth from its datasheet, GB/s (H100 SXM 3,350; H200 4,800): what the
+    fused AdamW of units kept on the device (``optim.on_device``) streams at; 0 =
+    ``device_memory_bandwidth_gbps``."""
     layer_overhead_s: float = 0.0
     """Seconds per decoder layer and micro-batch (forward, recompute, backward) that do not shrink
     with the layer: Python, autograd, kernel dispatch (``bench/cpu_profile.py``, on a CPU profile).

@@ -77,9 +77,10 @@ def priced_step(
     ``OMP_NUM_THREADS=1``): a core's share of the profile's rates (a measured peak is already one
     rank's), its elementwise kernels at one core's (``device_memory_bandwidth_gbps``, else
     ``core_memory_bandwidth_gbps``), ``layer_overhead_s`` per layer and micro-batch, and every thread
-    of every rank on the node's ``cores`` (``shared_cores``). With ``store.tier=nvme`` the tier's bytes
-    are read and written at the profile's NVMe rates, with ``stream.offload_activations`` the saved
-    inputs cross the host link.
+    of every rank on the node's ``cores`` (``shared_cores``). The AdamW of units kept on the device
+    (``optim.on_device``) streams at ``hbm_bandwidth_gbps`` (else the elementwise rate). With
+    ``store.tier=nvme`` the tier's bytes are read and written at the profile's NVMe rates, with
+    ``stream.offload_activations`` the saved inputs cross the host link.
 
     Args:
         cfg: the run (``train.seq_len``, ``train.dtype``, ``store``, ``stream.offload_activations``);
@@ -109,4 +110,5 @@ def priced_step(
         tier_bytes_per_param=_tier_per_param(cfg, shape, dtype, hw),
         offload_activations=cfg.stream.offload_activations,
         slots=cfg.stream.slots,
+        device_optimizer_bytes_per_s=(hw.hbm_bandwidth_gbps or bandwidth) * GB,
     )

@@ -29,6 +29,9 @@ __all__ = [
     "StageMemory",
     "stage_memory",
     "GRAD_ACC_ITEMSIZE",
+    "OPTIMIZER_ON_DEVICE_ITEMSIZE",
+    "device_optimizer_bytes_per_param",
+    "on_device_bytes_per_param",
     "resident_bytes_per_param",
     "layer_saved_per_token",
     "saved_per_micro_batch",
@@ -79,6 +82,25 @@ def resident_bytes_per_param(itemsize: int) -> int:
     """Device bytes per parameter of a resident block: its weights in the compute dtype plus its fp32
     gradient accumulator (``Window``'s resident buffers; DESIGN invariant 8)."""
     return itemsize + GRAD_ACC_ITEMSIZE
+
+
+OPTIMIZER_ON_DEVICE_ITEMSIZE = 16
+"""Bytes per parameter of a unit's optimizer kept on the device (``optim.on_device``): fp32 master
+weights, ``exp_avg``, ``exp_avg_sq`` and the fp32 gradient (which is the accumulator itself)."""
+
+
+def on_device_bytes_per_param(itemsize: int) -> int:
+    """Device bytes per parameter of a resident block with its optimizer on the device: its weights in
+    the compute dtype plus :data:`OPTIMIZER_ON_DEVICE_ITEMSIZE` (engine/device/device_adamw.py)."""
+    return itemsize + OPTIMIZER_ON_DEVICE_ITEMSIZE
+
+
+def device_optimizer_bytes_per_param(itemsize: int) -> int:
+    """Device memory traffic of one fused AdamW update per parameter on the device: it reads master,
+    gradient, ``exp_avg``, ``exp_avg_sq`` (4·4) and writes master and both moments (3·4), and the
+    weights are rewritten from the master (``itemsize``); the norm² read of the gradient is left out
+    (it is fused into the device's reduction kernels and small beside these)."""
+    return 4 * 4 + 3 * 4 + itemsize
 
 
 NCCL_MARGIN_BYTES = 1 << 30
@@ -309,11 +331,12 @@ def stage_memory(
         offload_activations: only :data:`OFFLOADED_IN_FLIGHT` micro-batches' saved inputs on the device.
 
     Resident blocks (``work.resident``) are out of the slots' ``largest``, counted at ``load × (e + 4)``
-    bytes each; their gradients accumulate on the device, none queue. A streamed embedding
+    bytes each (``load × (e + 16)`` with their optimizer on the device, ``work.on_device``); their
+    gradients accumulate on the device, none queue. A streamed embedding
     (``work.rows``) is gathered by rows: never in a slot, its backward :func:`_rows_backward_bytes`,
     its offload the used rows (≤ min(n, V) × D).
     """
-    n, e, d, blocks, resident = b * t, itemsize, shape.hidden, work.blocks, work.resident
+    n, e, d, blocks = b * t, itemsize, shape.hidden, work.blocks
     largest = max(shape.load_numels[i] for i in blocks)
     streamed, offloaded = _streamed(shape, work, n)
     in_flight, buffers = work.in_flight, work.p2p_buffers
@@ -327,9 +350,18 @@ def stage_memory(
         saved_bytes=on_device * saved_per_micro_batch(shape, blocks, n, e),
         p2p_bytes=buffers * n * d * e,
         transient_bytes=_transient_peak(shape, blocks, n, e, on_cpu, work.rows) + queued,
-        resident_bytes=sum(shape.load_numels[i] for i in resident) * resident_bytes_per_param(e),
+        resident_bytes=_resident_bytes(shape, work, e),
         in_flight=in_flight,
         p2p_buffers=buffers,
+    )
+
+
+def _resident_bytes(shape: ModelShape, work: StageWork, e: int) -> int:
+    """Device bytes of a stage's resident blocks, those with their optimizer on the device included."""
+    return sum(
+        shape.load_numels[i]
+        * (on_device_bytes_per_param(e) if i in work.on_device else resident_bytes_per_param(e))
+        for i in work.resident
     )
 
 

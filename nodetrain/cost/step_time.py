@@ -35,22 +35,21 @@ from nodetrain.cost.exposure import (
 from nodetrain.cost.rates import HostRates
 from nodetrain.cost.shape import ModelShape
 from nodetrain.cost.tier import tier_optimizer_rate
-from nodetrain.cost.traffic import StageTraffic, block_traffic, optimizer_bytes_per_param, stage_traffic
+from nodetrain.cost.traffic import (
+    StageTraffic,
+    block_traffic,
+    optimizer_bytes_per_param,
+    speculative_bytes_per_param,
+    speculative_traffic,
+    stage_traffic,
+)
 from nodetrain.cost.work import StageWork
 
 __all__ = [
-    "speculative_bytes_per_param",
     "HostRates",
     "StepTime",
     "step_time",
 ]
-
-
-def speculative_bytes_per_param(rolled_back: bool) -> int:
-    """Extra host memory traffic of ``optim.speculative`` per parameter and step, over
-    :func:`optimizer_bytes_per_param`: the backup reads and writes 12 (24); a step that clipped
-    adds the restore (24) and a second AdamW update and transfer-copy refresh (36)."""
-    return 24 + (24 + 36 if rolled_back else 0)
 
 
 @dataclass(frozen=True)
@@ -110,6 +109,8 @@ class StepTime:
     """The busiest stage's compute waiting for offload slots, and the step's flush (``d2h_wait``)."""
     optim_wait_s: float = 0.0
     """Of ``optimizer_exposed_s``, the compute's waits for pending updates (the engine's ``optim``)."""
+    device_optimizer_s: float = 0.0
+    """The slowest stage's AdamW of units kept on the device (``optim.on_device``), in ``step_s``."""
 
     @property
     def tokens_per_day(self) -> float:
@@ -248,8 +249,9 @@ def _unit_timings(shape, works: list[StageWork], st: _Stages, *, b, t, itemsize,
             else:
                 final = last_b + sum(per_block[k][j][1] for j in blocks if j >= i)
             rows = i == 0 and work.rows
-            load = (n * shape.hidden if rows else shape.load_numels[i]) * e / gated
-            numel, r = shape.unit_numels[i], optim_rates[k]
+            host = i not in work.on_device  # else optim.on_device: no host update, no reload
+            load = host * (n * shape.hidden if rows else shape.load_numels[i]) * e / gated
+            numel, r = host * shape.unit_numels[i], optim_rates[k]
             units.append(
                 UnitTiming(
                     update_s=numel * optimizer_bytes_per_param(e) / r,
@@ -317,6 +319,7 @@ def step_time(
     tier_bytes_per_param: float = 0.0,
     offload_activations: bool = False,
     slots: int = 2,
+    device_optimizer_bytes_per_s: float = 0.0,
 ) -> StepTime:
     """Step time when the window overlaps H2D, compute, D2H and the host accumulation on each stage
     (the module's model, "The step").
@@ -335,6 +338,7 @@ def step_time(
             above are then one core's), else 0;
         tier_bytes_per_param: NVMe bytes/param read + written once a step (:func:`_optim_rates`; 0: none);
         offload_activations: ``stream.offload_activations``; slots: ``stream.slots`` (``blocks.py``).
+        device_optimizer_bytes_per_s: the on-device AdamW's bytes/s (:func:`_with_device_optimizer`).
 
     Raises:
         ValueError: an unknown ``update_mode``.
@@ -344,20 +348,27 @@ def step_time(
     stage_blocks = [w.blocks for w in works]
     compute = ComputeRates(flops_per_s, attention_flops_per_s, elementwise_bytes_per_s, layer_overhead_s)
     kw = dict(b=b, t=t, itemsize=itemsize, compute=compute, rates=rates)
-    more = dict(
-        shared_cores=shared_cores, offload=offload_activations, tier=tier_bytes_per_param, slots=slots
-    )
-    st = _stages(shape, works, **kw, **more)
+    more = dict(shared_cores=shared_cores, offload=offload_activations, tier=tier_bytes_per_param)
+    st = _stages(shape, works, **kw, **more, slots=slots)
     optim = _optim_rates(rates, shape, stage_blocks, itemsize, optim_bytes_per_s, tier_bytes_per_param)
     spec = update_mode == "speculative"
-    traffic = _speculative_traffic(shape, stage_blocks, st.traffic, clip_fraction) if spec else st.traffic
+    traffic = speculative_traffic(shape, stage_blocks, st.traffic, clip_fraction) if spec else st.traffic
     exposure, pipeline, waits = _exposure(shape, works, st, kw, optim[0], update_mode, clip_fraction)
-    floors = _floors(
-        st, traffic, rates, optim, exposure.of(update_mode, clip_fraction), pipeline, shared_cores
-    )
+    exposed = exposure.of(update_mode, clip_fraction)
+    floors = _floors(st, traffic, rates, optim, exposed, pipeline, shared_cores)
     tokens = works[0].num_microbatches * b * t
     out = _result(shape, st, tuple(traffic), floors, exposure, update_mode, tokens=tokens, t=t)
-    return replace(out, **_phases(st, works, floors.exposed, waits))
+    out = replace(out, **_phases(st, works, floors.exposed, waits))
+    return _with_device_optimizer(out, st.traffic, device_optimizer_bytes_per_s)
+
+
+def _with_device_optimizer(result: StepTime, traffic, bytes_per_s: float) -> StepTime:
+    """``result`` with the slowest stage's on-device AdamW (``optim.on_device``) added to the step: it
+    runs after the all-reduce, before the stage's next forward; unchanged when not priced (0)."""
+    if bytes_per_s <= 0:
+        return result
+    device = max(x.device_optimizer_bytes for x in traffic) / bytes_per_s
+    return replace(result, step_s=result.step_s + device, device_optimizer_s=device)
 
 
 def _phases(st: _Stages, works: list[StageWork], exposed: float, waits: float) -> dict[str, float]:
@@ -441,18 +452,6 @@ def _result(shape, st: _Stages, traffic, floors: _Floors, exposure, update_mode,
         core_s=tuple(floors.core_s),
         shared_cores_s=floors.cores_s,
     )
-
-
-def _speculative_traffic(shape, stage_blocks, traffic, clip_fraction: float) -> list[StageTraffic]:
-    """``traffic`` with speculation's optimizer bytes added: backups every step, a rollback and a
-    redo on the ``clip_fraction`` of steps that clip."""
-    extra = speculative_bytes_per_param(False) + clip_fraction * (
-        speculative_bytes_per_param(True) - speculative_bytes_per_param(False)
-    )
-    return [
-        replace(x, optimizer_bytes=x.optimizer_bytes + int(extra * sum(shape.unit_numels[i] for i in blocks)))
-        for x, blocks in zip(traffic, stage_blocks, strict=True)
-    ]
 
 
 def _bottleneck(
