@@ -40,6 +40,8 @@ class RunShape:
         update: the update mode and why (``core.update.UpdateChoice``).
         machine: what it was resolved for.
         lines: what each ``auto`` became and why, one line each, for the start-up log.
+        kept: per stage, the decoder layers whose activations are kept from the forward to the
+            backward, not recomputed (``stream.recompute``, ``core.recompute``).
     """
 
     batch: BatchShape
@@ -49,6 +51,7 @@ class RunShape:
     update: UpdateChoice
     machine: Machine
     lines: tuple[str, ...] = ()
+    kept: tuple[frozenset[int], ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -62,7 +65,8 @@ class RunShape:
     @property
     def works(self) -> list[StageWork]:
         """Per stage, its step as the cost model counts it, with its resident blocks."""
-        return [p.work(r) for p, r in zip(self.plans, self.resident, strict=True)]
+        kept = self.kept or tuple(frozenset() for _ in self.plans)
+        return [p.work(r, x) for p, r, x in zip(self.plans, self.resident, kept, strict=True)]
 
     def placement_line(self, stage: int, shape: ModelShape, itemsize: int) -> str:
         """One stage's budget and resident blocks, for the start-up log."""
@@ -102,8 +106,9 @@ def resolve(
 
     The batch (:func:`~nodetrain.core.batch.resolve_batch`, unless ``batch`` is given: the engine
     resolves it before preparing the data), each stage's step (``StepPlan``), its device budget and
-    resident blocks (``placement.place_stages`` over ``machine.device_bytes``) and the update mode
-    (``update.choose_update``).
+    resident blocks (``placement.place_stages`` over ``machine.device_bytes``), the layers that keep
+    their activations in what the resident blocks leave of the budget (``recompute.decide_recompute``)
+    and the update mode (``update.choose_update``).
 
     Args:
         cfg: a validated config; shape: its model; machine: what it runs on (or is planned for);
@@ -115,8 +120,9 @@ def resolve(
     lines: list[str] = []
     if batch is None:
         batch, lines = resolve_batch(cfg, shape, num_stages, nodes)
-    fit, budgets, resident, update, _ = priced_batch(cfg, shape, machine, batch, num_stages)
+    fit, budgets, resident, recompute, update, _ = priced_batch(cfg, shape, machine, batch, num_stages)
     streamed = [fit.stage(k, batch.micro_batch_size) for k in range(num_stages)]
     lines += _budget_lines(cfg, machine, budgets, streamed)
     lines += [update.line] if update.line else []
-    return RunShape(batch, fit.plans, budgets, resident, update, machine, tuple(lines))
+    lines += recompute.lines
+    return RunShape(batch, fit.plans, budgets, resident, update, machine, tuple(lines), recompute.kept)

@@ -169,7 +169,9 @@ def _stages(
     for w in works:
         x = stage_traffic(shape, w, n=n, itemsize=itemsize, offload_activations=offload)
         x = replace(x, tier_bytes=int(2 * tier * sum(shape.unit_numels[i] for i in w.blocks)))
-        parts = tuple(w.num_microbatches * p for p in stage_compute(shape, w.blocks, n, t, itemsize, compute))
+        parts = tuple(
+            w.num_microbatches * p for p in stage_compute(shape, w.blocks, n, t, itemsize, compute, w.kept)
+        )
         link = rates.link_bytes_per_s
         out.actions.append(list(w.actions))
         out.traffic.append(x)
@@ -194,7 +196,7 @@ def _unit_timings(shape, works: list[StageWork], st: _Stages, *, b, t, itemsize,
     n, e, last = b * t, itemsize, len(shape.unit_numels) - 1
     fwd, bwd, per_block = [], [], []
     for k, work in enumerate(works):
-        seconds = {i: block_seconds(shape, i, n, t, e, compute) for i in work.blocks}
+        seconds = {i: block_seconds(shape, i, n, t, e, compute, i in work.kept) for i in work.blocks}
         busy = sum(map(sum, seconds.values()))
         stretch = st.busy[k] / work.num_microbatches / busy if busy > 0 else 0.0
         per_block.append({i: (f * stretch, w * stretch) for i, (f, w) in seconds.items()})

@@ -27,6 +27,8 @@ class StageWork:
         rows: stage 0's embedding travels as the rows a micro-batch uses.
         in_flight: most micro-batches whose block inputs the stage keeps at once.
         p2p_buffers: most [B, T, D] P2P buffers alive at once.
+        kept: decoder layers whose activations stay from the forward to the backward (not
+            recomputed: ``core/recompute.py``).
     """
 
     stage: int
@@ -37,6 +39,7 @@ class StageWork:
     rows: bool
     in_flight: int
     p2p_buffers: int
+    kept: frozenset[int] = frozenset()
 
     @property
     def num_microbatches(self) -> int:
