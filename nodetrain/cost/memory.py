@@ -184,6 +184,8 @@ def kept_activation_bytes(shape: ModelShape, block: int, n: int, e: int) -> int:
     That count less the output and incoming gradient (2·D·e: the output is the next block's saved
     input, ``saved_per_micro_batch``, and the gradient lives only during the backward); the layer's
     input is saved either way. Llama-3.2-3B at bf16: 137 kB per token (Korthikanti's 34·h: 104 kB).
+    Checked against the storages a kept Llama and Qwen3 layer's graph holds on CPU, fp32 and bf16
+    (tests/test_recompute.py): 2-4% above them.
 
     Args:
         shape: the model; block: a decoder layer's index (1..L); n: tokens (B·T); e: compute-dtype bytes.
