@@ -245,6 +245,11 @@ INVALID = [
     (["pipeline.microbatches=2.5"], 2, ["pipeline.microbatches=2.5: must be an integer or auto", "or auto"]),
     (["stream.device_budget=big"], 2, ["stream.device_budget=big: must be an integer or auto", "-1 or auto"]),
     (["train.micro_batch_size=0"], 2, ["train.micro_batch_size=0: must be >= 1"]),
+    (
+        ["stream.offload_activations=true", "stream.recompute=false"],
+        1,
+        ["stream.recompute=false: keeps every layer's activations", "set stream.recompute=auto or true"],
+    ),
 ]
 
 

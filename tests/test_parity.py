@@ -369,7 +369,7 @@ def parity_spec(case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs, l
         "store.dir": str(shm_dir),
         **{f"optim.{k}": v for k, v in OPTIM.items()},
         **({"model.router_aux_loss": case.router_aux_loss} if case.router_aux_loss else {}),
-        **({"optim.on_device": True} if case.on_device else {}),
+        "optim.on_device": bool(case.on_device),  # the placement the case names, not auto's
     }
     spec = {
         "arch": case.arch,

@@ -215,6 +215,7 @@ def test_gpu_profile_prices_fp32_at_fp32_flops_and_nothing_on_shared_cores() -> 
     cfg = _cpu_config("float32")
     cfg.hardware.gpus_per_node, cfg.hardware.device_memory_gb = 1, 10.0
     cfg.hardware.layer_overhead_s = 0.0
+    cfg.stream.recompute = True  # every layer recomputed (auto would keep them on this device)
     t = make_plan(cfg).time
     n = 32
     a, head = block_elementwise_bytes(SHAPE, 1, n, 4), block_elementwise_bytes(SHAPE, 3, n, 4)[0]

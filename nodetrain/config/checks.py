@@ -173,6 +173,14 @@ def _check_cross_fields(cfg: Config, infinite: set[str], problems: Problems) -> 
             f"keeps bf16 master weights, train.dtype={cfg.train.dtype}",
             "set train.dtype=bfloat16",
         )
+    if cfg.stream.offload_activations and cfg.stream.recompute is False:  # auto recomputes with it
+        problems.add(
+            "stream.recompute",
+            "false",
+            "keeps every layer's activations on the device, which stream.offload_activations=true "
+            "moves off it (it offloads saved block inputs only)",
+            "set stream.recompute=auto or true (or stream.offload_activations=false)",
+        )
     if cfg.optim.state == "lean" and cfg.optim.speculative is True:  # auto: no speculation with lean
         problems.add(
             "optim.speculative",

@@ -42,6 +42,8 @@ class RunShape:
         lines: what each ``auto`` became and why, one line each, for the start-up log.
         on_device: per stage, the resident blocks whose units' optimizer runs on the device
             (``optim.on_device``, core/placement.py); empty: none anywhere.
+        kept: per stage, the decoder layers whose activations are kept from the forward to the
+            backward, not recomputed (``stream.recompute``, ``core.recompute``).
     """
 
     batch: BatchShape
@@ -52,6 +54,7 @@ class RunShape:
     machine: Machine
     lines: tuple[str, ...] = ()
     on_device: tuple[frozenset[int], ...] = ()
+    kept: tuple[frozenset[int], ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -66,7 +69,7 @@ class RunShape:
     def works(self) -> list[StageWork]:
         """Per stage, its step as the cost model counts it, with its resident blocks."""
         return [
-            p.work(r, self.on_device_of(k))
+            p.work(r, self.on_device_of(k), self.kept[k] if self.kept else ())
             for k, (p, r) in enumerate(zip(self.plans, self.resident, strict=True))
         ]
 
@@ -121,8 +124,9 @@ def resolve(
 
     The batch (:func:`~nodetrain.core.batch.resolve_batch`, unless ``batch`` is given: the engine
     resolves it before preparing the data), each stage's step (``StepPlan``), its device budget and
-    resident blocks (``placement.place_stages`` over ``machine.device_bytes``) and the update mode
-    (``update.choose_update``).
+    resident blocks (``placement.place_stages`` over ``machine.device_bytes``), the layers that keep
+    their activations in what the resident blocks leave of the budget (``recompute.decide_recompute``)
+    and the update mode (``update.choose_update``).
 
     Args:
         cfg: a validated config; shape: its model; machine: what it runs on (or is planned for);
@@ -134,12 +138,17 @@ def resolve(
     lines: list[str] = []
     if batch is None:
         batch, lines = resolve_batch(cfg, shape, num_stages, nodes)
-    fit, budgets, (resident, on_device), update, _ = priced_batch(cfg, shape, machine, batch, num_stages)
+    fit, budgets, (resident, on_device), recompute, update, _ = priced_batch(
+        cfg, shape, machine, batch, num_stages
+    )
     streamed = [fit.stage(k, batch.micro_batch_size) for k in range(num_stages)]
     lines += _budget_lines(cfg, machine, budgets, streamed)
     lines += [update.line] if update.line else []
     lines.append(_on_device_line(cfg, shape, machine, resident, on_device))
-    return RunShape(batch, fit.plans, budgets, resident, update, machine, tuple(lines), on_device)
+    lines += recompute.lines
+    return RunShape(
+        batch, fit.plans, budgets, resident, update, machine, tuple(lines), on_device, recompute.kept
+    )
 
 
 def _on_device_line(cfg: Config, shape: ModelShape, machine: Machine, resident, on_device) -> str:

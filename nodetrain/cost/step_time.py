@@ -155,7 +155,7 @@ def _block_costs(shape, w: StageWork, n, t, e, compute, rates: HostRates) -> dic
     accum = rates.accum_rate()
     out = {}
     for i in w.blocks:
-        f, b = block_seconds(shape, i, n, t, e, compute)
+        f, b = block_seconds(shape, i, n, t, e, compute, i in w.kept)
         h2d, d2h, acc = block_traffic(shape, w, i, n=n, itemsize=e)
         worker = max(d2h / d2h_link, acc / accum)
         passes = m if i == last else 2 * m
@@ -189,7 +189,9 @@ def _stages(
     for w in works:
         x = stage_traffic(shape, w, n=n, itemsize=itemsize, offload_activations=offload)
         x = replace(x, tier_bytes=int(2 * tier * sum(shape.unit_numels[i] for i in w.blocks)))
-        parts = tuple(w.num_microbatches * p for p in stage_compute(shape, w.blocks, n, t, itemsize, compute))
+        parts = tuple(
+            w.num_microbatches * p for p in stage_compute(shape, w.blocks, n, t, itemsize, compute, w.kept)
+        )
         out.actions.append(list(w.actions))
         out.traffic.append(x)
         out.compute_parts.append(parts)

@@ -29,6 +29,8 @@ class StageWork:
         rows: stage 0's embedding travels as the rows a micro-batch uses.
         in_flight: most micro-batches whose block inputs the stage keeps at once.
         p2p_buffers: most [B, T, D] P2P buffers alive at once.
+        kept: decoder layers whose activations stay from the forward to the backward (not
+            recomputed: ``core/recompute.py``).
     """
 
     stage: int
@@ -40,6 +42,7 @@ class StageWork:
     in_flight: int
     p2p_buffers: int
     on_device: frozenset[int] = frozenset()
+    kept: frozenset[int] = frozenset()
 
     @property
     def num_microbatches(self) -> int:

@@ -161,7 +161,8 @@ class Engine:
         b = run.batch
         shape = (b.micro_batch_size, b.seq_len, model.config.hidden_size)
         offload = saved_offload(cfg.stream, self.plan, self.blocks, self._is_last, self.window, shape)
-        self.runner = StageRunner(model, self.blocks, self.window, self.dtype, offload)
+        kept = run.kept[topo.stage] if run.kept else frozenset()
+        self.runner = StageRunner(model, self.blocks, self.window, self.dtype, offload, kept)
         self.p2p = P2P(
             topo.stage,
             topo.num_stages,
