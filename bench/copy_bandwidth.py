@@ -19,7 +19,9 @@ Measures, each as the median of ``--repeats`` copies of ``--mb`` megabytes of bf
   CPU "device" both share the host's cores, on CUDA the staging copy is DMA.
 Each copy is timed from an idle device to its completion (``torch.cuda.synchronize``). Writes
 ``<out>/copy_bandwidth.json`` and prints the figures side by side (expect pinned ≈ 5-10 × pageable
-on a PCIe/NVLink-C2C host link; the ratio, not the absolute figure, is what this checks).
+on a PCIe/NVLink-C2C host link; the ratio, not the absolute figure, is what this checks). With
+``--write-profile PATH --base PROFILE`` the link per direction goes into a machine profile
+(``host_link_gbps``, ``host_link_d2h_gbps``) that ``hardware=`` loads.
 """
 
 from __future__ import annotations
@@ -99,6 +101,21 @@ def measure(numel: int, repeats: int, device: torch.device, store_dir: Path) -> 
     return out
 
 
+def _write_profile(path: Path, base: str, result: dict, device: torch.device) -> None:
+    """The link per direction into a copy of profile ``base`` (``bench/host_rates.write_profile``):
+    ``host_link_gbps`` = H2D from the page-locked store, ``host_link_d2h_gbps`` = D2H into staging."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from host_rates import write_profile
+
+    figures = {"host_link_gbps": result["h2d_store_gbps"], "host_link_d2h_gbps": result["d2h_staging_gbps"]}
+    note = (
+        f"Link measured by bench/copy_bandwidth.py on {device} ({result['mb_per_copy']:.0f} MB copies): "
+        f"H2D {figures['host_link_gbps']:.1f}, D2H {figures['host_link_d2h_gbps']:.1f} GB/s"
+    )
+    write_profile(path, base, figures, note)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
@@ -106,6 +123,8 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=256, help="megabytes (1e6) of bf16 per copy")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--store-dir", help="host store directory (default: roomier of /dev/shm, $TMPDIR)")
+    ap.add_argument("--write-profile", help="write a profile YAML with this link (from --base)")
+    ap.add_argument("--base", default="h200_1gpu", help="the profile whose other figures it keeps")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available() and not args.dry_run
@@ -120,6 +139,8 @@ def main() -> None:
         shutil.rmtree(store_dir, ignore_errors=True)
     result.update(device=str(device), mb_per_copy=numel * 2 / 1e6, repeats=args.repeats)
     (args.out / "copy_bandwidth.json").write_text(json.dumps(result, indent=2))
+    if args.write_profile:
+        _write_profile(Path(args.write_profile), args.base, result, device)
     print(f"copy bandwidth on {device}, {numel * 2 / 1e6:.0f} MB per copy (GB/s):")
     print(
         f"  H2D  store (pinned={result['store_pinned']}) {result['h2d_store_gbps']:8.2f}"

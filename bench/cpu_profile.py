@@ -26,6 +26,10 @@ gives now; ``plan_accuracy.py`` calibrates with it). The kernels:
 - memory bandwidth: a STREAM-triad-like ``torch.add(b, c, alpha=s, out=a)`` over three 16 M-element
   fp32 arrays (64 MB each, beyond the last-level cache), 3 × 4 bytes moved per element (McCalpin's
   STREAM convention).
+
+``--host`` measures what a GPU node's profile needs of its host instead (``bench/host_rates.py``: memory
+bandwidth per thread count, the accumulation's elements/s, the optimizer's parameters/s) and, with
+``--write-profile PATH --base PROFILE``, writes them into a profile that ``hardware=`` loads.
 """
 
 from __future__ import annotations
@@ -34,12 +38,15 @@ import argparse
 import multiprocessing as mp
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 __all__ = ["KINDS", "best_time", "workload", "window_rate", "concurrent", "matmul_flops", "cpu_name"]
 
@@ -202,11 +209,36 @@ JOBS = [(k, d) for k in KINDS[:4] for d in ("bfloat16", "float32")] + [
 ]
 
 
+def _host(args, cores: int) -> None:
+    """``--host``: the host rates of a machine profile (``bench/host_rates.py``), printed and, with
+    ``--write-profile``, written into a copy of the ``--base`` profile that ``hardware=`` loads."""
+    from host_rates import PROFILE_KEYS, measure, write_profile
+
+    figures = measure(cores, args.accum_threads, args.optim_threads, args.seconds)
+    for key, value in figures.items():
+        print(f"{key}: {value:,.4g}")
+    if args.write_profile:
+        note = (
+            f"Host rates measured by bench/cpu_profile.py --host ({cpu_name()}, torch {torch.__version__}, "
+            f"{args.accum_threads} accumulation and {args.optim_threads} optimizer threads): "
+            + ", ".join(f"{k} {figures[k]:.1f}" for k in PROFILE_KEYS)
+        )
+        write_profile(Path(args.write_profile), args.base, figures, note)
+        print(f"wrote {args.write_profile} (conf/hardware/<name>.yaml is what hardware=<name> loads)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=1.5, help="window per kernel and process")
+    parser.add_argument("--host", action="store_true", help="the host rates: bench/host_rates.py")
+    parser.add_argument("--accum-threads", type=int, default=8, help="--host: the D2H worker's threads")
+    parser.add_argument("--optim-threads", type=int, default=8, help="--host: the optimizer's threads")
+    parser.add_argument("--write-profile", help="--host: write a profile YAML here (from --base)")
+    parser.add_argument("--base", default="cpu", help="--host: the profile whose other figures it keeps")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
+    if args.host:
+        return _host(args, cores)
     one, node = concurrent(JOBS, 1, args.seconds), concurrent(JOBS, cores, args.seconds)
     print(
         f"cpu: {cpu_name()}, {cores} logical cores, torch {torch.__version__}, load {os.getloadavg()[0]:.1f}"

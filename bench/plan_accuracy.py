@@ -1,7 +1,15 @@
-"""Planner accuracy: predicted vs measured memory, and step time, of three real runs on this CPU machine.
+"""Planner accuracy: predicted vs measured memory, and step time, of three real runs on this CPU machine,
+and of the GPU runs in a run directory.
 
     python bench/plan_accuracy.py          # memory, ~3-6 minutes on 2 cores
     python bench/plan_accuracy.py --time   # step time, ~10-30 minutes on 2 cores (3 runs per config)
+    python bench/plan_accuracy.py --run ../shared/gpu-runs/2026-12-04-h200   # a GPU run, seconds
+
+``--run DIR`` (issue 33): every run of a GPU run directory (``NAME_metrics.jsonl``, ``NAME_rank0.log``
+and ``runs.json`` with the planner's overrides), predicted vs measured step time and phases (compute,
+stall, d2h_wait, optim, bubble): ``bench/plan_gpu_runs.py``. Measured 2026-12-05 on the shared H200
+run (``hardware=h200_1gpu``, medians of steps 3-6): streamed M=4 step 4.06 s predicted vs 4.17
+measured (−2.6%), phases −9% … +19%; all-resident M=4 3.47 vs 3.55 (−2.1%), phases −16% … +0%.
 
 For each configuration the real engine runs two training steps under torchrun (gloo) and reports
 its objects' sizes and its resident peak; ``nodetrain.plan.planner`` predicts the same run (CPU profile,
@@ -281,6 +289,11 @@ def _time_report(name: str, nproc: int, overrides: list[str], repeat: int) -> tu
 
 
 def main() -> None:
+    if "--run" in sys.argv[1:]:
+        from plan_gpu_runs import main as gpu_runs
+
+        runs = sys.argv[sys.argv.index("--run") + 1 :]
+        sys.exit(gpu_runs(runs))
     if "--time" in sys.argv[1:]:
         repeat = int(next((a.split("=")[1] for a in sys.argv[1:] if a.startswith("--repeat=")), "3"))
         errors = {name: _time_report(name, nproc, ov, repeat) for name, (nproc, ov) in CONFIGS.items()}

@@ -19,8 +19,9 @@ Writes, under ``out_dir``:
     weights_rank<r>.safetensors  the fp32 master weights of the units rank r owns, by HF name
                                  (a tied head also writes ``lm_head.weight``, read through its
                                  binding to the embedding);
-    rank<r>.json                 {"units": [...], "resident": [...], "store_nbytes": ...,
-                                 "speculative": bool, "update_choice": "<optim.speculative=auto's line>",
+    rank<r>.json                 {"units": [...], "resident": [...], "on_device": [...], "store_nbytes": ...,
+                                 "kept": [...], "speculative": bool,
+                                 "update_choice": "<optim.speculative=auto's line>",
                                  "memory": {...} | null, "adamw_steps": {HF name: count} | null};
     state_rank<r>.safetensors    with ``export_state``: AdamW's ``<HF name>.exp_avg`` and
                                  ``<HF name>.exp_avg_sq`` of the units rank r owns;
@@ -239,6 +240,8 @@ def run_spec(spec: dict, device: torch.device) -> None:
     report = {
         "units": [u.name for u in engine.units],
         "resident": [model.units[i].name for i in engine.window.resident],
+        "on_device": [model.units[i].name for i in engine.device_opt.blocks],
+        "kept": [model.units[i].name for i in sorted(engine.runner.kept)],
         "store_nbytes": engine.store.nbytes,
         "memory": memory,
         "adamw_steps": None,

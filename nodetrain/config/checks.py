@@ -178,12 +178,41 @@ def _check_optim(cfg: Config, infinite: set[str], problems: Problems) -> None:
             f"keeps bf16 master weights, train.dtype={cfg.train.dtype}",
             "set train.dtype=bfloat16",
         )
+    if cfg.stream.offload_activations and cfg.stream.recompute is False:  # auto recomputes with it
+        problems.add(
+            "stream.recompute",
+            "false",
+            "keeps every layer's activations on the device, which stream.offload_activations=true "
+            "moves off it (it offloads saved block inputs only)",
+            "set stream.recompute=auto or true (or stream.offload_activations=false)",
+        )
     if cfg.optim.state == "lean" and cfg.optim.speculative is True:  # auto: no speculation with lean
         problems.add(
             "optim.speculative",
             True,
             "backs up fp32 master weights and moments, which optim.state=lean does not keep",
             "set optim.speculative=false (or optim.state=full)",
+        )
+
+
+def _check_on_device(cfg: Config, problems: Problems) -> None:
+    """``optim.on_device=true`` keeps fp32 master weights and moments on the device, loaded from and
+    saved to the host store's fp32 state: it needs that state in RAM (``auto`` then keeps none)."""
+    if cfg.optim.on_device is not True:
+        return
+    if cfg.optim.state != "full":
+        problems.add(
+            "optim.on_device",
+            True,
+            f"keeps fp32 master weights and moments on the device, optim.state={cfg.optim.state} has none",
+            "set optim.on_device=auto or false (or optim.state=full)",
+        )
+    if cfg.store.tier != "ram":
+        problems.add(
+            "optim.on_device",
+            True,
+            f"loads the optimizer state from the host store, store.tier={cfg.store.tier} keeps it in files",
+            "set optim.on_device=auto or false (or store.tier=ram)",
         )
 
 
@@ -347,4 +376,5 @@ def validate(cfg: Config, world_size: int, local_world_size: int = 0) -> None:
     _check_stages(cfg, world_size, per_node, hf, problems)
     _check_batch(cfg.train, cfg.pipeline, max(1, world_size // per_node), problems)
     check_tier(cfg, problems)
+    _check_on_device(cfg, problems)
     problems.raise_if_any()

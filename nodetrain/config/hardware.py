@@ -40,6 +40,10 @@ class HardwareConfig:
     """What one device's elementwise kernels (norms, activations, softmax) stream at, GB/s: a GPU's
     memory bandwidth; on a CPU profile one core's rate on activations (``bench/cpu_profile.py``), 0 =
     ``core_memory_bandwidth_gbps``. 0 on a GPU profile: elementwise work not priced."""
+    hbm_bandwidth_gbps: float = checked(0.0, at_least(0, "use 0 when not known"))
+    """One GPU's memory bandwidth from its datasheet, GB/s (H100 SXM 3,350; H200 4,800): what the
+    fused AdamW of units kept on the device (``optim.on_device``) streams at; 0 =
+    ``device_memory_bandwidth_gbps``."""
     layer_overhead_s: float = checked(0.0, at_least(0, "use 0 when not known"))
     """Seconds per decoder layer and micro-batch (forward, recompute, backward) that do not shrink
     with the layer: Python, autograd, kernel dispatch (``bench/cpu_profile.py``, on a CPU profile).
@@ -61,6 +65,21 @@ class HardwareConfig:
     """What one core's stream of loads and stores reaches, GB/s (a one-thread STREAM triad,
     ``bench/cpu_profile.py --threads 1``); a team of k threads reaches k × this, at most the rank's
     share of ``host_memory_bandwidth_gbps``."""
+    host_link_d2h_gbps: float = checked(0.0, at_least(0, "use 0 when not known"))
+    """Device → host bandwidth of one device when measured apart (``bench/copy_bandwidth.py``), GB/s;
+    0 = ``host_link_gbps``."""
+    host_link_gated_gbps: float = checked(0.0, at_least(0, "use 0 when not known"))
+    """Host → device bandwidth while the CPU AdamW runs on the same DRAM (a step's first loads wait for
+    their units' updates and cross beside the optimizer), GB/s; 0 = ``host_link_gbps``."""
+    accum_gbps: float = checked(0.0, at_least(0, "use 0 when not known"))
+    """One rank's host accumulation (the D2H worker adding gradients into the fp32 accumulators),
+    measured, in the planner's accumulation bytes (``cost.traffic.StageTraffic.accum_bytes``) per
+    second, GB/s (``bench/cpu_profile.py --host``); 0 = its ``stream.accum_threads`` ×
+    ``core_memory_bandwidth_gbps``, at most the rank's share of ``host_memory_bandwidth_gbps``."""
+    optimizer_gbps: float = checked(0.0, at_least(0, "use 0 when not known"))
+    """One rank's CPU AdamW (with the transfer-copy refresh), measured, in the planner's optimizer bytes
+    (``cost.traffic.optimizer_bytes_per_param``) per second, GB/s (``bench/cpu_profile.py --host``);
+    0 = its ``optim.threads`` × ``core_memory_bandwidth_gbps``, at most the rank's DRAM share."""
     nvme_read_gbps: float = checked(0.0, at_least(0, "use 0 for a node without NVMe drives"))
     """Sequential read bandwidth of the node's local NVMe drives together (``store.tier=nvme``), GB/s;
     0 = no NVMe tier on this profile."""

@@ -287,8 +287,9 @@ class StreamConfig:
     saved input (least device memory: one [B, T, D] input per block and micro-batch in flight);
     ``false`` = keep every block's activations from the forward (its autograd graph) until its
     backward; ``auto`` = keep them for the blocks whose activations, for every micro-batch in flight
-    (1F1B: stage s holds up to S - s), fit the stage's device budget, and recompute the rest (on CPU
-    the budget is 0: every block is recomputed). Exact either way (core/placement.py)."""
+    (1F1B: stage s holds up to S - s), fit what the stage's device budget has left after its resident
+    units, and recompute the rest (on CPU the budget is 0: every block is recomputed; with
+    ``offload_activations`` too, and ``false`` with it is refused). Exact either way (core/recompute.py)."""
 
 
 @dataclass

@@ -76,11 +76,12 @@ class NodeFit:
     def cpu(self) -> bool:
         return self.device_limit_bytes == 0
 
-    def stage(self, k: int, b: int, resident=()) -> StageMemory:
-        """Stage ``k``'s peak device bytes at micro-batch size ``b`` with ``resident`` blocks kept."""
+    def stage(self, k: int, b: int, resident=(), on_device=()) -> StageMemory:
+        """Stage ``k``'s peak device bytes at micro-batch size ``b`` with ``resident`` blocks kept, those
+        of ``on_device`` with their optimizer there too."""
         return stage_memory(
             self.shape,
-            self.plans[k].work(resident),
+            self.plans[k].work(resident, on_device),
             b=b,
             t=self.seq_len,
             slots=self.slots,

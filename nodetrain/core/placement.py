@@ -13,21 +13,45 @@ but one (``(loads − 1) × numel × e`` H2D) and every gradient offload but one
 run at the host link's speed, so transfer time saved per device byte is ``saved bytes / cost
 bytes``; the choice is greedy in that order (ties: block order), after the last stage's head, which
 goes first (the stage's largest block, loaded at every use).
+
+A resident block may also keep its units' optimizer on the device (``optim.on_device``): fp32 master
+weights, ``exp_avg``, ``exp_avg_sq`` and the fp32 gradient, ``numel × (e + 16)`` device bytes in all
+(``cost.memory.on_device_bytes_per_param``), updated there, with no host traffic per step: it saves
+the fp32 gradient's D2H (4), the reload after the host update (e), the host accumulation (8) and the
+host AdamW (``cost.traffic.optimizer_bytes_per_param``) per parameter, for 12 more device bytes.
+``true``: every resident block takes it, charged at ``e + 16`` within the budget; ``false``: none;
+``auto``: the blocks resident as above, then as many of them as the budget left holds, largest host
+bytes saved per device byte first. That ratio is the same for every block (every term is ∝ numel),
+so the ties go in block order: the first blocks' host updates finish last in the backward and are
+the first the next forward waits for. A tied embedding read by two stages (tied, ``num_stages > 1``)
+keeps its optimizer on the host (its two gradients meet there), and so do block 0 and the head that
+binds it; on one stage the two stay or go together (their gradients are summed on the device).
 """
 
 from __future__ import annotations
 
 from nodetrain.core.step_plan import StepPlan
-from nodetrain.cost.memory import GRAD_ACC_ITEMSIZE, MARGIN_BYTES, StageMemory, resident_bytes_per_param
+from nodetrain.cost.memory import (
+    GRAD_ACC_ITEMSIZE,
+    MARGIN_BYTES,
+    StageMemory,
+    on_device_bytes_per_param,
+    resident_bytes_per_param,
+)
 from nodetrain.cost.shape import ModelShape
+from nodetrain.cost.traffic import optimizer_bytes_per_param
 
 __all__ = [
     "AUTO",
+    "choose_on_device",
     "choose_resident",
+    "on_device_request",
+    "optimizer_blocks",
     "device_budget_bytes",
     "place_stages",
     "ranks_on_device",
     "resident_blocks",
+    "saved_host_bytes",
     "saved_transfer_bytes",
     "stage_budget",
 ]
@@ -108,31 +132,122 @@ def stage_budget(requested, device_bytes: int, streamed: StageMemory) -> int:
     return device_budget_bytes(device_bytes, streamed.window_bytes, streamed.activation_bytes)
 
 
-def resident_blocks(shape: ModelShape, plan: StepPlan, itemsize: int, budget: int) -> frozenset[int]:
+def resident_blocks(
+    shape: ModelShape, plan: StepPlan, itemsize: int, budget: int, with_optimizer=frozenset()
+) -> frozenset[int]:
     """The blocks of a stage to keep resident within ``budget`` device bytes (module docstring).
 
     Args:
         shape: the model; plan: the stage's step (its blocks and their uses, ``StepPlan.uses``).
         itemsize: compute-dtype bytes (e); budget: :func:`stage_budget`'s bytes.
+        with_optimizer: blocks charged with their optimizer on the device (``e + 16`` bytes/param).
     """
     numel = {i: shape.load_numels[i] for i in plan.blocks}
     uses = plan.uses()
-    cost = {i: n * resident_bytes_per_param(itemsize) for i, n in numel.items()}
+    per = {
+        i: on_device_bytes_per_param(itemsize) if i in with_optimizer else resident_bytes_per_param(itemsize)
+        for i in numel
+    }
+    cost = {i: n * per[i] for i, n in numel.items()}
     saved = {i: saved_transfer_bytes(n, itemsize, *uses[i]) for i, n in numel.items()}
     head = len(shape.unit_numels) - 1
     return frozenset(choose_resident(cost, saved, budget, first=(head,) if head in numel else ()))
 
 
+def on_device_request(on_device, state: str, tier: str) -> tuple[bool | str, str]:
+    """``optim.on_device`` as the placement takes it, and why when it cannot hold: it needs the host's
+    full fp32 state (``optim.state=full``) and the store in RAM (``store.tier=ram``); ``true`` with
+    either is refused at start-up (config/checks.py), ``auto`` becomes False."""
+    if on_device is False or (state == "full" and tier == "ram"):
+        return on_device, ""
+    return (
+        False,
+        f"optim.on_device={str(on_device).lower()}: none (needs optim.state=full and store.tier=ram)",
+    )
+
+
+def saved_host_bytes(numel: int, itemsize: int) -> int:
+    """Host bytes per step a resident block saves by keeping its optimizer on the device: the fp32
+    gradient's D2H (4), the reload after the host update (e), the host accumulation (8) and the host
+    AdamW (``optimizer_bytes_per_param``), per parameter."""
+    return numel * (GRAD_ACC_ITEMSIZE + itemsize + 8 + optimizer_bytes_per_param(itemsize))
+
+
+def choose_on_device(extra_bytes: dict[int, int], saved_bytes: dict[int, int], budget: int) -> list[int]:
+    """Resident blocks to give their optimizer on the device within ``budget`` more device bytes:
+    by saved host bytes per extra device byte, highest first (ties: lower block first); a block that
+    does not fit is skipped. Returns them in block order.
+
+    Args:
+        extra_bytes: block -> device bytes it takes beyond being resident (12 per parameter).
+        saved_bytes: block -> host bytes per step it saves (:func:`saved_host_bytes`).
+    """
+    chosen, left = [], budget
+    for block in sorted(extra_bytes, key=lambda b: (-saved_bytes[b] / max(extra_bytes[b], 1), b)):
+        if extra_bytes[block] <= left:
+            chosen.append(block)
+            left -= extra_bytes[block]
+    return sorted(chosen)
+
+
+def _tied_pair(chosen: frozenset[int], tied: bool, head: int) -> frozenset[int]:
+    """One stage's tied embedding: block 0 and the head keep their optimizer on the device together
+    or not at all (their gradients of the one weight are summed on the device)."""
+    pair = {0, head}
+    return chosen if not tied or pair <= chosen else chosen - pair
+
+
+def optimizer_blocks(
+    requested, shape: ModelShape, plan: StepPlan, itemsize: int, budget: int, eligible: frozenset[int]
+) -> tuple[frozenset[int], frozenset[int]]:
+    """A stage's (resident blocks, those with their optimizer on the device), ``optim.on_device``'s rule
+    (module docstring).
+
+    Args:
+        requested: ``optim.on_device`` (True, False or ``auto``), already False where it cannot hold.
+        shape, plan, itemsize, budget: as :func:`resident_blocks`.
+        eligible: blocks allowed it (the tied embedding across stages, and its head, left out).
+    """
+    head = len(shape.unit_numels) - 1
+    if requested is True:
+        resident = resident_blocks(shape, plan, itemsize, budget, eligible)
+        return resident, _tied_pair(resident & eligible, shape.tied and head in plan.blocks, head)
+    resident = resident_blocks(shape, plan, itemsize, budget)
+    if requested is False:
+        return resident, frozenset()
+    left = budget - sum(shape.load_numels[i] for i in resident) * resident_bytes_per_param(itemsize)
+    extra = on_device_bytes_per_param(itemsize) - resident_bytes_per_param(itemsize)
+    cands = [i for i in resident if i in eligible]
+    chosen = choose_on_device(
+        {i: shape.load_numels[i] * extra for i in cands},
+        {i: saved_host_bytes(shape.load_numels[i], itemsize) for i in cands},
+        left,
+    )
+    return resident, _tied_pair(frozenset(chosen), shape.tied and head in plan.blocks, head)
+
+
 def place_stages(
-    requested, shape: ModelShape, plans, streamed: list[StageMemory], device_bytes, itemsize: int
-) -> tuple[tuple[int, ...], tuple[frozenset[int], ...]]:
-    """Every stage's budget (:func:`stage_budget`) and resident blocks (:func:`resident_blocks`).
+    requested,
+    shape: ModelShape,
+    plans,
+    streamed: list[StageMemory],
+    device_bytes,
+    itemsize: int,
+    on_device=False,
+) -> tuple[tuple[int, ...], tuple[frozenset[int], ...], tuple[frozenset[int], ...]]:
+    """Every stage's budget (:func:`stage_budget`), resident blocks and those of them with their optimizer
+    on the device (:func:`optimizer_blocks`).
 
     Args:
         requested: ``stream.device_budget``; plans: per stage its ``StepPlan``; streamed: per stage its
             device memory with nothing resident; device_bytes: per stage the device memory it may use;
-            itemsize: compute-dtype bytes.
+            itemsize: compute-dtype bytes; on_device: ``optim.on_device`` (False where it cannot hold).
     """
     budgets = tuple(stage_budget(requested, d, m) for d, m in zip(device_bytes, streamed, strict=True))
-    resident = tuple(resident_blocks(shape, p, itemsize, x) for p, x in zip(plans, budgets, strict=True))
-    return budgets, resident
+    head = len(shape.unit_numels) - 1
+    across = {0, head} if shape.tied and len(plans) > 1 else set()  # the tied embedding's two stages
+    placed = [
+        optimizer_blocks(on_device, shape, p, itemsize, x, frozenset(set(p.blocks) - across))
+        for p, x in zip(plans, budgets, strict=True)
+    ]
+    return budgets, tuple(r for r, _ in placed), tuple(o for _, o in placed)

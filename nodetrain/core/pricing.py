@@ -15,8 +15,9 @@ import torch
 from nodetrain.config.schema import Config
 from nodetrain.core.machine import GB, Machine
 from nodetrain.cost.memory import store_layout
+from nodetrain.cost.rates import HostRates
 from nodetrain.cost.shape import ModelShape
-from nodetrain.cost.step_time import HostRates, StepTime, step_time
+from nodetrain.cost.step_time import StepTime, step_time
 from nodetrain.cost.tier import tier_bytes
 from nodetrain.cost.work import StageWork
 
@@ -37,6 +38,10 @@ def host_rates(machine: Machine, num_stages: int) -> HostRates:
         optim_threads=machine.cores.optim_threads,
         nvme_read_bytes_per_s=hw.nvme_read_gbps * GB,
         nvme_write_bytes_per_s=hw.nvme_write_gbps * GB,
+        accum_bytes_per_s=hw.accum_gbps * GB,
+        optim_bytes_per_s=hw.optimizer_gbps * GB,
+        d2h_link_bytes_per_s=hw.host_link_d2h_gbps * GB / share,
+        gated_link_bytes_per_s=hw.host_link_gated_gbps * GB / share,
     )
 
 
@@ -72,9 +77,10 @@ def priced_step(
     ``OMP_NUM_THREADS=1``): a core's share of the profile's rates (a measured peak is already one
     rank's), its elementwise kernels at one core's (``device_memory_bandwidth_gbps``, else
     ``core_memory_bandwidth_gbps``), ``layer_overhead_s`` per layer and micro-batch, and every thread
-    of every rank on the node's ``cores`` (``shared_cores``). With ``store.tier=nvme`` the tier's bytes
-    are read and written at the profile's NVMe rates, with ``stream.offload_activations`` the saved
-    inputs cross the host link.
+    of every rank on the node's ``cores`` (``shared_cores``). The AdamW of units kept on the device
+    (``optim.on_device``) streams at ``hbm_bandwidth_gbps`` (else the elementwise rate). With
+    ``store.tier=nvme`` the tier's bytes are read and written at the profile's NVMe rates, with
+    ``stream.offload_activations`` the saved inputs cross the host link.
 
     Args:
         cfg: the run (``train.seq_len``, ``train.dtype``, ``store``, ``stream.offload_activations``);
@@ -103,4 +109,6 @@ def priced_step(
         shared_cores=hw.cores if machine.on_cpu else 0,
         tier_bytes_per_param=_tier_per_param(cfg, shape, dtype, hw),
         offload_activations=cfg.stream.offload_activations,
+        slots=cfg.stream.slots,
+        device_optimizer_bytes_per_s=(hw.hbm_bandwidth_gbps or bandwidth) * GB,
     )

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from nodetrain.config.schema import Config
 from nodetrain.core.batch import BatchShape, priced_batch, resolve_batch
 from nodetrain.core.machine import Machine
-from nodetrain.core.placement import AUTO
+from nodetrain.core.placement import AUTO, on_device_request
 from nodetrain.core.step_plan import StepPlan
 from nodetrain.core.update import UpdateChoice
-from nodetrain.cost.memory import MARGIN_BYTES, resident_bytes_per_param
+from nodetrain.cost.memory import MARGIN_BYTES, on_device_bytes_per_param, resident_bytes_per_param
 from nodetrain.cost.shape import ModelShape
 from nodetrain.cost.work import StageWork
 
@@ -40,6 +40,10 @@ class RunShape:
         update: the update mode and why (``core.update.UpdateChoice``).
         machine: what it was resolved for.
         lines: what each ``auto`` became and why, one line each, for the start-up log.
+        on_device: per stage, the resident blocks whose units' optimizer runs on the device
+            (``optim.on_device``, core/placement.py); empty: none anywhere.
+        kept: per stage, the decoder layers whose activations are kept from the forward to the
+            backward, not recomputed (``stream.recompute``, ``core.recompute``).
     """
 
     batch: BatchShape
@@ -49,6 +53,8 @@ class RunShape:
     update: UpdateChoice
     machine: Machine
     lines: tuple[str, ...] = ()
+    on_device: tuple[frozenset[int], ...] = ()
+    kept: tuple[frozenset[int], ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -62,16 +68,32 @@ class RunShape:
     @property
     def works(self) -> list[StageWork]:
         """Per stage, its step as the cost model counts it, with its resident blocks."""
-        return [p.work(r) for p, r in zip(self.plans, self.resident, strict=True)]
+        return [
+            p.work(r, self.on_device_of(k), self.kept[k] if self.kept else ())
+            for k, (p, r) in enumerate(zip(self.plans, self.resident, strict=True))
+        ]
+
+    def on_device_of(self, stage: int) -> frozenset[int]:
+        """Stage ``stage``'s blocks whose optimizer runs on the device (none when unset)."""
+        return self.on_device[stage] if self.on_device else frozenset()
 
     def placement_line(self, stage: int, shape: ModelShape, itemsize: int) -> str:
         """One stage's budget and resident blocks, for the start-up log."""
         resident, blocks = self.resident[stage], self.plans[stage].blocks
-        held = sum(shape.load_numels[i] for i in resident) * resident_bytes_per_param(itemsize)
+        held = sum(
+            shape.load_numels[i]
+            * (
+                on_device_bytes_per_param(itemsize)
+                if i in self.on_device_of(stage)
+                else resident_bytes_per_param(itemsize)
+            )
+            for i in resident
+        )
         return (
             f"stage {stage}: device budget {self.budgets[stage] / 1e6:.1f} MB, {len(resident)} of "
             f"{len(blocks)} blocks resident ({held / 1e6:.1f} MB with their fp32 gradient accumulators; "
-            "chosen by link bytes saved per device byte, the head first)"
+            "chosen by link bytes saved per device byte, the head first); "
+            f"{len(self.on_device_of(stage))} with their optimizer on the device"
         )
 
 
@@ -102,8 +124,9 @@ def resolve(
 
     The batch (:func:`~nodetrain.core.batch.resolve_batch`, unless ``batch`` is given: the engine
     resolves it before preparing the data), each stage's step (``StepPlan``), its device budget and
-    resident blocks (``placement.place_stages`` over ``machine.device_bytes``) and the update mode
-    (``update.choose_update``).
+    resident blocks (``placement.place_stages`` over ``machine.device_bytes``), the layers that keep
+    their activations in what the resident blocks leave of the budget (``recompute.decide_recompute``)
+    and the update mode (``update.choose_update``).
 
     Args:
         cfg: a validated config; shape: its model; machine: what it runs on (or is planned for);
@@ -115,8 +138,38 @@ def resolve(
     lines: list[str] = []
     if batch is None:
         batch, lines = resolve_batch(cfg, shape, num_stages, nodes)
-    fit, budgets, resident, update, _ = priced_batch(cfg, shape, machine, batch, num_stages)
+    fit, budgets, (resident, on_device), recompute, update, _ = priced_batch(
+        cfg, shape, machine, batch, num_stages
+    )
     streamed = [fit.stage(k, batch.micro_batch_size) for k in range(num_stages)]
     lines += _budget_lines(cfg, machine, budgets, streamed)
     lines += [update.line] if update.line else []
-    return RunShape(batch, fit.plans, budgets, resident, update, machine, tuple(lines))
+    lines.append(_on_device_line(cfg, shape, machine, resident, on_device))
+    lines += recompute.lines
+    return RunShape(
+        batch, fit.plans, budgets, resident, update, machine, tuple(lines), on_device, recompute.kept
+    )
+
+
+def _on_device_line(cfg: Config, shape: ModelShape, machine: Machine, resident, on_device) -> str:
+    """What ``optim.on_device`` became: how many resident blocks keep their optimizer on the device, and
+    why the others do not."""
+    asked = cfg.optim.on_device
+    _, why = on_device_request(asked, cfg.optim.state, cfg.store.tier)
+    if why:
+        return why
+    if asked is False:
+        return "optim.on_device=false: every unit's optimizer runs on the host"
+    got, held = sum(map(len, on_device)), sum(map(len, resident))
+    tied = shape.tied and len(resident) > 1
+    notes = [
+        "the CPU's automatic budget is 0" if machine.on_cpu and asked == "auto" else "",
+        "the tied embedding is read by two stages: it and the head keep their optimizer on the host"
+        if tied
+        else "",
+    ]
+    reason = "; ".join(n for n in notes if n)
+    return (
+        f"optim.on_device={str(asked).lower()}: {got} of {held} resident blocks keep their optimizer "
+        "on the device" + (f" ({reason})" if reason else "")
+    )

@@ -198,8 +198,10 @@ class StepPlan:
         loads, backwards = Counter(self.loads), self.backwards
         return {b: (loads[b], backwards[b]) for b in (self.blocks if blocks is None else blocks)}
 
-    def work(self, resident=()) -> StageWork:
-        """What the cost model counts of this step with ``resident`` blocks kept on the device."""
+    def work(self, resident=(), on_device=(), kept=()) -> StageWork:
+        """What the cost model counts of this step with ``resident`` blocks kept on the device, those of
+        ``on_device`` with their optimizer there too, and the ``kept`` layers' activations kept from
+        forward to backward (not recomputed)."""
         resident = frozenset(resident)
         return StageWork(
             stage=self.stage,
@@ -210,6 +212,8 @@ class StepPlan:
             rows=bool(row_blocks(self.blocks, resident)),
             in_flight=in_flight_peak(list(self.actions)),
             p2p_buffers=p2p_live_peak(list(self.actions), self.rounds, self.stage, self.num_stages),
+            on_device=frozenset(on_device) & resident,
+            kept=frozenset(kept),
         )
 
 

@@ -96,13 +96,15 @@ def block_elementwise_bytes(shape: ModelShape, block: int, n: int, itemsize: int
     return per_pass, 3 * per_pass
 
 
-def block_work(shape: ModelShape, block: int, n: int, t: int, e: int):
+def block_work(shape: ModelShape, block: int, n: int, t: int, e: int, kept: bool = False):
     """(forward, backward) work of one block for one micro-batch, each as (matmul FLOPs, attention
     FLOPs, elementwise bytes, share of a layer's fixed overhead): a layer 2·cost·n matmul and
     4·n·T·H·Q attention FLOPs forward and 3 × those backward (recompute, then the backward's two
-    matmuls per forward one), its overhead split the same 1 : 3; the head 6·cost·n in its forward (it
-    takes its gradients there) and none in the backward; the embedding none (a gather and a
-    scatter-add). Elementwise bytes: :func:`block_elementwise_bytes`."""
+    matmuls per forward one), its overhead split the same 1 : 3; a ``kept`` layer (its activations
+    kept from the forward, ``core/recompute.py``) 2 × those backward, no recompute: its elementwise
+    bytes 4·A·n and overhead 0.5; the head 6·cost·n in its forward (it takes its gradients there)
+    and none in the backward; the embedding none (a gather and a scatter-add). Elementwise bytes:
+    :func:`block_elementwise_bytes`."""
     last = len(shape.unit_numels) - 1
     fwd_bytes, bwd_bytes = block_elementwise_bytes(shape, block, n, e)
     if block == last:
@@ -110,17 +112,22 @@ def block_work(shape: ModelShape, block: int, n: int, t: int, e: int):
     if block == 0:
         return (0.0, 0.0, fwd_bytes, 0.0), (0.0, 0.0, bwd_bytes, 0.0)
     matmul, attention = 2.0 * shape.costs[block] * n, 4.0 * n * t * shape.heads * shape.head_dim
+    if kept:  # the backward without the recompute: its forward pass's work drops out
+        return (matmul, attention, fwd_bytes, 0.25), (2 * matmul, 2 * attention, bwd_bytes - fwd_bytes, 0.5)
     return (matmul, attention, fwd_bytes, 0.25), (3 * matmul, 3 * attention, bwd_bytes, 0.75)
 
 
-def block_seconds(shape, block: int, n: int, t: int, e: int, compute: ComputeRates) -> tuple[float, float]:
-    """(forward, backward) seconds of one block for one micro-batch on ``compute``."""
-    fwd, bwd = block_work(shape, block, n, t, e)
+def block_seconds(
+    shape, block: int, n: int, t: int, e: int, compute: ComputeRates, kept: bool = False
+) -> tuple[float, float]:
+    """(forward, backward) seconds of one block for one micro-batch on ``compute`` (``kept``: not
+    recomputed, :func:`block_work`)."""
+    fwd, bwd = block_work(shape, block, n, t, e, kept)
     return sum(compute.seconds(*fwd)), sum(compute.seconds(*bwd))
 
 
-def stage_compute(shape, blocks, n: int, t: int, e: int, compute: ComputeRates) -> tuple[float, ...]:
+def stage_compute(shape, blocks, n: int, t: int, e: int, compute: ComputeRates, kept=()) -> tuple[float, ...]:
     """(matmul, attention, elementwise, overhead) seconds of one micro-batch's forward and backward
-    on a stage."""
-    parts = [compute.seconds(*w) for i in blocks for w in block_work(shape, i, n, t, e)]
+    on a stage (``kept``: the blocks not recomputed, :func:`block_work`)."""
+    parts = [compute.seconds(*w) for i in blocks for w in block_work(shape, i, n, t, e, i in kept)]
     return tuple(sum(p[j] for p in parts) for j in range(4))

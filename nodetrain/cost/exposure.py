@@ -22,6 +22,7 @@ __all__ = [
     "OptimizerExposure",
     "pipeline_times",
     "exposed_s",
+    "exposed_split",
 ]
 
 MODES = ("serial", "deferred", "in_backward", "speculative", "speculative_clipped")
@@ -50,6 +51,10 @@ class UnitTiming:
     """A clipped speculative step's rollback and second update."""
     shared: bool = False
     """Another stage reads it: updated after the all-reduce and waited for before the step ends."""
+    pass_s: float = -1.0
+    """Its block's forward as the pipeline priced it, loads prefetched (``blocks.py``: max(F, H2D));
+    the first forward without the updates takes these in turn. -1: ``forward_s`` after its load, the
+    loads from the step's start in turn (no pass model)."""
 
 
 @dataclass(frozen=True)
@@ -179,26 +184,46 @@ def exposed_s(stages: list[list[UnitTiming]], step_end_s: float, mode: str, fill
     Raises:
         ValueError: an unknown mode.
     """
+    return exposed_split(stages, step_end_s, mode, fills)[0]
+
+
+def exposed_split(stages: list[list[UnitTiming]], step_end_s: float, mode: str, fills=None):
+    """(:func:`exposed_s`, of it the seconds the next step's compute waits for updates): the rest
+    is the gated loads' copies after their updates, which the engine counts as ``stall``
+    (``Window.acquire``: ``optim`` while the gate is pending, ``stall`` while the copy runs).
+
+    Raises:
+        ValueError: an unknown mode.
+    """
     if mode not in MODES:
         raise ValueError(f"unknown update mode {mode!r}: use one of {MODES}")
     if mode == "serial":  # each stage's training thread updates after the all-reduce
-        return max((sum(u.update_s for u in us) for us in stages), default=0.0)
+        total = max((sum(u.update_s for u in us) for us in stages), default=0.0)
+        return total, total
     fills = fills or [0.0] * len(stages)
     reduce_s = max(_reduce_s(us, step_end_s, mode) for us in stages)
     dones = [_done_times(us, mode, reduce_s) for us in stages]
     shared = [d[k] for us, d in zip(stages, dones, strict=True) for k, u in enumerate(us) if u.shared]
     start = max([reduce_s, *shared])
     late = [_first_forward_late(us, d, start, fill) for us, d, fill in zip(stages, dones, fills, strict=True)]
-    return start - step_end_s + max([0.0, *late])
+    k = max(range(len(late)), key=lambda j: late[j][0]) if late else 0
+    exposed = start - step_end_s + max([0.0, *(x for x, _ in late)])
+    waits = start - step_end_s + (min(late[k][1], max(0.0, late[k][0])) if late else 0.0)
+    return exposed, min(exposed, waits)
 
 
-def _first_forward_late(units: list[UnitTiming], done: dict[int, float], start: float, fill: float) -> float:
-    """How much later the stage's first forward of the next step ends than without the updates."""
+def _first_forward_late(
+    units: list[UnitTiming], done: dict[int, float], start: float, fill: float
+) -> tuple[float, float]:
+    """(how much later the stage's first forward of the next step ends than without the updates, of
+    it the compute's waits for a pending update; the rest waits for a gated load's copy)."""
     load = base_load = start  # the H2D worker's loads, in forward order
     compute = base = start + fill  # the stage's compute; the first block waits for the fill
+    waits = 0.0
     for k, u in enumerate(units):
+        waits += max(0.0, done[k] - compute)
         load = max(load, done[k]) + u.load_s
         base_load += u.load_s
         compute = max(compute, load) + u.forward_s
-        base = max(base, base_load) + u.forward_s
-    return compute - base
+        base = base + u.pass_s if u.pass_s >= 0 else max(base, base_load) + u.forward_s
+    return compute - base, waits

@@ -29,9 +29,13 @@ __all__ = [
     "StageMemory",
     "stage_memory",
     "GRAD_ACC_ITEMSIZE",
+    "OPTIMIZER_ON_DEVICE_ITEMSIZE",
+    "device_optimizer_bytes_per_param",
+    "on_device_bytes_per_param",
     "resident_bytes_per_param",
     "layer_saved_per_token",
     "saved_per_micro_batch",
+    "kept_activation_bytes",
     "CHUNK_LOGITS_BYTES",
     "chunk_tokens",
     "OFFLOADED_IN_FLIGHT",
@@ -79,6 +83,25 @@ def resident_bytes_per_param(itemsize: int) -> int:
     """Device bytes per parameter of a resident block: its weights in the compute dtype plus its fp32
     gradient accumulator (``Window``'s resident buffers; DESIGN invariant 8)."""
     return itemsize + GRAD_ACC_ITEMSIZE
+
+
+OPTIMIZER_ON_DEVICE_ITEMSIZE = 16
+"""Bytes per parameter of a unit's optimizer kept on the device (``optim.on_device``): fp32 master
+weights, ``exp_avg``, ``exp_avg_sq`` and the fp32 gradient (which is the accumulator itself)."""
+
+
+def on_device_bytes_per_param(itemsize: int) -> int:
+    """Device bytes per parameter of a resident block with its optimizer on the device: its weights in
+    the compute dtype plus :data:`OPTIMIZER_ON_DEVICE_ITEMSIZE` (engine/device/device_adamw.py)."""
+    return itemsize + OPTIMIZER_ON_DEVICE_ITEMSIZE
+
+
+def device_optimizer_bytes_per_param(itemsize: int) -> int:
+    """Device memory traffic of one fused AdamW update per parameter on the device: it reads master,
+    gradient, ``exp_avg``, ``exp_avg_sq`` (4·4) and writes master and both moments (3·4), and the
+    weights are rewritten from the master (``itemsize``); the norm² read of the gradient is left out
+    (it is fused into the device's reduction kernels and small beside these)."""
+    return 4 * 4 + 3 * 4 + itemsize
 
 
 NCCL_MARGIN_BYTES = 1 << 30
@@ -130,10 +153,13 @@ class StageMemory:
     step's schedule: 1F1B min(S − s, G·M) in its one round, GPipe M)."""
     p2p_buffers: int = 0
     """Most [B, T, D] P2P buffers alive at once (``core.schedule.p2p_live_peak``; ``P2P.peak_buffers``)."""
+    kept_bytes: int = 0
+    """Activations of the layers not recomputed (``work.kept``), ``in_flight`` × their
+    :func:`kept_activation_bytes` per micro-batch."""
 
     @property
     def activation_bytes(self) -> int:
-        return self.saved_bytes + self.p2p_bytes + self.transient_bytes
+        return self.saved_bytes + self.p2p_bytes + self.transient_bytes + self.kept_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -165,6 +191,28 @@ def layer_saved_per_token(shape: ModelShape, e: int, block: int | None = None) -
     top, experts = shape.routed(block)
     routing = 8 * experts + 12 * top + 2 * top * d * e
     return norm_in + attention + (4 * d + 2 * d * e) + 4 * f * e + 2 * d * e + routing
+
+
+def kept_activation_bytes(shape: ModelShape, block: int, n: int, e: int) -> int:
+    """Device bytes one decoder layer's autograd graph keeps for a micro-batch of ``n`` tokens from
+    its forward to its backward when it is not recomputed (``stream.recompute``, core/recompute.py).
+
+    Source: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+    Models" (arXiv:2205.05198, §4.1) count 34·s·b·h + 5·a·s²·b bytes per GPT layer at 16-bit (a 4h
+    MLP, dropout masks, the s² attention scores and their softmax). Our layers differ in exactly
+    those terms, so we use the same census read off our own layer (:func:`layer_saved_per_token`):
+    SDPA (flash / memory-efficient) keeps no s × s scores, only an fp32 log-sum-exp (4·H per
+    token), there is no dropout mask, the MLP is SwiGLU (4·F·e) and GQA keeps K < H key/value heads.
+    That count less the output and incoming gradient (2·D·e: the output is the next block's saved
+    input, ``saved_per_micro_batch``, and the gradient lives only during the backward); the layer's
+    input is saved either way. Llama-3.2-3B at bf16: 137 kB per token (Korthikanti's 34·h: 104 kB).
+    Checked against the storages a kept Llama and Qwen3 layer's graph holds on CPU, fp32 and bf16
+    (tests/parity/test_recompute.py): 2-4% above them.
+
+    Args:
+        shape: the model; block: a decoder layer's index (1..L); n: tokens (B·T); e: compute-dtype bytes.
+    """
+    return n * (layer_saved_per_token(shape, e, block) - 2 * shape.hidden * e)
 
 
 def _layer_backward_peak(shape: ModelShape, n: int, e: int, grads: int, block: int | None = None) -> int:
@@ -297,7 +345,8 @@ def stage_memory(
     The parts are the engine's live tensors: the window's slots, resident blocks with their fp32
     accumulators, the saved block inputs of the micro-batches in flight and the P2P buffers alive
     at once (both counted on the step's schedule: ``work.in_flight``, ``work.p2p_buffers``), and the
-    transient peak of one block's recompute + backward with the gradients queued for D2H. The peaks
+    transient peak of one block's recompute + backward with the gradients queued for D2H, and the
+    activations of the layers not recomputed (``work.kept``) for every micro-batch in flight. The peaks
     of the parts are added, though they need not coincide (a bound, not a trace).
 
     Gradients queued for D2H: :func:`_queued_bytes`.
@@ -309,16 +358,18 @@ def stage_memory(
         offload_activations: only :data:`OFFLOADED_IN_FLIGHT` micro-batches' saved inputs on the device.
 
     Resident blocks (``work.resident``) are out of the slots' ``largest``, counted at ``load × (e + 4)``
-    bytes each; their gradients accumulate on the device, none queue. A streamed embedding
+    bytes each (``load × (e + 16)`` with their optimizer on the device, ``work.on_device``); their
+    gradients accumulate on the device, none queue. A streamed embedding
     (``work.rows``) is gathered by rows: never in a slot, its backward :func:`_rows_backward_bytes`,
     its offload the used rows (≤ min(n, V) × D).
     """
-    n, e, d, blocks, resident = b * t, itemsize, shape.hidden, work.blocks, work.resident
+    n, e, d, blocks = b * t, itemsize, shape.hidden, work.blocks
     largest = max(shape.load_numels[i] for i in blocks)
     streamed, offloaded = _streamed(shape, work, n)
     in_flight, buffers = work.in_flight, work.p2p_buffers
     on_device = min(in_flight, OFFLOADED_IN_FLIGHT) if offload_activations else in_flight
     queued = _queued_bytes(on_cpu, slots, offloaded, e)
+    kept = sum(kept_activation_bytes(shape, i, n, e) for i in work.kept)
     return StageMemory(
         stage=work.stage,
         blocks=blocks,
@@ -327,9 +378,19 @@ def stage_memory(
         saved_bytes=on_device * saved_per_micro_batch(shape, blocks, n, e),
         p2p_bytes=buffers * n * d * e,
         transient_bytes=_transient_peak(shape, blocks, n, e, on_cpu, work.rows) + queued,
-        resident_bytes=sum(shape.load_numels[i] for i in resident) * resident_bytes_per_param(e),
+        resident_bytes=_resident_bytes(shape, work, e),
         in_flight=in_flight,
         p2p_buffers=buffers,
+        kept_bytes=in_flight * kept,
+    )
+
+
+def _resident_bytes(shape: ModelShape, work: StageWork, e: int) -> int:
+    """Device bytes of a stage's resident blocks, those with their optimizer on the device included."""
+    return sum(
+        shape.load_numels[i]
+        * (on_device_bytes_per_param(e) if i in work.on_device else resident_bytes_per_param(e))
+        for i in work.resident
     )
 
 

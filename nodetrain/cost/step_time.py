@@ -22,61 +22,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from nodetrain.cost.blocks import BlockCost, PassTimes, pass_times
 from nodetrain.cost.compute import ComputeRates, block_seconds, model_flops, stage_compute
 from nodetrain.cost.exposure import (
     CLIP_FRACTION,
     MODES,
     OptimizerExposure,
     UnitTiming,
-    exposed_s,
+    exposed_split,
     pipeline_times,
 )
+from nodetrain.cost.rates import HostRates
 from nodetrain.cost.shape import ModelShape
 from nodetrain.cost.tier import tier_optimizer_rate
-from nodetrain.cost.traffic import StageTraffic, optimizer_bytes_per_param, stage_traffic
+from nodetrain.cost.traffic import (
+    StageTraffic,
+    block_traffic,
+    optimizer_bytes_per_param,
+    speculative_bytes_per_param,
+    speculative_traffic,
+    stage_traffic,
+)
 from nodetrain.cost.work import StageWork
 
 __all__ = [
-    "speculative_bytes_per_param",
     "HostRates",
     "StepTime",
     "step_time",
 ]
-
-
-def speculative_bytes_per_param(rolled_back: bool) -> int:
-    """Extra host memory traffic of ``optim.speculative`` per parameter and step, over
-    :func:`optimizer_bytes_per_param`: the backup reads and writes 12 (24); a step that clipped
-    adds the restore (24) and a second AdamW update and transfer-copy refresh (36)."""
-    return 24 + (24 + 36 if rolled_back else 0)
-
-
-@dataclass(frozen=True)
-class HostRates:
-    """The node's host side as the planner sees one rank's share of it (bytes/s)."""
-
-    link_bytes_per_s: float
-    """One device's host link, per direction."""
-    host_bytes_per_s: float
-    """The node's DRAM bandwidth, shared by all its ranks."""
-    core_bytes_per_s: float
-    """What one core's stream of loads and stores reaches (``hardware.core_memory_bandwidth_gbps``)."""
-    ranks: int
-    """Ranks (one per GPU) sharing the node's DRAM and cores."""
-    accum_threads: int
-    """The D2H worker's OpenMP team (``host_threads.split_cores``)."""
-    optim_threads: int
-    """The optimizer thread's OpenMP team."""
-    nvme_read_bytes_per_s: float = 0.0
-    """The node's NVMe drives together, sequential read (``store.tier=nvme``; shared by its ranks)."""
-    nvme_write_bytes_per_s: float = 0.0
-    """The node's NVMe drives together, sequential write."""
-
-    def rate(self, threads: int) -> tuple[float, str]:
-        """Bytes/s of a team of ``threads`` on one rank, and what bounds it: its cores, or its share
-        of the node's DRAM bandwidth."""
-        cores, share = threads * self.core_bytes_per_s, self.host_bytes_per_s / self.ranks
-        return (cores, "cores") if cores < share else (share, "host DRAM")
 
 
 @dataclass(frozen=True)
@@ -129,6 +102,15 @@ class StepTime:
     accumulation and optimizer move at one core's bandwidth."""
     shared_cores_s: float = 0.0
     """Σ ``core_s`` over the shared cores: the step is at least that long (work-conserving)."""
+    stall_s: float = 0.0
+    """The busiest stage's compute waiting for H2D in the step (``blocks.py``: loads beyond their
+    block's compute; the step's first, gated loads' copies), as the engine's ``stall``."""
+    d2h_wait_s: float = 0.0
+    """The busiest stage's compute waiting for offload slots, and the step's flush (``d2h_wait``)."""
+    optim_wait_s: float = 0.0
+    """Of ``optimizer_exposed_s``, the compute's waits for pending updates (the engine's ``optim``)."""
+    device_optimizer_s: float = 0.0
+    """The slowest stage's AdamW of units kept on the device (``optim.on_device``), in ``step_s``."""
 
     @property
     def tokens_per_day(self) -> float:
@@ -146,8 +128,8 @@ class StepTime:
 
 @dataclass(frozen=True)
 class _Stages:
-    """Per stage, what one step costs it: its actions (the engine's rounds), bytes, and seconds of
-    compute, H2D, D2H and host accumulation."""
+    """Per stage, what one step costs it: its actions (the engine's rounds), bytes, seconds of
+    compute, H2D, D2H and host accumulation, and its blocks' overlap (``blocks.py``)."""
 
     actions: list[list]
     traffic: list[StageTraffic]
@@ -155,61 +137,113 @@ class _Stages:
     compute_parts: list[tuple[float, ...]]
     """Per stage, its compute's (matmul, attention, elementwise, overhead) seconds in the step."""
     busy: list[float]
-    """Per stage, its micro-batches' seconds in the step: the slowest of its compute, H2D, D2H and
-    accumulation, and on shared cores of its in-step CPU seconds over its cores."""
+    """Per stage, its micro-batches' seconds in the step: their passes block by block
+    (:func:`~nodetrain.cost.blocks.pass_times`), the last backward's ships and the flush, and on shared
+    cores at least its in-step CPU seconds over its cores."""
+    blocks: list[dict[int, BlockCost]]
+    passes: list[PassTimes]
+    stretch: list[float]
+    """Per stage, how much its shared cores slow its passes (1 on a GPU)."""
+
+
+def _block_costs(shape, w: StageWork, n, t, e, compute, rates: HostRates) -> dict[int, BlockCost]:
+    """A stage's blocks as :class:`~nodetrain.cost.blocks.BlockCost`: compute, each load spread over
+    the block's passes (the head's forward only), offloads per backward at the link and the D2H
+    worker's accumulation rate (the slower of the two), a resident block's one ship."""
+    m, last = w.num_microbatches, len(shape.unit_numels) - 1
+    link, d2h_link, accum = rates.link_bytes_per_s, rates.d2h_link_bytes_per_s or rates.link_bytes_per_s, 0.0
+    accum = rates.accum_rate()
+    out = {}
+    for i in w.blocks:
+        f, b = block_seconds(shape, i, n, t, e, compute, i in w.kept)
+        h2d, d2h, acc = block_traffic(shape, w, i, n=n, itemsize=e)
+        worker = max(d2h / d2h_link, acc / accum)
+        passes = m if i == last else 2 * m
+        if i in w.resident:  # its load is the step's first use, gated (exposure.py)
+            out[i] = BlockCost(f, b, ship_s=worker, head=i == last)
+        elif i == 0 and w.rows:  # gathered at each forward
+            out[i] = BlockCost(f, b, h2d / m / link, worker / m)
+        else:
+            out[i] = BlockCost(f, b, h2d / passes / link, worker / m, head=i == last)
+    return out
 
 
 def _stages(
-    shape, works: list[StageWork], *, b, t, itemsize, compute, rates, shared_cores=0, offload=False, tier=0.0
+    shape,
+    works: list[StageWork],
+    *,
+    b,
+    t,
+    itemsize,
+    compute,
+    rates,
+    shared_cores=0,
+    offload=False,
+    tier=0.0,
+    slots=2,
 ) -> _Stages:
     n, s = b * t, len(works)
-    accum_rate, _ = rates.rate(rates.accum_threads)
-    out = _Stages([], [], [], [], [])
+    out = _Stages([], [], [], [], [], [], [], [])
     share = max(1, shared_cores // s)  # a stage's threads share its cores (one each at least)
+    link = rates.link_bytes_per_s
     for w in works:
         x = stage_traffic(shape, w, n=n, itemsize=itemsize, offload_activations=offload)
         x = replace(x, tier_bytes=int(2 * tier * sum(shape.unit_numels[i] for i in w.blocks)))
-        parts = tuple(w.num_microbatches * p for p in stage_compute(shape, w.blocks, n, t, itemsize, compute))
-        link = rates.link_bytes_per_s
+        parts = tuple(
+            w.num_microbatches * p for p in stage_compute(shape, w.blocks, n, t, itemsize, compute, w.kept)
+        )
         out.actions.append(list(w.actions))
         out.traffic.append(x)
         out.compute_parts.append(parts)
-        out.seconds.append((sum(parts), x.h2d_bytes / link, x.d2h_bytes / link, x.accum_bytes / accum_rate))
+        d2h_link = rates.d2h_link_bytes_per_s or link
+        out.seconds.append(
+            (sum(parts), x.h2d_bytes / link, x.d2h_bytes / d2h_link, x.accum_bytes / rates.accum_rate())
+        )
+        costs = _block_costs(shape, w, n, t, itemsize, compute, rates)
+        p = pass_times([costs[i] for i in w.blocks], slots)
+        busy = w.num_microbatches * (p.forward_s + p.backward_s) + p.last_extra_s
+        busy = max(busy, *out.seconds[-1][1:3])  # the link (activation offload's bytes too) at least
         in_step = _core_seconds(sum(parts), x, rates.core_bytes_per_s, optimizer=False) if shared_cores else 0
-        out.busy.append(max(*out.seconds[-1], in_step / share))
+        out.busy.append(max(busy, in_step / share))
+        out.blocks.append(costs)
+        out.passes.append(p)
+        out.stretch.append(out.busy[-1] / busy if busy > 0 else 1.0)
     return out
 
 
 def _unit_timings(shape, works: list[StageWork], st: _Stages, *, b, t, itemsize, compute, rates, optim_rates):
     """Per stage, its units' :class:`~nodetrain.cost.exposure.UnitTiming` (forward order), the
-    pipeline's end and each stage's fill, from :func:`~nodetrain.cost.exposure.pipeline_times` of
-    the engine's schedule.
+    pipeline's end (each stage's last action and its flush) and each stage's fill, from
+    :func:`~nodetrain.cost.exposure.pipeline_times` of the engine's schedule.
 
-    A block's forward and backward take its compute's share of the stage's per-micro-batch time
-    (:attr:`_Stages.busy`: a streaming-bound stage's forward is its loads). A unit is final at its
-    block's last offload (the head at the last forward, every other block at the last backward, which
-    visits the blocks in reverse); its load (a row gather for stage 0's streamed embedding) starts
-    once its update is done.
+    A micro-batch's forward and backward take their passes' seconds (:func:`pass_times`); a block's
+    forward max(F, H2D), its backward its share of the pass. A unit is final at its block's last
+    offload (the head at the last forward, every other block at the last backward, which visits the
+    blocks in reverse); its load (a row gather for stage 0's streamed embedding) starts once its update
+    is done, at the link's rate beside the optimizer (``gated_link_bytes_per_s``).
     """
     n, e, last = b * t, itemsize, len(shape.unit_numels) - 1
     fwd, bwd, per_block = [], [], []
-    for k, work in enumerate(works):
-        seconds = {i: block_seconds(shape, i, n, t, e, compute) for i in work.blocks}
-        busy = sum(map(sum, seconds.values()))
-        stretch = st.busy[k] / work.num_microbatches / busy if busy > 0 else 0.0
-        per_block.append({i: (f * stretch, w * stretch) for i, (f, w) in seconds.items()})
-        fwd.append(sum(f for f, _ in per_block[k].values()))
-        bwd.append(sum(w for _, w in per_block[k].values()))
+    for k in range(len(works)):
+        costs, p, x = st.blocks[k], st.passes[k], st.stretch[k]
+        span = sum(max(c.backward_s, c.load_s) for c in costs.values() if not c.head) or 1.0
+        per_block.append(
+            {
+                i: (max(c.forward_s, c.load_s) * x, max(c.backward_s, c.load_s) * p.backward_s / span * x)
+                for i, c in costs.items()
+            }
+        )
+        fwd.append(p.forward_s * x)
+        bwd.append(p.backward_s * x)
     times = pipeline_times(st.actions, fwd, bwd)
-    step_end = max(end for stage in times for _, end in stage)
+    step_end = max(stage[-1][1] + st.passes[k].last_extra_s * st.stretch[k] for k, stage in enumerate(times))
+    gated = rates.gated_link_bytes_per_s or rates.link_bytes_per_s
     stages = []
     for k, work in enumerate(works):
         blocks = work.blocks
-        last_f = max(start for a, (start, _) in zip(st.actions[k], times[k], strict=True) if a.kind == "F")
-        last_b = max(
-            (start for a, (start, _) in zip(st.actions[k], times[k], strict=True) if a.kind == "B"),
-            default=0.0,
-        )
+        kinds = list(zip(st.actions[k], times[k], strict=True))
+        last_f = max(start for a, (start, _) in kinds if a.kind == "F")
+        last_b = max((start for a, (start, _) in kinds if a.kind == "B"), default=0.0)
         units = []
         for i in blocks:
             if i == last:
@@ -217,18 +251,20 @@ def _unit_timings(shape, works: list[StageWork], st: _Stages, *, b, t, itemsize,
             else:
                 final = last_b + sum(per_block[k][j][1] for j in blocks if j >= i)
             rows = i == 0 and work.rows
-            load = (n * shape.hidden if rows else shape.load_numels[i]) * e / rates.link_bytes_per_s
-            numel = shape.unit_numels[i]
+            host = i not in work.on_device  # else optim.on_device: no host update, no reload
+            load = host * (n * shape.hidden if rows else shape.load_numels[i]) * e / gated
+            numel, r = host * shape.unit_numels[i], optim_rates[k]
             units.append(
                 UnitTiming(
-                    update_s=numel * optimizer_bytes_per_param(e) / optim_rates[k],
+                    update_s=numel * optimizer_bytes_per_param(e) / r,
                     final_s=final,
-                    forward_s=per_block[k][i][0],
+                    forward_s=st.blocks[k][i].forward_s * st.stretch[k],
+                    pass_s=per_block[k][i][0],
                     load_s=load,
-                    backup_s=numel * speculative_bytes_per_param(False) / optim_rates[k],
+                    backup_s=numel * speculative_bytes_per_param(False) / r,
                     redo_s=numel
                     * (speculative_bytes_per_param(True) - speculative_bytes_per_param(False))
-                    / optim_rates[k],
+                    / r,
                     shared=shape.tied and len(works) > 1 and i == 0,
                 )
             )
@@ -238,9 +274,9 @@ def _unit_timings(shape, works: list[StageWork], st: _Stages, *, b, t, itemsize,
 
 def _optim_rates(rates: HostRates, shape, stage_blocks, itemsize: int, measured, tier: float):
     """(per stage its optimizer thread's host bytes/s, what bounds the slowest): its AdamW's (measured,
-    else ``rates.rate``), or with ``tier`` bytes/param on NVMe (read and written once a step, at the
-    rank's share of the drives) :func:`~nodetrain.cost.tier.tier_optimizer_rate` of both."""
-    adamw, bound = rates.rate(rates.optim_threads)
+    else ``rates.optim_rate``), or with ``tier`` bytes/param on NVMe (read and written once a step, at
+    the rank's share of the drives) :func:`~nodetrain.cost.tier.tier_optimizer_rate` of both."""
+    adamw, bound = rates.optim_rate()
     out = list(measured) if measured else [adamw] * len(stage_blocks)
     if tier <= 0:
         return out, bound
@@ -253,11 +289,17 @@ def _optim_rates(rates: HostRates, shape, stage_blocks, itemsize: int, measured,
     return with_tier, "NVMe tier" if any(x < r for x, r in zip(with_tier, out, strict=True)) else bound
 
 
-def _exposure(shape, works: list[StageWork], st: _Stages, kw: dict, optim_rates):
-    """(every mode's :class:`OptimizerExposure`, the pipeline's end: the step without the optimizer)."""
+def _exposure(shape, works: list[StageWork], st: _Stages, kw: dict, optim_rates, mode: str, clip: float):
+    """(every mode's :class:`OptimizerExposure`, the pipeline's end: the step without the optimizer,
+    of ``mode``'s exposed seconds those the compute waits for updates: the rest are gated copies)."""
     stages, step_end, fills = _unit_timings(shape, works, st, **kw, optim_rates=optim_rates)
-    figures = {mode: exposed_s(stages, step_end, mode, fills) for mode in MODES}
-    return OptimizerExposure(**{f"{mode}_s": v for mode, v in figures.items()}), step_end
+    split = {m: exposed_split(stages, step_end, m, fills) for m in MODES}
+    exposure = OptimizerExposure(**{f"{m}_s": v[0] for m, v in split.items()})
+    if mode == "speculative":
+        waits = (1 - clip) * split["speculative"][1] + clip * split["speculative_clipped"][1]
+    else:
+        waits = split[mode][1]
+    return exposure, step_end, waits
 
 
 def step_time(
@@ -278,6 +320,8 @@ def step_time(
     shared_cores: int = 0,
     tier_bytes_per_param: float = 0.0,
     offload_activations: bool = False,
+    slots: int = 2,
+    device_optimizer_bytes_per_s: float = 0.0,
 ) -> StepTime:
     """Step time when the window overlaps H2D, compute, D2H and the host accumulation on each stage
     (the module's model, "The step").
@@ -295,7 +339,8 @@ def step_time(
         shared_cores: the node's cores when the stages compute on them (a CPU profile; the rates
             above are then one core's), else 0;
         tier_bytes_per_param: NVMe bytes/param read + written once a step (:func:`_optim_rates`; 0: none);
-        offload_activations: ``stream.offload_activations`` (``traffic.stage_traffic``).
+        offload_activations: ``stream.offload_activations``; slots: ``stream.slots`` (``blocks.py``).
+        device_optimizer_bytes_per_s: the on-device AdamW's bytes/s (:func:`_with_device_optimizer`).
 
     Raises:
         ValueError: an unknown ``update_mode``.
@@ -305,18 +350,40 @@ def step_time(
     stage_blocks = [w.blocks for w in works]
     compute = ComputeRates(flops_per_s, attention_flops_per_s, elementwise_bytes_per_s, layer_overhead_s)
     kw = dict(b=b, t=t, itemsize=itemsize, compute=compute, rates=rates)
-    st = _stages(
-        shape, works, **kw, shared_cores=shared_cores, offload=offload_activations, tier=tier_bytes_per_param
-    )
+    more = dict(shared_cores=shared_cores, offload=offload_activations, tier=tier_bytes_per_param)
+    st = _stages(shape, works, **kw, **more, slots=slots)
     optim = _optim_rates(rates, shape, stage_blocks, itemsize, optim_bytes_per_s, tier_bytes_per_param)
     spec = update_mode == "speculative"
-    traffic = _speculative_traffic(shape, stage_blocks, st.traffic, clip_fraction) if spec else st.traffic
-    exposure, pipeline = _exposure(shape, works, st, kw, optim[0])
-    floors = _floors(
-        st, traffic, rates, optim, exposure.of(update_mode, clip_fraction), pipeline, shared_cores
-    )
+    traffic = speculative_traffic(shape, stage_blocks, st.traffic, clip_fraction) if spec else st.traffic
+    exposure, pipeline, waits = _exposure(shape, works, st, kw, optim[0], update_mode, clip_fraction)
+    exposed = exposure.of(update_mode, clip_fraction)
+    floors = _floors(st, traffic, rates, optim, exposed, pipeline, shared_cores)
     tokens = works[0].num_microbatches * b * t
-    return _result(shape, st, tuple(traffic), floors, exposure, update_mode, tokens=tokens, t=t)
+    out = _result(shape, st, tuple(traffic), floors, exposure, update_mode, tokens=tokens, t=t)
+    out = replace(out, **_phases(st, works, floors.exposed, waits))
+    return _with_device_optimizer(out, st.traffic, device_optimizer_bytes_per_s)
+
+
+def _with_device_optimizer(result: StepTime, traffic, bytes_per_s: float) -> StepTime:
+    """``result`` with the slowest stage's on-device AdamW (``optim.on_device``) added to the step: it
+    runs after the all-reduce, before the stage's next forward; unchanged when not priced (0)."""
+    if bytes_per_s <= 0:
+        return result
+    device = max(x.device_optimizer_bytes for x in traffic) / bytes_per_s
+    return replace(result, step_s=result.step_s + device, device_optimizer_s=device)
+
+
+def _phases(st: _Stages, works: list[StageWork], exposed: float, waits: float) -> dict[str, float]:
+    """The busiest stage's waits as the engine's breakdown names them (``run/breakdown.py``):
+    ``stall`` (its passes' loads beyond their compute, and the gated loads' copies after their
+    updates), ``d2h_wait`` (offload slots and the flush) and ``optim`` (pending updates)."""
+    k = max(range(len(works)), key=lambda j: st.busy[j])
+    p, m, x = st.passes[k], works[k].num_microbatches, st.stretch[k]
+    return {
+        "stall_s": x * m * p.stall_s + max(0.0, exposed - waits),
+        "d2h_wait_s": x * (m * p.d2h_wait_s + p.last_extra_s),
+        "optim_wait_s": min(waits, exposed),
+    }
 
 
 @dataclass(frozen=True)
@@ -387,18 +454,6 @@ def _result(shape, st: _Stages, traffic, floors: _Floors, exposure, update_mode,
         core_s=tuple(floors.core_s),
         shared_cores_s=floors.cores_s,
     )
-
-
-def _speculative_traffic(shape, stage_blocks, traffic, clip_fraction: float) -> list[StageTraffic]:
-    """``traffic`` with speculation's optimizer bytes added: backups every step, a rollback and a
-    redo on the ``clip_fraction`` of steps that clip."""
-    extra = speculative_bytes_per_param(False) + clip_fraction * (
-        speculative_bytes_per_param(True) - speculative_bytes_per_param(False)
-    )
-    return [
-        replace(x, optimizer_bytes=x.optimizer_bytes + int(extra * sum(shape.unit_numels[i] for i in blocks)))
-        for x, blocks in zip(traffic, stage_blocks, strict=True)
-    ]
 
 
 def _bottleneck(

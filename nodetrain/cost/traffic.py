@@ -11,9 +11,9 @@ elements (``ModelShape.load_numels``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from nodetrain.cost.memory import saved_per_micro_batch
+from nodetrain.cost.memory import device_optimizer_bytes_per_param, saved_per_micro_batch
 from nodetrain.cost.shape import ModelShape
 from nodetrain.cost.work import StageWork
 
@@ -22,6 +22,9 @@ __all__ = [
     "speculative_backup_bytes",
     "StageTraffic",
     "stage_traffic",
+    "block_traffic",
+    "speculative_bytes_per_param",
+    "speculative_traffic",
 ]
 
 
@@ -58,6 +61,9 @@ class StageTraffic:
     tier_bytes: int = 0
     """NVMe bytes of the stage's tier fields per step (``store.tier=nvme``): each read and written once,
     through host DRAM."""
+    device_optimizer_bytes: int = 0
+    """Device memory bytes of the fused AdamW of the units whose optimizer is on the device
+    (``optim.on_device``, ``cost.memory.device_optimizer_bytes_per_param``): not host bytes."""
 
     @property
     def host_bytes(self) -> int:
@@ -79,7 +85,9 @@ def stage_traffic(
     device and offloads its fp32 gradient once per step, copied into the accumulator (read 4 + write
     4). Stage 0's embedding when it travels as rows (``work.rows``) gathers only the n used rows
     (n·D·e in) and offloads an n-row gradient (n·D·e and the 8-byte ids out) that is scatter-added
-    into an accumulator zeroed once per step.
+    into an accumulator zeroed once per step. A resident block with its optimizer on the device
+    (``work.on_device``) moves nothing and its units add no host optimizer bytes: their update's
+    device bytes are ``device_optimizer_bytes``.
 
     With ``offload_activations`` every micro-batch's saved block inputs (``saved_per_micro_batch``) go
     D2H after its forward and come back H2D before its backward.
@@ -88,25 +96,57 @@ def stage_traffic(
         work: the stage's step (``StepPlan.work``); n: tokens per micro-batch (B·T); itemsize:
             compute-dtype bytes (e).
     """
-    e, d, blocks, resident = itemsize, shape.hidden, work.blocks, work.resident
-    num_mb = work.num_microbatches
-    row_bytes = n * d * e
-    h2d = sum(shape.load_numels[i] * e for i in work.loads)
-    h2d += num_mb * row_bytes if work.rows else 0  # the gathered rows
-    h2d += sum(shape.load_numels[i] * e for i in resident)
-    d2h = accum = 0
-    for i in blocks:
-        p = shape.load_numels[i]
-        if i in resident:
-            d2h, accum = d2h + 4 * p, accum + 8 * p
-        elif i == 0 and work.rows:
-            d2h += num_mb * (row_bytes + 8 * n)
-            accum += 4 * p + num_mb * (row_bytes + 8 * n + 8 * n * d)
-        else:
-            d2h += num_mb * p * e
-            accum += num_mb * p * e + 4 * p + (num_mb - 1) * 8 * p
-    saved = num_mb * saved_per_micro_batch(shape, blocks, n, e) if offload_activations else 0
-    h2d, d2h = h2d + saved, d2h + saved
-    owned = sum(shape.unit_numels[i] for i in blocks)
-    opt = owned * optimizer_bytes_per_param(e)
-    return StageTraffic(len(work.loads) + len(resident), h2d, d2h, accum, opt)
+    e, kept = itemsize, work.on_device  # resident with their optimizer: loaded once, never shipped
+    per_block = [block_traffic(shape, work, i, n=n, itemsize=e) for i in work.blocks]
+    h2d, d2h, accum = (sum(x[j] for x in per_block) for j in range(3))
+    if offload_activations:
+        saved = work.num_microbatches * saved_per_micro_batch(shape, work.blocks, n, e)
+        h2d, d2h = h2d + saved, d2h + saved
+    owned = sum(shape.unit_numels[i] for i in work.blocks if i not in kept)
+    on_device = sum(shape.unit_numels[i] for i in kept)
+    return StageTraffic(
+        len(work.loads) + len(work.resident - kept),
+        h2d,
+        d2h,
+        accum,
+        owned * optimizer_bytes_per_param(e),
+        device_optimizer_bytes=on_device * device_optimizer_bytes_per_param(e),
+    )
+
+
+def block_traffic(
+    shape: ModelShape, work: StageWork, block: int, *, n: int, itemsize: int
+) -> tuple[int, int, int]:
+    """(H2D, D2H, accumulation) bytes of one of ``work.blocks`` in the step, by :func:`stage_traffic`'s
+    rules, which sums them (without the activation offload); the per-block overlap model
+    (``blocks.py``) spreads them over the block's passes. A block with its optimizer on the device
+    (``work.on_device``) moves nothing."""
+    e, p, num_mb = itemsize, shape.load_numels[block], work.num_microbatches
+    if block in work.on_device:
+        return 0, 0, 0
+    if block in work.resident:
+        return p * e, 4 * p, 8 * p
+    if block == 0 and work.rows:
+        out = num_mb * (n * shape.hidden * e + 8 * n)
+        return num_mb * n * shape.hidden * e, out, 4 * p + out + num_mb * 8 * n * shape.hidden
+    loads = sum(1 for i in work.loads if i == block)
+    return loads * p * e, num_mb * p * e, num_mb * p * e + 4 * p + (num_mb - 1) * 8 * p
+
+
+def speculative_bytes_per_param(rolled_back: bool) -> int:
+    """Extra host memory traffic of ``optim.speculative`` per parameter and step, over
+    :func:`optimizer_bytes_per_param`: the backup reads and writes 12 (24); a step that clipped
+    adds the restore (24) and a second AdamW update and transfer-copy refresh (36)."""
+    return 24 + (24 + 36 if rolled_back else 0)
+
+
+def speculative_traffic(shape: ModelShape, stage_blocks, traffic, clip_fraction: float) -> list[StageTraffic]:
+    """``traffic`` with speculation's optimizer bytes added: backups every step, a rollback and a
+    redo on the ``clip_fraction`` of steps that clip."""
+    extra = speculative_bytes_per_param(False) + clip_fraction * (
+        speculative_bytes_per_param(True) - speculative_bytes_per_param(False)
+    )
+    return [
+        replace(x, optimizer_bytes=x.optimizer_bytes + int(extra * sum(shape.unit_numels[i] for i in blocks)))
+        for x, blocks in zip(traffic, stage_blocks, strict=True)
+    ]

@@ -24,9 +24,13 @@ class StageWork:
         loads: the blocks the window copies H2D into slots, in order (reused loads, resident blocks and
             rows left out).
         resident: blocks kept on the device for the whole step (loaded once, fp32 gradient on it).
+        on_device: resident blocks whose units' optimizer runs on the device (``optim.on_device``: fp32
+            master, moments and gradient there; no D2H, no host accumulation, no host update).
         rows: stage 0's embedding travels as the rows a micro-batch uses.
         in_flight: most micro-batches whose block inputs the stage keeps at once.
         p2p_buffers: most [B, T, D] P2P buffers alive at once.
+        kept: decoder layers whose activations stay from the forward to the backward (not
+            recomputed: ``core/recompute.py``).
     """
 
     stage: int
@@ -37,6 +41,8 @@ class StageWork:
     rows: bool
     in_flight: int
     p2p_buffers: int
+    on_device: frozenset[int] = frozenset()
+    kept: frozenset[int] = frozenset()
 
     @property
     def num_microbatches(self) -> int:

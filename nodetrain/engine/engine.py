@@ -25,6 +25,8 @@ Threads of a rank, what each alone writes, and the hand-offs between them (DESIG
 A unit's gradient changes hands once a step: the D2H worker accumulates it until GradReadiness says
 it is final (readiness.py: the one place that says so), then the thread that updates it owns it
 (the optimizer thread; for settled units the training thread until the update is submitted).
+Units kept on the device (``optim.on_device``, device_adamw.py) never change hands: the training
+thread alone writes their gradient, state and update.
 
 Owns: wiring store, window, stage runner, P2P and optimizer for this rank (each collaborator built
 here and passed to the next's constructor), and the order of a step: pipeline rounds → flush
@@ -62,6 +64,7 @@ from nodetrain.engine.comm.comm import Comm
 from nodetrain.engine.comm.p2p import P2P
 from nodetrain.engine.comm.replicas import ReplicaGradSum
 from nodetrain.engine.device.activations import saved_offload
+from nodetrain.engine.device.device_adamw import DeviceAdamW
 from nodetrain.engine.device.window import Window
 from nodetrain.engine.host.overlap import UnitUpdates
 from nodetrain.engine.stage import IGNORE_INDEX, StageRunner
@@ -146,15 +149,20 @@ class Engine:
         self._peak = opened.peak
         resident = sorted(run.resident[topo.stage])
         log.info("%s", run.placement_line(topo.stage, shape_of(model), self.dtype.itemsize))
+        self.device_opt = DeviceAdamW(
+            self.store, self.optimizer, model.bindings, run.on_device_of(topo.stage), self.device
+        )  # the units of the stage's on-device blocks (optim.on_device); none: a no-op
         self.updates = self._make_updates(resident)
         self.timeline = Timeline(self.device)
         self.window = self._make_window(resident)
+        self.device_opt.bind_weights(self.window.resident_views)
         self._loads = self.plan.window_loads(self.window.rows)  # the window's load sequence of a step
         self._arrivals = self.plan.arrivals(self.window.resident)  # a resident block's: once, at its last
         b = run.batch
         shape = (b.micro_batch_size, b.seq_len, model.config.hidden_size)
         offload = saved_offload(cfg.stream, self.plan, self.blocks, self._is_last, self.window, shape)
-        self.runner = StageRunner(model, self.blocks, self.window, self.dtype, offload)
+        kept = run.kept[topo.stage] if run.kept else frozenset()
+        self.runner = StageRunner(model, self.blocks, self.window, self.dtype, offload, kept)
         self.p2p = P2P(
             topo.stage,
             topo.num_stages,
@@ -178,6 +186,7 @@ class Engine:
             self.cfg.stream.slots,
             self.device,
             resident=resident,
+            device_grads={b: self.device_opt.grad_views(b) for b in self.device_opt.blocks},
             rows=rows,
             accum_threads=self.host_threads.accum_threads,
             gate=self.updates.gate,
@@ -283,6 +292,7 @@ class Engine:
             totals = self.comm.tensor([grad_sq, 0.0, float(stop), 0.0])  # on the group's device
             totals[1].copy_(loss_sum)  # the step's one read of the loss (with the all-reduce's)
             totals[3].copy_(self.runner.take_aux_loss())  # every stage's MoE layers' share
+            self._add_device_grad_sq(totals)
         with self.timeline.phase("bubble"):
             self.comm.all_reduce(totals)  # NaN/inf on any stage makes the sums non-finite on every stage
         grad_sq_all, loss_all, stop_all, aux = totals.tolist()  # one device → host copy
@@ -299,10 +309,17 @@ class Engine:
         res.breakdown = self.breakdown.gather(record)
         return res
 
+    def _add_device_grad_sq(self, totals: torch.Tensor) -> None:
+        """Add the on-device units' Σ gradient² into ``totals[0]`` (the stage's norm², before the
+        all-reduce) without a host sync; replicas ≠ 0 count none (replicas.py)."""
+        if self.topo.replica == 0:
+            totals[0].add_(self.device_opt.grad_sq().to(totals.device))
+
     def _forward_backward(self, step: int, lr: float, batch: StepBatch, tokens: int) -> torch.Tensor:
         """The step's pipeline rounds, with the window and the updates armed for them; returns the
         summed token loss (fp64 scalar on the device; 0 off the last stage). The gradients are all
         in the host store when it returns (flushed)."""
+        self.device_opt.load()  # once: a resume has restored the store by now
         self.updates.begin_step(lr, self._arrivals, step)
         self.window.begin(self._loads, self.plan.backwards)
         self.p2p.reset_timer()
@@ -331,19 +348,24 @@ class Engine:
             if self._poison is not None:
                 self._poison(step, *settled)
             self._sum_tied_grads()
+            self.device_opt.sum_tied()
         with self.timeline.phase("bubble"):  # the cross-node sum, before any of these units is updated
-            self.grad_sum([self.store.grad(u) for u in settled])
+            self.grad_sum([self.store.grad(u) for u in settled] + self.device_opt.grads)
         with self.timeline.phase("optim"):
             return self.updates.grad_sq_sum(self.window.run_host) if self.topo.replica == 0 else 0.0
 
     def _update(self, step: int, lr: float, grad_norm: float, skipped: bool) -> None:
         """After the all-reduce: the updates the policy leaves for now, or the skip of a NaN/inf step."""
         with self.timeline.phase("optim"):  # the run's last step leaves the store final
+            last, coef = step + 1 == self.cfg.train.steps, clip_coef(grad_norm, self.cfg.optim.max_grad_norm)
             if skipped:
-                self._skip_step(step)
+                self._skip_step(step)  # the device's gradients are overwritten by the next step's first
             else:
-                last = step + 1 == self.cfg.train.steps
-                self.updates.finish_step(lr, clip_coef(grad_norm, self.cfg.optim.max_grad_norm), last)
+                self.updates.finish_step(lr, coef, last)
+            if not skipped:
+                self.device_opt.step(lr, coef)
+            if last:  # the run's last step leaves the store final
+                self.device_opt.save()
         if self._tied_across:
             with self.timeline.phase("bubble"):
                 dist.barrier()  # the last stage must not prefetch the embedding before stage 0 updated it
@@ -417,8 +439,10 @@ class Engine:
 
     def wait_optimizer(self) -> None:
         """Block until every submitted AdamW update is done: call before reading master weights or
-        optimizer state between steps (a checkpoint); a load of a unit always waits for it."""
+        optimizer state between steps (a checkpoint); a load of a unit always waits for it. The
+        device-held state (``optim.on_device``) is written back into the host store first."""
         self.updates.wait_all()
+        self.device_opt.save()
 
     def _replica_share(self, inputs: torch.Tensor, labels: torch.Tensor, positions=None):
         """This replica's micro-batches of the global batch ([N, B, T] → [N/K, B, T]; see replicas.py)."""
@@ -446,6 +470,7 @@ class Engine:
         self._check_batch(inputs, labels, inputs.shape[0])
         tokens = int((labels != IGNORE_INDEX).sum())
         inputs, labels, positions = self._replica_share(inputs, labels, position_ids)
+        self.device_opt.load()  # once: a resume has restored the store by now
         plan = StepPlan.evaluation(inputs.shape[0], self.blocks, self._is_last)
         self.window.begin(plan.window_loads(self.window.rows))
         batch = StepBatch.of(self.runner, inputs, labels, positions, self.device)

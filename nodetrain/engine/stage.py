@@ -1,7 +1,8 @@
 """One stage's forward and backward of a micro-batch over its streamed blocks.
 
-Owns: running the stage's blocks in order (forward, no autograd graph kept) and in reverse
-(backward: recompute each block from its saved input, then take gradients of its input and
+Owns: running the stage's blocks in order (forward, no autograd graph kept but for the ``kept``
+layers, ``stream.recompute``) and in reverse (backward: recompute each block from its saved input,
+or for a kept layer take its kept graph (kept.py), then take gradients of its input and
 weights), the saved inputs of in-flight micro-batches (on the device, or waiting in host RAM:
 activations.py, ``stream.offload_activations``), the token-weighted loss on the last
 stage, and which blocks each action loads and offloads (:meth:`StageRunner.loads`). Does not own:
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 
 from nodetrain.core.step_plan import stage_loads, stage_offloads
 from nodetrain.engine.device.activations import LiveBytes, Offloaded, SavedOffload
+from nodetrain.engine.device.kept import KeptBlock
 from nodetrain.engine.device.window import Window
 from nodetrain.engine.linear_ce import IGNORE_INDEX, linear_cross_entropy
 from nodetrain.engine.step_batch import to_device
@@ -75,6 +77,8 @@ class StageRunner:
         compute_dtype: dtype of activations and device math.
         offload: where the saved inputs wait between a micro-batch's forward and its backward
             (``stream.offload_activations``, activations.py); None: on the device.
+        kept: decoder layers whose training forward keeps its autograd graph for the backward
+            instead of being recomputed (``RunShape.kept``, core/recompute.py; not with ``offload``).
     """
 
     def __init__(
@@ -84,7 +88,9 @@ class StageRunner:
         window: Window,
         compute_dtype: torch.dtype,
         offload: SavedOffload | None = None,
+        kept=frozenset(),
     ):
+        assert not (kept and offload is not None), "kept activations are not offloaded (config/checks.py)"
         self.model, self.blocks, self.window = model, list(blocks), window
         self.dtype = compute_dtype
         self.is_first = self.blocks[0] == 0
@@ -94,6 +100,10 @@ class StageRunner:
         self._rows = set(window.rows)  # the embedding, gathered by rows
         self._padding_idx = getattr(model.templates[0], "padding_idx", None)
         self._saved: dict[int, tuple[list, torch.Tensor | None]] = {}  # mb -> (inputs, d loss/d head in)
+        last = len(model.units) - 1
+        self.kept = frozenset(b for b in kept if b in self.blocks and 0 < b < last)
+        """The decoder layers whose graph a training forward keeps (not recomputed)."""
+        self._graphs: dict[int, dict[int, KeptBlock]] = {}  # mb -> kept layer -> its graph
         self._offload = offload
         self.live = offload.live if offload is not None else LiveBytes()
         """The saved inputs alive on the device (their high-water mark: ``saved_peak_bytes``)."""
@@ -180,14 +190,27 @@ class StageRunner:
                     break
                 if ctx is None and block != 0:
                     ctx = self.model.context(x, position_ids, packed, token_mask)
-                saved.append((self._save(mb, x) if keep else x, self._rng_state()))
-                x = self.model.forward_block(block, params, x, ctx)
+                if keep and block in self.kept:  # its graph, not its RNG: no recompute to replay
+                    saved.append((self._save(mb, x), None))
+                    x = self._kept_forward(mb, block, params, x, ctx)
+                else:
+                    saved.append((self._save(mb, x) if keep else x, self._rng_state()))
+                    x = self.model.forward_block(block, params, x, ctx)
                 self.window.release()
         if keep:
             self._saved[mb] = (saved, None if grad_h is None else self._save(mb, grad_h))
             if self._offload is not None:
                 self._offload.done(mb)
         return x
+
+    def _kept_forward(self, mb: int, block: int, params, x: torch.Tensor, ctx) -> torch.Tensor:
+        """A kept layer's forward with autograd (its router aux term collected here, once), its graph
+        kept without its weights until :meth:`backward`; returns its output [B, T, D], detached."""
+        graph = KeptBlock(params)
+        with torch.enable_grad(), graph.hooks():
+            out = self.model.forward_block(block, graph.leaves, graph.input(x), ctx, self._aux_terms)
+        self._graphs.setdefault(mb, {})[block] = graph
+        return graph.keep(out)
 
     def _save(self, mb: int, t: torch.Tensor):
         """A tensor the backward needs (a block's input, the head's input gradient): kept on the
@@ -236,7 +259,8 @@ class StageRunner:
         packed: bool = True,
         token_mask: torch.Tensor | None = None,
     ):
-        """Backward micro-batch ``mb``: recompute each block, offload its weight gradients.
+        """Backward micro-batch ``mb``: recompute each block (a kept layer: take its kept graph),
+        offload its weight gradients.
 
         The last stage's head was differentiated in :meth:`forward` (its ``loss_scale``, 1 /
         valid tokens of the whole step, makes the summed gradient that of the token-weighted mean
@@ -253,16 +277,20 @@ class StageRunner:
         saved, grad_h = self._restore(mb)
         if self.is_last:
             grad_out = grad_h
-        ctx = None
+        ctx, graphs = None, self._graphs.pop(mb, {})
         for block in reversed(self._recomputed):
             x, rng = saved.pop()
             if block in self._rows:
                 self._embedding_backward(block, x, grad_out)
                 return None
             params = self.window.acquire(block)
-            if ctx is None and block != 0:
-                ctx = self.model.context(x, position_ids, packed, token_mask)
-            grad_out = self._backward_block(block, params, x, rng, ctx, grad_out)
+            if block in graphs:  # kept: its forward's graph, re-bound to the weights loaded now
+                grads, grad_out = graphs.pop(block).backward(params, grad_out)
+                self.window.offload(block, grads)
+            else:
+                if ctx is None and block != 0:
+                    ctx = self.model.context(x, position_ids, packed, token_mask)
+                grad_out = self._backward_block(block, params, x, rng, ctx, grad_out)
             self.window.release()
         return grad_out
 
@@ -283,7 +311,8 @@ class StageRunner:
 
     def take_aux_loss(self) -> torch.Tensor:
         """This stage's share of the step's router ``aux_loss`` (moe.py; fp64 scalar on the device,
-        0 without one): the sum of its MoE layers' terms over the backwards since the last call."""
+        0 without one): the sum of its MoE layers' terms since the last call, each layer and
+        micro-batch once: a recomputed layer's from its backward, a kept layer's from its forward."""
         terms, self._aux_terms = self._aux_terms, []
         total = torch.zeros((), dtype=torch.float64, device=self.window.device)
         for t in terms:

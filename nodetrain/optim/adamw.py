@@ -111,15 +111,33 @@ class StoreAdamW:
             opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
             opt.state.update(state)
             self._opts[u.index] = opt
+        self._all = list(units)  # every owned unit: its step counts are saved, whoever updates it
         self._chunk_views: dict[tuple[int, int], list[list[tuple[torch.Tensor, ...]]]] = {}
         self._backups: dict[int, torch.Tensor] = {}  # unit -> [3, numel] fp32 (speculative updates)
         self._backup_steps: dict[int, list[torch.Tensor]] = {}
+
+    def hand_to_device(self, units) -> None:
+        """Stop updating ``units`` (indices) here: their optimizer runs on the device
+        (engine/device/device_adamw.py), which reads and writes back their state in the store and
+        their step counts here (:meth:`unit_groups`); they stay in :meth:`steps_by_name`."""
+        self.units = [u for u in self.units if u.index not in set(units)]
+
+    def unit_groups(self, unit: int) -> list[tuple[int, int, float, torch.Tensor]]:
+        """One owned unit's parameter groups as ``(lo, hi, weight_decay, step)``: its flat range
+        ``[lo, hi)`` in the store's buffers, the group's decay and AdamW's update count (a 0-d fp32
+        CPU tensor, the live one: a device optimizer copies it in and back)."""
+        out, lo = [], 0
+        for group in self._opts[unit].param_groups:
+            (p,) = group["params"]
+            out.append((lo, lo + p.numel(), group["weight_decay"], self._opts[unit].state[p]["step"]))
+            lo += p.numel()
+        return out
 
     def steps_by_name(self) -> dict[str, float]:
         """AdamW's update count of every owned HF tensor (all tensors of a parameter share it)."""
         return {
             name: float(self._opts[u.index].state[p]["step"])
-            for u in self.units
+            for u in self._all
             for (p, _), names in zip(self._params[u.index], self._names[u.index], strict=True)
             for name in names
         }
@@ -130,7 +148,7 @@ class StoreAdamW:
         Raises:
             ValueError: a tensor is missing from ``steps``, or one parameter's tensors disagree.
         """
-        for u in self.units:
+        for u in self._all:
             opt = self._opts[u.index]
             for (p, _), names in zip(self._params[u.index], self._names[u.index], strict=True):
                 counts = {steps.get(n) for n in names}

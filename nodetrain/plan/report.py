@@ -140,8 +140,8 @@ _MODE_NAMES = {
 def _time_table(plan: Plan) -> Table:
     t = plan.time
     title = (
-        "Predicted step time of the slowest stage (parts overlap: max(compute, H2D, D2H, accumulation) + "
-        "bubble + the optimizer the next step waits for; at least the host DRAM time)"
+        "Predicted step time of the slowest stage (parts overlap block by block: compute + its waits for "
+        "H2D and for offloads + bubble + the optimizer the next step waits for; at least the host DRAM time)"
     )
     table = Table(title=title, title_justify="left")
     for col in ("part", "seconds", "of step"):
@@ -151,6 +151,8 @@ def _time_table(plan: Plan) -> Table:
         ("H2D: weight prefetch (overlapped)", t.h2d_s),
         ("D2H: gradient offload (overlapped)", t.d2h_s),
         (f"host accumulation, {plan.rates.accum_threads} thread(s)/rank (overlapped)", t.accum_s),
+        ("  compute waits for loads (stall)", t.stall_s),
+        ("  compute waits for offloads, the flush (d2h_wait)", t.d2h_wait_s),
         ("pipeline bubble", t.bubble_s),
         (f"CPU optimizer, {plan.rates.optim_threads} thread(s)/rank (busy)", t.optimizer_s),
         (f"  of it exposed: the next step waits ({_MODE_NAMES[t.update_mode]})", t.optimizer_exposed_s),
@@ -160,6 +162,18 @@ def _time_table(plan: Plan) -> Table:
         table.add_row(label, f"{seconds:,.3f}", f"{seconds / t.step_s:.0%}")
     table.add_row("[bold]step[/]", f"[bold]{t.step_s:,.3f}[/]", "")
     return table
+
+
+def _measured_rates(r) -> str:
+    """The profile's measured host rates, where it has them (``hardware.accum_gbps`` and the like)."""
+    parts = [
+        ("accumulation", r.accum_bytes_per_s),
+        ("optimizer", r.optim_bytes_per_s),
+        ("D2H", r.d2h_link_bytes_per_s),
+        ("H2D beside the optimizer", r.gated_link_bytes_per_s),
+    ]
+    named = [f"{name} {v / GB:,.1f} GB/s" for name, v in parts if v > 0]
+    return f" (measured: {', '.join(named)})" if named else ""
 
 
 def _exposure_line(plan: Plan) -> str:
@@ -218,7 +232,8 @@ def _summary(plan: Plan) -> list[str]:
         f"bottleneck: [bold]{t.bottleneck}[/]",
         f"host side: {r.ranks} rank(s) share {r.host_bytes_per_s / GB:,.0f} GB/s of DRAM; each rank's "
         f"{r.accum_threads} accumulation + {r.optim_threads} optimizer thread(s) at "
-        f"{r.core_bytes_per_s / GB:,.1f} GB/s per core; link {r.link_bytes_per_s / GB:,.1f} GB/s each way",
+        f"{r.core_bytes_per_s / GB:,.1f} GB/s per core{_measured_rates(r)}; link "
+        f"{r.link_bytes_per_s / GB:,.1f} GB/s each way",
         f"throughput: {t.tokens / t.step_s:,.0f} tokens/s = {t.tokens_per_day / 1e9:,.3f}B tokens/day; "
         f"MFU {t.mfu(plan.peak_flops):.1%} (model FLOPs 6·N·tokens + attention, PaLM arXiv:2204.02311, "
         f"over {plan.peak_flops / 1e12:,.1f} TFLOP/s peak at {hw.matmul_efficiency:.0%} matmul efficiency)",

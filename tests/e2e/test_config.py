@@ -243,6 +243,11 @@ INVALID = [
     (["pipeline.microbatches=2.5"], 2, ["pipeline.microbatches=2.5: must be an integer or auto", "or auto"]),
     (["stream.device_budget=big"], 2, ["stream.device_budget=big: must be an integer or auto", "-1 or auto"]),
     (["train.micro_batch_size=0"], 2, ["train.micro_batch_size=0: must be >= 1"]),
+    (
+        ["stream.offload_activations=true", "stream.recompute=false"],
+        1,
+        ["stream.recompute=false: keeps every layer's activations", "set stream.recompute=auto or true"],
+    ),
 ]
 
 
@@ -295,7 +300,7 @@ def _ranged_keys(obj: object, prefix: str = "") -> set[str]:
 def test_every_float_key_has_a_range() -> None:
     """Each float field carries its range beside it in the schema (config/fields.py ``checked``)."""
     assert set(_float_keys()) - _ranged_keys(_compose()) == set()
-    assert len(_float_keys()) == 29  # the walk finds the nested fields, not an empty list
+    assert len(_float_keys()) == 34  # the walk finds the nested fields, not an empty list
 
 
 def test_all_problems_are_gathered_in_one_error() -> None:

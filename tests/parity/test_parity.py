@@ -104,6 +104,8 @@ class Case:
     parameter, an embedding or head 131,072/131,584, a layer 295,936); the last stage's head first."""
     resident: tuple[str, ...] = ()
     """Units expected resident under ``device_budget`` (all stages)."""
+    on_device: tuple[str, ...] = ()
+    """Resident units expected to keep their optimizer on the device (``optim.on_device=true`` if any)."""
     hf: dict = field(default_factory=dict)
     mutants: tuple[str, ...] = ()
     """Reference variants the engine must NOT match (shows the comparison can fail)."""
@@ -365,6 +367,7 @@ def parity_spec(case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs, l
         "store.dir": str(shm_dir),
         **{f"optim.{k}": v for k, v in OPTIM.items()},
         **({"model.router_aux_loss": case.router_aux_loss} if case.router_aux_loss else {}),
+        "optim.on_device": bool(case.on_device),  # the placement the case names, not auto's
     }
     spec = {
         "arch": case.arch,
@@ -442,14 +445,17 @@ def unit_of(hf_name: str) -> str:
 
 def check_d2h_bytes(case: Case, run: Run, weights: dict[str, torch.Tensor]) -> None:
     """Gradient bytes leaving each stage's device per step (fp32, from the HF state dict's sizes): a
-    resident unit's once (its device accumulator, 4 B/param), a streamed unit's at every one of the
+    resident unit's once (its device accumulator, 4 B/param; none with its optimizer on the device,
+    ``Case.on_device``), a streamed unit's at every one of the
     ``grad_accum × microbatches`` backwards; the tied head binds the embedding (``lm_head.weight``)."""
     load = {}
     for name, w in weights.items():
         load[unit_of(name)] = load.get(unit_of(name), 0) + 4 * w.numel()
     backwards = case.grad_accum * case.microbatches
     for s, names in enumerate(run.units):
-        want = sum(load[u] * (1 if u in case.resident else backwards) for u in names)
+        want = sum(
+            load[u] * (0 if u in case.on_device else 1 if u in case.resident else backwards) for u in names
+        )
         got = {step["breakdown"][f"stage{s}/d2h_bytes"] for step in run.steps}
         assert got == {want}, f"stage {s}: D2H bytes per step {got}, expected {want}"
 

@@ -16,7 +16,7 @@ from nodetrain.engine.host.binding import limit_thread
 from nodetrain.engine.threads import Tally, set_role
 from nodetrain.run.inject import NO_FAULTS, Faults
 
-__all__ = ["CopyWorker", "wait_copy"]
+__all__ = ["CopyWorker", "done_copy", "wait_copy"]
 
 
 class CopyWorker:
@@ -127,3 +127,10 @@ def wait_copy(fut: Future) -> None:
     done = fut.result()  # re-raises a worker's exception here
     if done is not None:
         torch.cuda.current_stream().wait_event(done)
+
+
+def done_copy() -> Future:
+    """A copy job that is already done (a load with nothing to copy): :func:`wait_copy` returns at once."""
+    fut = Future()
+    fut.set_result(None)
+    return fut

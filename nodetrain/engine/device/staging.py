@@ -7,6 +7,8 @@ halves (``halves``, window.py); activations.py stages the saved block inputs of 
 micro-batches through a set of its own. Does not own: which buffer is free (``Window.offload``
 bounds the offloads and ships in flight to the number of buffers, so buffer ``n % num_buffers`` is
 reused only after job ``n - num_buffers`` was accumulated) nor the accumulation itself (accumulate.py).
+The other direction's one staged copy is here too: the embedding's rows a micro-batch uses
+(:func:`rows_to_device`, gathered into page-locked memory on CUDA).
 
 Flow of one offload (the same calls on CPU and CUDA; on CPU the copy is a plain synchronous copy,
 there is no stream and no event, so the buffer rotation is exercised by the CPU tests as well):
@@ -31,7 +33,7 @@ import weakref
 
 import torch
 
-__all__ = ["GradStaging", "Staged", "page_round"]
+__all__ = ["GradStaging", "Staged", "page_round", "rows_to_device"]
 
 PAGE = mmap.PAGESIZE
 
@@ -231,3 +233,16 @@ class GradStaging:
             for g in grads:
                 g.record_stream(self.stream)
         return Staged(views, tuple(grads) if hold else (), event)
+
+
+def rows_to_device(table: torch.Tensor, index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``table[index]`` ([V, D] host, [U] int64 host -> [U, D] on ``device``) without a host sync.
+
+    On CUDA the rows are gathered into page-locked memory from torch's caching host allocator and
+    copied with ``non_blocking=True`` on the current stream (the allocator keeps the block until that
+    copy has run); a pageable ``.to(device)`` would block the host once per micro-batch. On CPU the
+    same calls return the gathered rows."""
+    cuda = device.type == "cuda"
+    host = torch.empty((index.numel(), table.shape[1]), dtype=table.dtype, pin_memory=cuda)
+    torch.index_select(table, 0, index, out=host)
+    return host.to(device, non_blocking=True)

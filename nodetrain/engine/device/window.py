@@ -38,8 +38,8 @@ from concurrent.futures import Future
 import torch
 
 from nodetrain.core.step_plan import reuses
-from nodetrain.engine.device.copy_worker import CopyWorker, wait_copy
-from nodetrain.engine.device.staging import GradStaging
+from nodetrain.engine.device.copy_worker import CopyWorker, done_copy, wait_copy
+from nodetrain.engine.device.staging import GradStaging, rows_to_device
 from nodetrain.engine.host.accumulate import HostAccumulator
 from nodetrain.engine.threads import check_writer
 from nodetrain.model import Binding
@@ -48,19 +48,6 @@ from nodetrain.run.inject import NO_FAULTS, Faults
 from nodetrain.store import HostStore
 
 __all__ = ["Window"]
-
-
-def _rows_to_device(table: torch.Tensor, index: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``table[index]`` ([V, D] host, [U] int64 host -> [U, D] on ``device``) without a host sync.
-
-    On CUDA the rows are gathered into page-locked memory from torch's caching host allocator and
-    copied with ``non_blocking=True`` on the current stream (the allocator keeps the block until that
-    copy has run); a pageable ``.to(device)`` would block the host once per micro-batch. On CPU the
-    same calls return the gathered rows."""
-    cuda = device.type == "cuda"
-    host = torch.empty((index.numel(), table.shape[1]), dtype=table.dtype, pin_memory=cuda)
-    torch.index_select(table, 0, index, out=host)
-    return host.to(device, non_blocking=True)
 
 
 class Window:
@@ -76,6 +63,8 @@ class Window:
             block i); a binding to any other unit (the tied embedding on the last stage) accumulates
             into that unit's ``grad_tied``.
         resident: blocks held in buffers of their own for the whole sequence.
+        device_grads: resident blocks with their optimizer on the device (device_adamw.py): block ->
+            local name -> fp32 device view its gradients add into; never shipped nor reloaded.
         rows: blocks of a single [V, D] binding (the embedding) that travel as the rows a
             micro-batch uses (:meth:`gather_rows`, :meth:`offload_rows`), never through a slot.
         accum_threads: OpenMP team of the D2H worker, which adds the offloaded gradients into the
@@ -105,6 +94,7 @@ class Window:
         *,
         owned_units=None,
         resident=(),
+        device_grads=None,
         rows=(),
         accum_threads: int = 0,
         gate=None,
@@ -119,7 +109,7 @@ class Window:
         self.rows = sorted(set(rows))
         assert not set(self.rows) & set(self.resident), "a block is either resident or gathered as rows"
         assert all(len(bindings[i]) == 1 and len(bindings[i][0].shape) == 2 for i in self.rows), self.rows
-        self._make_buffers(blocks, slots, dtype)
+        self._make_buffers(blocks, slots, dtype, dict(device_grads or {}))
         self._backwards_left: dict[int, int] = {}  # resident block -> backwards left in this sequence
         self._acc_started: set[int] = set()  # resident blocks whose accumulator was written since begin()
         self._views = {i: self._slot_views(bindings[i]) for i in blocks}
@@ -154,9 +144,11 @@ class Window:
         resident accumulator's ship ``8`` (read its fp32 staging, write), its add into a shared target
         ``12``."""
 
-    def _make_buffers(self, blocks, slots: int, dtype: torch.dtype) -> None:
+    def _make_buffers(self, blocks, slots: int, dtype: torch.dtype, device_grads: dict) -> None:
         """The device buffers: ``slots`` slots sized by the largest streamed block, each resident
-        block's weights and its fp32 gradient accumulator (its gradients leave once per step)."""
+        block's weights and its fp32 gradient accumulator (or ``device_grads``' views)."""
+        assert set(device_grads) <= set(self.resident), "a block keeps its optimizer only when resident"
+        self._kept = device_grads  # block -> its gradients' device views (DeviceAdamW)
         streamed = [i for i in blocks if i not in self.resident and i not in self.rows]
         numel = max((self._numel(i) for i in streamed), default=0)
         self._slots = [torch.empty(numel, dtype=dtype, device=self.device) for _ in range(slots)]
@@ -164,8 +156,19 @@ class Window:
             i: torch.empty(self._numel(i), dtype=dtype, device=self.device) for i in self.resident
         }
         self._grad_acc = {
-            i: torch.empty(self._numel(i), dtype=torch.float32, device=self.device) for i in self.resident
+            i: torch.empty(self._numel(i), dtype=torch.float32, device=self.device)
+            for i in self.resident
+            if i not in self._kept
         }
+        self._acc_views = {i: self._split(i, a) for i, a in self._grad_acc.items()} | self._kept
+
+    def _split(self, block: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Local name -> the flat view of ``flat`` where ``block``'s binding of that name lies."""
+        return {n: flat[p : p + math.prod(s)] for n, p, s in self._slot_views(self.bindings[block])}
+
+    def resident_views(self, block: int) -> dict[str, torch.Tensor]:
+        """A resident block's weights: local name -> flat view of its buffer (compute dtype, device)."""
+        return self._split(block, self._resident[block])
 
     def _numel(self, block: int) -> int:
         return sum(b.numel for b in self.bindings[block])
@@ -226,7 +229,7 @@ class Window:
         self._seq, self.stall_s = list(sequence), 0.0
         self._reuse = reuses(self._seq, self._resident)
         self._written.clear()
-        self._backwards_left = {b: n for b, n in (backwards or {}).items() if b in self._grad_acc and n > 0}
+        self._backwards_left = {b: n for b, n in (backwards or {}).items() if b in self._acc_views and n > 0}
         self._acc_started.clear()
         self._next = self._cursor = self._streamed = self._in_flight = 0
         self._slot_at.clear()
@@ -239,7 +242,9 @@ class Window:
         while self._cursor < len(self._seq):
             k, block = self._cursor, self._seq[self._cursor]
             if block in self._resident:
-                if block not in self._resident_loads:
+                if block in self._kept:  # written on the device by its optimizer: no load
+                    self._resident_loads[block] = done_copy(), []
+                elif block not in self._resident_loads:
                     self._resident_loads[block] = self._load(block, self._resident[block])
             elif self._reuses(k):  # the previous position's slot, still held: no copy, no new slot
                 self._loads[k], self._slot_at[k] = self._last_load
@@ -345,16 +350,16 @@ class Window:
         """Add a resident block's gradients into its device fp32 accumulator (the same elementwise
         fp32 += compute-dtype sums, in the same order, as the host accumulation); ship it at the
         block's last backward of the sequence."""
-        acc, first = self._grad_acc[block], block not in self._acc_started
-        for name, pos, shape in self._views[block]:
-            view = acc[pos : pos + math.prod(shape)].view(shape)
+        acc, first = self._acc_views[block], block not in self._acc_started
+        for name, _, shape in self._views[block]:
+            view = acc[name].view(shape)
             if first:
                 view.copy_(grads[name])
             else:
                 view.add_(grads[name])
         self._acc_started.add(block)
         self._backwards_left[block] -= 1
-        if self._backwards_left[block] == 0:
+        if self._backwards_left[block] == 0 and block not in self._kept:
             self._ship(block)
 
     def _ship(self, block: int) -> None:
@@ -419,7 +424,7 @@ class Window:
         t0 = time.perf_counter()
         with self.timeline.phase("stall"):
             table = self.store.compute(b.unit)[b.offset : b.offset + b.numel].view(b.shape)  # [V, D]
-            rows = _rows_to_device(table, index, self.device)  # [U, D]
+            rows = rows_to_device(table, index, self.device)  # [U, D]
         self.stall_s += time.perf_counter() - t0
         self.h2d_bytes += rows.numel() * rows.element_size()
         return rows
