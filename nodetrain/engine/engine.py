@@ -224,6 +224,9 @@ class Engine:
             "num_resident": len(self.window.resident),
             "resident_units": ",".join(self.model.units[i].name for i in self.window.resident),
             "store_bytes": self.store.nbytes,
+            "device_optimizer_bytes": self.device_opt.nbytes,
+            "num_on_device": len(self.device_opt.blocks),
+            "num_kept": len(self.runner.kept),
         }
         return StepBreakdown(self.device, per_token, peak, static, self.topo.num_stages, self.timeline)
 

@@ -85,8 +85,9 @@ def test_parity_on_cuda_fp32(case_id: str, device: str, tmp_path, shm_dir, torch
 @pytest.mark.parametrize("device", DEVICES)
 def test_two_correct_references_agree(case_id: str, device: str, tmp_path) -> None:
     """The CUDA parity's weight tolerance is measured from two correct references on its device (one
-    forward over the step's batch, one per micro-batch); on CPU their gap is below the CPU's fixed
-    floor (what ``ATOL_WEIGHT`` was set from), and on either device small enough to test against."""
+    forward over the step's batch, one per micro-batch); on either device small enough to test
+    against. (On CPU the gap depends on the machine's kernels: 4e-7 where ``ATOL_WEIGHT`` was set,
+    1.05e-6 on another 2-core machine, which ``check_run`` then measures instead of the floor.)"""
     from test_parity import (
         ATOL_WEIGHT,
         CASES,
@@ -103,8 +104,6 @@ def test_two_correct_references_agree(case_id: str, device: str, tmp_path) -> No
     ref = run_reference(case, tmp_path / "hf", inputs, labels, lengths, device=device)
     atol = measured_weight_atol(case, ref, tmp_path / "hf", inputs, labels, lengths, device)
     assert ATOL_WEIGHT <= atol <= MAX_MEASURED_ATOL
-    if device == "cpu":
-        assert atol < 4 * ATOL_WEIGHT  # 4 × the gap: the gap itself is under the fixed floor
 
 
 def test_gpu_parity_cases_run_on_cpu_in_test_parity() -> None:

@@ -503,10 +503,15 @@ def measured_weight_atol(case: Case, ref: Reference, model_dir: Path, inputs, la
 
 def check_run(case: Case, run: Run, model_dir: Path, inputs, labels, lengths, device: str = "cpu") -> None:
     """Compare nodetrain's ``run`` of ``case`` with the reference on the same model, tokens and
-    ``device``; on CUDA with its measured weight tolerance (``measured_weight_atol``)."""
+    ``device``; on CUDA with its measured weight tolerance (``measured_weight_atol``), on CPU with
+    ``case.atol_weight`` unless the weights end farther apart than that: then this CPU's own measured
+    tolerance (its kernels' summation order sets the noise: one machine's two correct references of
+    the unclipped resident case end 1.05e-6 apart, past the floor set from another's 4e-7)."""
     ref = run_reference(case, model_dir, inputs, labels, lengths, device=device)
     atol = case.atol_weight
-    if device != "cpu":
+    if device != "cpu" or (
+        set(run.weights) == set(ref.weights) and _max_diff(ref.weights, run.weights) > atol
+    ):
         atol = measured_weight_atol(case, ref, model_dir, inputs, labels, lengths, device)
 
     # one stage per rank, each a non-empty contiguous slice, together every unit in order

@@ -138,6 +138,7 @@ def test_recompute_false_and_true_match_transformers_adamw(cases, tmp_path, shm_
     for case, recompute in cases:
         run, model_dir, inputs, labels, lengths, kept = runs[case.id]
         assert kept == ([] if recompute else list(LAYERS)), (case.id, kept)
+        assert {s["breakdown"]["num_kept"] for s in run.steps} == {len(kept)}, "metrics.jsonl's count"
         check_run(case, run, model_dir, inputs, labels, lengths)
 
 
