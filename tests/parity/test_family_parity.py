@@ -35,13 +35,8 @@ the pooled-form mutant ends 3.6e-2 away.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
-
 import pytest
-from conftest import run_torchrun
-from test_parity import WORKER, Case, check_run, make_batches, read_run, save_seeded_model, write_spec
+from test_parity import Case, check_run, launch_cases
 
 NO_SPECIAL = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
 _MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
@@ -90,24 +85,9 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """Every case's seeded model and batches, one torchrun launch of all of them (two ranks), and
-    per case id ``(run, model_dir, inputs, labels, lengths)``; the store directory is empty after."""
-    root, shm = tmp_path_factory.mktemp("families"), Path(tempfile.mkdtemp(prefix="nt-test-", dir="/dev/shm"))
-    prepared, specs = {}, []
-    for case in CASES:
-        tmp = root / case.id
-        save_seeded_model(case, tmp / "hf")
-        inputs, labels, lengths = make_batches(case)
-        specs.append(str(write_spec(case, tmp, shm, tmp / "hf", inputs, labels)))
-        prepared[case.id] = (tmp, inputs, labels, lengths)
-    try:
-        run_torchrun(2, WORKER, *specs, timeout_s=120 + 60 * len(CASES))
-        left = sorted(p.name for p in shm.iterdir())
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
-    assert not left, f"files left in the store directory: {left}"
-    by_id = {c.id: c for c in CASES}
-    return {k: (read_run(by_id[k], tmp / "out"), tmp / "hf", *rest) for k, (tmp, *rest) in prepared.items()}
+    """Every case in one torchrun launch (two ranks): per case id what ``check_run`` takes."""
+    out = launch_cases(CASES, tmp_path_factory.mktemp("families"))
+    return {k: (run, *rest) for k, (run, _, *rest) in out.items()}
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)

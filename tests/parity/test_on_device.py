@@ -13,14 +13,10 @@ does.
 
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_torchrun
 from safetensors.torch import load_file
 from test_checkpoint_runs import (
     RECORD_KEYS,
@@ -33,16 +29,7 @@ from test_checkpoint_runs import (
     train,
     work,  # noqa: F401  (the module's corpus and store directory, a fixture)
 )
-from test_parity import (
-    WORKER,
-    Case,
-    check_parity,
-    check_run,
-    make_batches,
-    read_run,
-    save_seeded_model,
-    write_spec,
-)
+from test_parity import Case, check_parity, check_run, launch_cases
 
 from nodetrain.config.checks import ConfigError
 from nodetrain.config.schema import Config, validate
@@ -191,35 +178,10 @@ TWO_STAGES = [
 ]
 
 
-def _launch(cases: list[Case], root: Path) -> dict:
-    """One torchrun launch of ``cases`` (same stage count); per case id ``(run, its rank reports,
-    model_dir, inputs, labels, lengths)``; the store directory is empty after."""
-    shm = Path(tempfile.mkdtemp(prefix="nt-test-", dir="/dev/shm"))
-    prepared, specs = {}, []
-    for case in cases:
-        tmp = root / case.id
-        save_seeded_model(case, tmp / "hf")
-        inputs, labels, lengths = make_batches(case)
-        specs.append(str(write_spec(case, tmp, shm, tmp / "hf", inputs, labels)))
-        prepared[case.id] = (tmp, inputs, labels, lengths)
-    try:
-        run_torchrun(cases[0].stages, WORKER, *specs, timeout_s=120 + 60 * len(cases))
-        left = sorted(p.name for p in shm.iterdir())
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
-    assert not left, f"files left in the store directory: {left}"
-    out = {}
-    for case in cases:
-        tmp, *rest = prepared[case.id]
-        reports = [json.loads((tmp / "out" / f"rank{r}.json").read_text()) for r in range(case.stages)]
-        out[case.id] = (read_run(case, tmp / "out"), reports, tmp / "hf", *rest)
-    return out
-
-
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("on_device")
-    return {**_launch([ONE_STAGE], root), **_launch(TWO_STAGES, root)}
+    return {**launch_cases([ONE_STAGE], root), **launch_cases(TWO_STAGES, root)}
 
 
 @pytest.mark.parametrize("case", [ONE_STAGE, *TWO_STAGES], ids=lambda c: c.id)

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import tempfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +39,7 @@ import tokenizers
 import torch
 import torch.nn.functional as F
 import transformers
+from conftest import run_torchrun
 from safetensors.torch import load_file, save_file
 
 from nodetrain.config.constants import SUPPORTED_ARCHS
@@ -335,9 +338,46 @@ def run_nodetrain(
     return read_run(case, tmp / "out")
 
 
-def write_spec(case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs, labels, **extra) -> Path:
-    """parity_spec's spec written to ``tmp/spec.json`` (its output directory ``tmp/out`` made)."""
+def launch_cases(cases: list[Case], root: Path, overrides: dict[str, dict] | None = None) -> dict:
+    """One torchrun launch of every case in ``cases`` (one stage count: as many ranks), each with its
+    seeded model and batches under ``root/<id>`` and ``overrides[id]`` (config keys) over its spec's.
+
+    Returns:
+        per case id ``(run, its ranks' reports, model_dir, inputs, labels, lengths)``.
+
+    Raises:
+        AssertionError: a file left in the store directory after the launch.
+    """
+    shm = Path(tempfile.mkdtemp(prefix="nt-test-", dir="/dev/shm"))
+    prepared, specs = {}, []
+    for case in cases:
+        tmp = root / case.id
+        save_seeded_model(case, tmp / "hf")
+        inputs, labels, lengths = make_batches(case)
+        more = (overrides or {}).get(case.id, {})
+        specs.append(str(write_spec(case, tmp, shm, tmp / "hf", inputs, labels, overrides=more)))
+        prepared[case.id] = (tmp, inputs, labels, lengths)
+    try:
+        run_torchrun(cases[0].stages, WORKER, *specs, timeout_s=120 + 60 * len(cases))
+        left = sorted(p.name for p in shm.iterdir())
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    assert not left, f"files left in the store directory: {left}"
+    out = {}
+    for case in cases:
+        tmp, *rest = prepared[case.id]
+        reports = [json.loads((tmp / "out" / f"rank{r}.json").read_text()) for r in range(case.stages)]
+        out[case.id] = (read_run(case, tmp / "out"), reports, tmp / "hf", *rest)
+    return out
+
+
+def write_spec(
+    case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs, labels, overrides=None, **extra
+) -> Path:
+    """parity_spec's spec written to ``tmp/spec.json`` (its output directory ``tmp/out`` made), with
+    ``overrides`` (config keys) over the case's."""
     spec = parity_spec(case, tmp, shm_dir, model_dir, inputs, labels, **extra)
+    spec["overrides"].update(overrides or {})
     Path(spec["out_dir"]).mkdir()
     spec_file = tmp / "spec.json"
     spec_file.write_text(json.dumps(spec))

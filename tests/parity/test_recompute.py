@@ -19,13 +19,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from test_parity import WORKER, Case, check_run, make_batches, parity_spec, read_run, save_seeded_model
+from test_parity import Case, check_run, launch_cases
 
 from nodetrain.core.recompute import decide_recompute, kept_layers
 from nodetrain.core.step_plan import StepPlan
@@ -109,32 +108,19 @@ TWO_STAGES = [
 ]
 
 
-def _launch(cases, tmp: Path, shm: Path, torchrun) -> dict:
-    """One torchrun launch of every case (as many ranks as their stages); per case id the run and
-    what check_run needs, and the kept units of every rank."""
-    specs, prepared = [], {}
-    for case, recompute in cases:
-        root = tmp / case.id
-        save_seeded_model(case, root / "hf")
-        inputs, labels, lengths = make_batches(case)
-        spec = parity_spec(case, root, shm, root / "hf", inputs, labels)
-        spec["overrides"]["stream.recompute"] = recompute
-        Path(spec["out_dir"]).mkdir()
-        (root / "spec.json").write_text(json.dumps(spec))
-        specs.append(str(root / "spec.json"))
-        prepared[case.id] = (root, inputs, labels, lengths)
-    torchrun(cases[0][0].stages, WORKER, *specs, timeout_s=90 + 40 * len(cases))
-    out = {}
-    for case, _ in cases:
-        root, *rest = prepared[case.id]
-        kept = [json.loads((root / "out" / f"rank{r}.json").read_text())["kept"] for r in range(case.stages)]
-        out[case.id] = (read_run(case, root / "out"), root / "hf", *rest, [u for k in kept for u in k])
-    return out
+def _launch(cases, tmp: Path) -> dict:
+    """One torchrun launch of every case with its ``stream.recompute``; per case id the run and what
+    check_run needs, and the kept units of every rank."""
+    overrides = {case.id: {"stream.recompute": recompute} for case, recompute in cases}
+    out = launch_cases([case for case, _ in cases], tmp, overrides)
+    return {
+        k: (run, *rest, [u for r in reports for u in r["kept"]]) for k, (run, reports, *rest) in out.items()
+    }
 
 
 @pytest.mark.parametrize("cases", [ONE_STAGE, TWO_STAGES], ids=["1stage", "2stages"])
-def test_recompute_false_and_true_match_transformers_adamw(cases, tmp_path, shm_dir, torchrun) -> None:
-    runs = _launch(cases, tmp_path, shm_dir, torchrun)
+def test_recompute_false_and_true_match_transformers_adamw(cases, tmp_path) -> None:
+    runs = _launch(cases, tmp_path)
     for case, recompute in cases:
         run, model_dir, inputs, labels, lengths, kept = runs[case.id]
         assert kept == ([] if recompute else list(LAYERS)), (case.id, kept)
