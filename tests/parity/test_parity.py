@@ -504,9 +504,24 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """``launched(case)``: what ``check_run`` takes for ``case``, from one torchrun launch of every
+    case with its stage count (started at the first such case a test asks for)."""
+    root, groups = tmp_path_factory.mktemp("parity"), {}
+
+    def get(case: Case) -> tuple:
+        if case.stages not in groups:
+            groups[case.stages] = launch_cases([c for c in CASES if c.stages == case.stages], root)
+        run, _, *rest = groups[case.stages][case.id]
+        return run, *rest
+
+    return get
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_parity_with_transformers_adamw(case: Case, tmp_path: Path, shm_dir: Path, torchrun) -> None:
-    check_parity(case, tmp_path, shm_dir, torchrun)
+def test_parity_with_transformers_adamw(case: Case, launched) -> None:
+    check_run(case, *launched(case))
 
 
 def check_parity(case: Case, tmp_path: Path, shm_dir: Path, torchrun, device: str = "cpu") -> None:
