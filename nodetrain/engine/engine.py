@@ -145,13 +145,14 @@ class Engine:
         # training thread's; NCCL forbids concurrent use of one from two threads (replicas.py).
         self.grad_sum = ReplicaGradSum(topo, cfg.dist.timeout_s, self.comm)
         self.grad_sum_optim = ReplicaGradSum(topo, cfg.dist.timeout_s, self.comm, kind="stage_optim")
-        self._poison = self.faults.nan_hook(self.store, self.units[-1].index)  # None: off
         self._peak = opened.peak
         resident = sorted(run.resident[topo.stage])
         log.info("%s", run.placement_line(topo.stage, shape_of(model), self.dtype.itemsize))
         self.device_opt = DeviceAdamW(
             self.store, self.optimizer, model.bindings, run.on_device_of(topo.stage), self.device
         )  # the units of the stage's on-device blocks (optim.on_device); none: a no-op
+        device_grads = dict(zip(self.device_opt.units, self.device_opt.grads, strict=True))
+        self._poison = self.faults.nan_hook(self.store, self.units[-1].index, device_grads)  # None: off
         self.updates = self._make_updates(resident)
         self.timeline = Timeline(self.device)
         self.window = self._make_window(resident)
@@ -349,7 +350,7 @@ class Engine:
             self.updates.wait_measured()
             settled = self.updates.later_units
             if self._poison is not None:
-                self._poison(step, *settled)
+                self._poison(step, *settled, *self.device_opt.units)
             self._sum_tied_grads()
             self.device_opt.sum_tied()
         with self.timeline.phase("bubble"):  # the cross-node sum, before any of these units is updated

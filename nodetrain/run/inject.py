@@ -187,19 +187,24 @@ class Faults:
             dist.barrier()  # fails after dist.timeout_s, as the other ranks' waits do
         raise RuntimeError(f"fail_rank={rank}, fail_step={step}: injected failure")
 
-    def nan_hook(self, store, last_unit: int):
+    def nan_hook(self, store, last_unit: int, device_grads: dict | None = None):
         """``nan_rank``/``nan_step``: None when off (nothing is called), else ``poison(step, *units)``
         (``step`` 0-based), which writes a NaN into the gradient of this stage's last unit
-        (``store.grad(last_unit)``, flat fp32) if it is among ``units``, once that gradient is final:
-        on the optimizer thread for an in-backward unit (``UnitUpdates``' ``on_final``), else on the
-        training thread after the flush; before the norm in both cases. It holds the store, not the
-        engine (an engine kept alive by its own optimizer's hook would keep the store mapped)."""
+        (``store.grad(last_unit)``, or ``device_grads[last_unit]`` when its optimizer is on the
+        device; flat fp32) if it is among ``units``, once that gradient is final: on the optimizer
+        thread for an in-backward unit (``UnitUpdates``' ``on_final``), else on the training thread
+        after the flush; before the norm in both cases. It holds the store, not the engine (an engine
+        kept alive by its own optimizer's hook would keep the store mapped)."""
         if self.nan_rank < 0 or self.nan_step < 0:
             return None
+        on_device = device_grads or {}
 
         def poison(step: int, *units: int) -> None:
             if last_unit in units:
-                poison_grads(self, dist.get_rank(), step + 1, [store.grad(last_unit)])
+                grad = on_device.get(last_unit)
+                poison_grads(
+                    self, dist.get_rank(), step + 1, [store.grad(last_unit) if grad is None else grad]
+                )
 
         return poison
 
