@@ -20,7 +20,7 @@ Writes, under ``out_dir``:
                                  (a tied head also writes ``lm_head.weight``, read through its
                                  binding to the embedding);
     rank<r>.json                 {"units": [...], "resident": [...], "on_device": [...], "store_nbytes": ...,
-                                 "kept": [...], "speculative": bool,
+                                 "kept": [...], "grad_acc": [...], "speculative": bool,
                                  "update_choice": "<optim.speculative=auto's line>",
                                  "memory": {...} | null, "adamw_steps": {HF name: count} | null};
     state_rank<r>.safetensors    with ``export_state``: AdamW's ``<HF name>.exp_avg`` and
@@ -242,6 +242,7 @@ def run_spec(spec: dict, device: torch.device) -> None:
         "resident": [model.units[i].name for i in engine.window.resident],
         "on_device": [model.units[i].name for i in engine.device_opt.blocks],
         "kept": [model.units[i].name for i in sorted(engine.runner.kept)],
+        "grad_acc": [model.units[i].name for i in engine.window.grad_acc],
         "store_nbytes": engine.store.nbytes,
         "memory": memory,
         "adamw_steps": None,

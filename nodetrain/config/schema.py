@@ -290,6 +290,19 @@ class StreamConfig:
     (1F1B: stage s holds up to S - s), fit what the stage's device budget has left after its resident
     units, and recompute the rest (on CPU the budget is 0: every block is recomputed; with
     ``offload_activations`` too, and ``false`` with it is refused). Exact either way (core/recompute.py)."""
+    grad_on_device: Any = checked(
+        False,
+        auto_or_bool("use auto to keep the accumulators the device budget holds, or false for none"),
+    )
+    """Where a streamed unit's gradient accumulates: ``true`` = every streamed unit keeps an fp32
+    gradient accumulator on the device (4 bytes/parameter) across the step's micro-batches and ships it
+    into the host store once per step, after its last backward (D2H 4 bytes/parameter and one host copy
+    per step, whatever the micro-batch count), beyond ``device_budget`` (the automatic budget leaves
+    them out first; refused at start-up where the device cannot hold them); ``false`` = its gradient
+    goes D2H after every backward and the host adds it into the fp32 accumulator; ``auto`` = the
+    streamed units whose accumulator fits what the device budget has left after the resident units and
+    saves host bytes, most saved per device byte first (on CPU the automatic budget is 0: none, unless
+    ``device_budget`` is given in bytes). Exact either way (core/placement.py)."""
 
 
 @dataclass

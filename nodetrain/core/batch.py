@@ -14,7 +14,7 @@ from nodetrain.config.batch import BatchShape
 from nodetrain.config.schema import Config, ConfigError
 from nodetrain.core.fit import node_fit, profile_host_free_bytes
 from nodetrain.core.machine import Machine, profile_machine
-from nodetrain.core.placement import on_device_request, place_stages
+from nodetrain.core.placement import grad_blocks, on_device_request, place_stages
 from nodetrain.core.pricing import priced_step
 from nodetrain.core.recompute import decide_recompute
 from nodetrain.core.update import choose_update
@@ -45,13 +45,15 @@ def _candidates(cfg: Config, num_stages: int, nodes: int) -> list[tuple[int, int
 
 def priced_batch(cfg: Config, shape: ModelShape, machine: Machine, batch: BatchShape, num_stages: int):
     """The step of ``cfg`` at ``batch`` on ``machine``: its stages fitted (``fit.node_fit``), their
-    blocks placed (``placement.place_stages``), the layers that keep their activations chosen in what
-    the placement left (``recompute.decide_recompute``) and its update mode chosen
+    blocks placed (``placement.place_stages``), the streamed blocks that keep their gradient on the
+    device in what the resident ones left (``placement.grad_blocks``), the layers that keep their
+    activations chosen in what the placement left (``recompute.decide_recompute``) and its update mode chosen
     (``update.choose_update``), priced in that mode (``serial`` with ``plan.overlap_optimizer=false``).
 
     Returns:
         (the ``NodeFit``, per stage its budget, (per stage its resident blocks, per stage those with
-        their optimizer on the device), the ``Recompute``, the update choice, the ``StepTime``).
+        their optimizer on the device, per stage its streamed blocks with a device gradient
+        accumulator), the ``Recompute``, the update choice, the ``StepTime``).
     """
     fit = node_fit(cfg, shape, num_stages, batch.microbatches, batch.grad_accum, machine.hardware)
     b = batch.micro_batch_size
@@ -60,28 +62,35 @@ def priced_batch(cfg: Config, shape: ModelShape, machine: Machine, batch: BatchS
     budgets, resident, with_optimizer = place_stages(
         cfg.stream.device_budget, shape, fit.plans, streamed, machine.device_bytes, fit.itemsize, on_device
     )
+    n = b * batch.seq_len
     held = [
-        fit.stage(k, b, r, o).resident_bytes
+        fit.stage(k, b, r, o, ()).resident_bytes
         for k, (r, o) in enumerate(zip(resident, with_optimizer, strict=True))
     ]
+    grads = tuple(
+        grad_blocks(cfg.stream.grad_on_device, shape, p, fit.itemsize, x - h, r, n)
+        for p, x, h, r in zip(fit.plans, budgets, held, resident, strict=True)
+    )
+    if cfg.stream.grad_on_device == "auto":  # within the budget (true's are beyond it)
+        held = [h + 4 * sum(shape.load_numels[i] for i in g) for h, g in zip(held, grads, strict=True)]
     recompute = decide_recompute(
         cfg.stream.recompute,
         shape,
         fit.plans,
         budgets,
         held,
-        n=b * batch.seq_len,
+        n=n,
         t=batch.seq_len,
         itemsize=fit.itemsize,
         cpu=machine.on_cpu,
         offload=cfg.stream.offload_activations,
     )
-    plans = zip(fit.plans, resident, with_optimizer, recompute.kept, strict=True)
-    works = [p.work(r, o, x) for p, r, o, x in plans]
+    plans = zip(fit.plans, resident, with_optimizer, recompute.kept, grads, strict=True)
+    works = [p.work(r, o, x, g) for p, r, o, x, g in plans]
     choice = choose_update(cfg, shape, works, machine, b)
     mode = choice.kind if cfg.plan.overlap_optimizer else "serial"
     step = choice.priced.get(mode) or priced_step(cfg, shape, works, machine, mode, b)
-    return fit, budgets, (resident, with_optimizer), recompute, choice, step
+    return fit, budgets, (resident, with_optimizer, grads), recompute, choice, step
 
 
 def resolve_batch(

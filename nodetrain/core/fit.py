@@ -61,6 +61,9 @@ class NodeFit:
     """Host RAM of the tier's buffers (``store.tier_buffers`` × the largest unit's tier fields)."""
     offload_activations: bool = False
     """``stream.offload_activations``: saved block inputs wait in host RAM between forward and backward."""
+    grad_on_device: bool = False
+    """``stream.grad_on_device=true``: every streamed block keeps an fp32 gradient accumulator on the
+    device, counted in each stage's memory (and so left out of the automatic budget first)."""
 
     @property
     def stage_blocks(self) -> list[range]:
@@ -76,12 +79,15 @@ class NodeFit:
     def cpu(self) -> bool:
         return self.device_limit_bytes == 0
 
-    def stage(self, k: int, b: int, resident=(), on_device=()) -> StageMemory:
+    def stage(self, k: int, b: int, resident=(), on_device=(), grad_acc=None) -> StageMemory:
         """Stage ``k``'s peak device bytes at micro-batch size ``b`` with ``resident`` blocks kept, those
-        of ``on_device`` with their optimizer there too."""
+        of ``on_device`` with their optimizer there too, and the streamed blocks of ``grad_acc`` with a
+        device gradient accumulator (None: every streamed block with :attr:`grad_on_device`, else none)."""
+        if grad_acc is None:
+            grad_acc = self.plans[k].blocks if self.grad_on_device else ()
         return stage_memory(
             self.shape,
-            self.plans[k].work(resident, on_device),
+            self.plans[k].work(resident, on_device, (), grad_acc),
             b=b,
             t=self.seq_len,
             slots=self.slots,
@@ -167,4 +173,5 @@ def node_fit(
         tier_bytes=tier[0],
         tier_pool_bytes=tier[1],
         offload_activations=cfg.stream.offload_activations,
+        grad_on_device=cfg.stream.grad_on_device is True,
     )

@@ -26,10 +26,21 @@ so the ties go in block order: the first blocks' host updates finish last in the
 the first the next forward waits for. A tied embedding read by two stages (tied, ``num_stages > 1``)
 keeps its optimizer on the host (its two gradients meet there), and so do block 0 and the head that
 binds it; on one stage the two stay or go together (their gradients are summed on the device).
+
+A streamed block may keep its fp32 gradient accumulator on the device (``stream.grad_on_device``,
+:func:`grad_blocks`): ``4 × numel`` device bytes; its weights still load at every pass, but its
+gradient leaves once per step (``4 × numel`` D2H and an ``8 × numel`` host copy) instead of after every
+backward (``backwards × numel × e`` D2H and the host's fp32 adds; ``cost.traffic.block_traffic``).
+``true``: every streamed block, beyond the device budget (the automatic budget leaves all the stage's
+accumulators out first, :attr:`core.fit.NodeFit.grad_on_device`: conservative by 4 bytes per resident
+parameter, whose accumulator is also in its ``e + 4``; :func:`check_grad_fit` refuses a device that
+cannot hold them); ``false``: none; ``auto``: after the resident blocks, within what the budget has
+left, the streamed blocks that save host bytes, most saved per device byte first (ties: block order).
 """
 
 from __future__ import annotations
 
+from nodetrain.config.schema import ConfigError
 from nodetrain.core.step_plan import StepPlan
 from nodetrain.cost.memory import (
     GRAD_ACC_ITEMSIZE,
@@ -39,11 +50,13 @@ from nodetrain.cost.memory import (
     resident_bytes_per_param,
 )
 from nodetrain.cost.shape import ModelShape
-from nodetrain.cost.traffic import optimizer_bytes_per_param
+from nodetrain.cost.traffic import block_traffic, optimizer_bytes_per_param
 
 __all__ = [
     "AUTO",
+    "check_grad_fit",
     "choose_on_device",
+    "grad_blocks",
     "choose_resident",
     "on_device_request",
     "optimizer_blocks",
@@ -251,3 +264,52 @@ def place_stages(
         for p, x in zip(plans, budgets, strict=True)
     ]
     return budgets, tuple(r for r, _ in placed), tuple(o for _, o in placed)
+
+
+def grad_blocks(
+    requested, shape: ModelShape, plan: StepPlan, itemsize: int, left: int, resident, n: int
+) -> frozenset[int]:
+    """A stage's streamed blocks that keep their fp32 gradient accumulator on the device,
+    ``stream.grad_on_device``'s rule (module docstring).
+
+    Args:
+        requested: ``stream.grad_on_device`` (True, False or ``auto``).
+        shape, plan, itemsize: as :func:`resident_blocks`.
+        left: device bytes the budget has left after the resident blocks (``auto`` only).
+        resident: the stage's resident blocks (never candidates).
+        n: tokens per micro-batch (a streamed embedding's row traffic depends on it).
+    """
+    streamed = [i for i in plan.blocks if i not in resident]
+    if requested is True:
+        return frozenset(streamed)
+    if requested is False or left <= 0 or not streamed:
+        return frozenset()
+    plain, kept = plan.work(resident), plan.work(resident, grad_acc=streamed)
+
+    def host(work, i: int) -> int:  # D2H + accumulation bytes per step
+        return sum(block_traffic(shape, work, i, n=n, itemsize=itemsize)[1:])
+
+    saved = {i: host(plain, i) - host(kept, i) for i in streamed}
+    cost = {i: shape.load_numels[i] * GRAD_ACC_ITEMSIZE for i in streamed if saved[i] > 0}
+    return frozenset(choose_on_device(cost, saved, left))  # the same greedy: saved per byte, block order
+
+
+def check_grad_fit(requested, streamed: list[StageMemory], device_bytes) -> None:
+    """Refuse ``stream.grad_on_device=true`` where a stage's device cannot hold its window, activations,
+    every accumulator (``streamed``: each stage's memory with them, nothing resident) and the margin.
+    A CPU stage (``device_bytes`` 0) is not checked: its "device" is host memory.
+
+    Raises:
+        ConfigError: naming the key, the value, the stage's bytes and the fix.
+    """
+    if requested is not True:
+        return
+    for k, (m, d) in enumerate(zip(streamed, device_bytes, strict=True)):
+        if d > 0 and m.total_bytes + MARGIN_BYTES > d:
+            raise ConfigError(
+                f"stream.grad_on_device=true: stage {k} needs {m.total_bytes / 1e9:.2f} GB with every "
+                f"streamed unit's fp32 gradient accumulator ({m.grad_acc_bytes / 1e9:.2f} GB) + "
+                f"{MARGIN_BYTES / 1e9:.2f} GB margin, the device has {d / 1e9:.2f} GB; set "
+                "stream.grad_on_device=auto or false (or use more stages, a shorter train.seq_len or a "
+                "smaller train.micro_batch_size)"
+            )

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from nodetrain.config.schema import Config
 from nodetrain.core.batch import BatchShape, priced_batch, resolve_batch
 from nodetrain.core.machine import Machine
-from nodetrain.core.placement import AUTO, on_device_request
+from nodetrain.core.placement import AUTO, check_grad_fit, on_device_request
 from nodetrain.core.step_plan import StepPlan
 from nodetrain.core.update import UpdateChoice
 from nodetrain.cost.memory import MARGIN_BYTES, on_device_bytes_per_param, resident_bytes_per_param
@@ -44,6 +44,8 @@ class RunShape:
             (``optim.on_device``, core/placement.py); empty: none anywhere.
         kept: per stage, the decoder layers whose activations are kept from the forward to the
             backward, not recomputed (``stream.recompute``, ``core.recompute``).
+        grad_acc: per stage, the streamed blocks whose fp32 gradient accumulates on the device and
+            leaves once per step (``stream.grad_on_device``, core/placement.py); empty: none anywhere.
     """
 
     batch: BatchShape
@@ -55,6 +57,7 @@ class RunShape:
     lines: tuple[str, ...] = ()
     on_device: tuple[frozenset[int], ...] = ()
     kept: tuple[frozenset[int], ...] = ()
+    grad_acc: tuple[frozenset[int], ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -69,13 +72,17 @@ class RunShape:
     def works(self) -> list[StageWork]:
         """Per stage, its step as the cost model counts it, with its resident blocks."""
         return [
-            p.work(r, self.on_device_of(k), self.kept[k] if self.kept else ())
+            p.work(r, self.on_device_of(k), self.kept[k] if self.kept else (), self.grad_acc_of(k))
             for k, (p, r) in enumerate(zip(self.plans, self.resident, strict=True))
         ]
 
     def on_device_of(self, stage: int) -> frozenset[int]:
         """Stage ``stage``'s blocks whose optimizer runs on the device (none when unset)."""
         return self.on_device[stage] if self.on_device else frozenset()
+
+    def grad_acc_of(self, stage: int) -> frozenset[int]:
+        """Stage ``stage``'s streamed blocks with a device gradient accumulator (none when unset)."""
+        return self.grad_acc[stage] if self.grad_acc else frozenset()
 
     def placement_line(self, stage: int, shape: ModelShape, itemsize: int) -> str:
         """One stage's budget and resident blocks, for the start-up log."""
@@ -93,7 +100,8 @@ class RunShape:
             f"stage {stage}: device budget {self.budgets[stage] / 1e6:.1f} MB, {len(resident)} of "
             f"{len(blocks)} blocks resident ({held / 1e6:.1f} MB with their fp32 gradient accumulators; "
             "chosen by link bytes saved per device byte, the head first); "
-            f"{len(self.on_device_of(stage))} with their optimizer on the device"
+            f"{len(self.on_device_of(stage))} with their optimizer on the device; "
+            f"{len(self.grad_acc_of(stage))} streamed with their fp32 gradient on the device"
         )
 
 
@@ -138,16 +146,30 @@ def resolve(
     lines: list[str] = []
     if batch is None:
         batch, lines = resolve_batch(cfg, shape, num_stages, nodes)
-    fit, budgets, (resident, on_device), recompute, update, _ = priced_batch(
+    fit, budgets, (resident, on_device, grads), recompute, update, _ = priced_batch(
         cfg, shape, machine, batch, num_stages
     )
     streamed = [fit.stage(k, batch.micro_batch_size) for k in range(num_stages)]
+    check_grad_fit(cfg.stream.grad_on_device, streamed, machine.device_bytes)
     lines += _budget_lines(cfg, machine, budgets, streamed)
     lines += [update.line] if update.line else []
     lines.append(_on_device_line(cfg, shape, machine, resident, on_device))
+    lines.append(_grad_line(cfg, machine, fit.plans, resident, grads))
     lines += recompute.lines
     return RunShape(
-        batch, fit.plans, budgets, resident, update, machine, tuple(lines), on_device, recompute.kept
+        batch, fit.plans, budgets, resident, update, machine, tuple(lines), on_device, recompute.kept, grads
+    )
+
+
+def _grad_line(cfg: Config, machine: Machine, plans, resident, grads) -> str:
+    """What ``stream.grad_on_device`` became: how many streamed blocks accumulate on the device."""
+    asked = str(cfg.stream.grad_on_device).lower()
+    got = sum(map(len, grads))
+    streamed = sum(len(p.blocks) - len(r) for p, r in zip(plans, resident, strict=True))
+    why = " (the CPU's automatic budget is 0)" if machine.on_cpu and asked == "auto" and not got else ""
+    return (
+        f"stream.grad_on_device={asked}: {got} of {streamed} streamed blocks accumulate their fp32 "
+        f"gradient on the device and ship it once per step{why}"
     )
 
 

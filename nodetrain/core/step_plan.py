@@ -66,11 +66,12 @@ def reuses(sequence: list[int], resident) -> list[bool]:
 
 def arrival_order(backwards: list[int], resident) -> list[int]:
     """Blocks in the order their gradients reach the host store in a step: a streamed block at every
-    backward, a resident one once, at its last backward (its device accumulator is shipped then).
+    backward, one with a device accumulator once, at its last backward (the accumulator is shipped then).
 
     Args:
         backwards: block indices in the order their backwards offload (the step's offload sequence).
-        resident: the resident blocks.
+        resident: the blocks with a device accumulator: the resident ones and the streamed ones of
+            ``stream.grad_on_device`` (``StageWork.grad_acc``).
     """
     resident = set(resident)
     last = {b: k for k, b in enumerate(backwards) if b in resident}
@@ -198,10 +199,11 @@ class StepPlan:
         loads, backwards = Counter(self.loads), self.backwards
         return {b: (loads[b], backwards[b]) for b in (self.blocks if blocks is None else blocks)}
 
-    def work(self, resident=(), on_device=(), kept=()) -> StageWork:
+    def work(self, resident=(), on_device=(), kept=(), grad_acc=()) -> StageWork:
         """What the cost model counts of this step with ``resident`` blocks kept on the device, those of
-        ``on_device`` with their optimizer there too, and the ``kept`` layers' activations kept from
-        forward to backward (not recomputed)."""
+        ``on_device`` with their optimizer there too, the ``kept`` layers' activations kept from
+        forward to backward (not recomputed) and the streamed blocks of ``grad_acc`` accumulating their
+        gradient on the device (``stream.grad_on_device``; resident blocks left out)."""
         resident = frozenset(resident)
         return StageWork(
             stage=self.stage,
@@ -214,6 +216,7 @@ class StepPlan:
             p2p_buffers=p2p_live_peak(list(self.actions), self.rounds, self.stage, self.num_stages),
             on_device=frozenset(on_device) & resident,
             kept=frozenset(kept),
+            grad_acc=frozenset(grad_acc) - resident,
         )
 
 

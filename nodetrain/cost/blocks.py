@@ -44,7 +44,8 @@ class BlockCost:
     """The D2H worker's seconds for one offload of its gradient (streamed blocks; the head's come
     with its forward)."""
     ship_s: float = 0.0
-    """A resident block's once-per-step ship of its fp32 gradient (D2H and the host's copy)."""
+    """A resident block's once-per-step ship of its fp32 gradient (D2H and the host's copy), or a
+    streamed one's with a device accumulator (``stream.grad_on_device``)."""
     head: bool = False
     """The last stage's head: offloads at its forward, no backward."""
 

@@ -76,7 +76,8 @@ def pin_overhead_bytes(compute_bytes: int) -> int:
 # ----------------------------------------------------------------------------- device memory
 
 GRAD_ACC_ITEMSIZE = 4
-"""Bytes per parameter of a resident block's fp32 gradient accumulator on the device."""
+"""Bytes per parameter of a fp32 gradient accumulator on the device (a resident block's, or a streamed
+one's with ``stream.grad_on_device``)."""
 
 
 def resident_bytes_per_param(itemsize: int) -> int:
@@ -156,6 +157,9 @@ class StageMemory:
     kept_bytes: int = 0
     """Activations of the layers not recomputed (``work.kept``), ``in_flight`` × their
     :func:`kept_activation_bytes` per micro-batch."""
+    grad_acc_bytes: int = 0
+    """fp32 gradient accumulators of the streamed blocks that keep one on the device (``work.grad_acc``,
+    ``stream.grad_on_device``), ``4 × load`` each (``Window.grad_acc_nbytes``)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -163,7 +167,7 @@ class StageMemory:
 
     @property
     def total_bytes(self) -> int:
-        return self.window_bytes + self.resident_bytes + self.activation_bytes
+        return self.window_bytes + self.resident_bytes + self.grad_acc_bytes + self.activation_bytes
 
 
 def layer_saved_per_token(shape: ModelShape, e: int, block: int | None = None) -> int:
@@ -359,7 +363,8 @@ def stage_memory(
 
     Resident blocks (``work.resident``) are out of the slots' ``largest``, counted at ``load × (e + 4)``
     bytes each (``load × (e + 16)`` with their optimizer on the device, ``work.on_device``); their
-    gradients accumulate on the device, none queue. A streamed embedding
+    gradients accumulate on the device, none queue. A streamed block with a device accumulator
+    (``work.grad_acc``) adds ``load × 4`` bytes (``grad_acc_bytes``). A streamed embedding
     (``work.rows``) is gathered by rows: never in a slot, its backward :func:`_rows_backward_bytes`,
     its offload the used rows (≤ min(n, V) × D).
     """
@@ -382,6 +387,7 @@ def stage_memory(
         in_flight=in_flight,
         p2p_buffers=buffers,
         kept_bytes=in_flight * kept,
+        grad_acc_bytes=sum(shape.load_numels[i] for i in work.grad_acc) * GRAD_ACC_ITEMSIZE,
     )
 
 

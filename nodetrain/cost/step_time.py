@@ -149,7 +149,8 @@ class _Stages:
 def _block_costs(shape, w: StageWork, n, t, e, compute, rates: HostRates) -> dict[int, BlockCost]:
     """A stage's blocks as :class:`~nodetrain.cost.blocks.BlockCost`: compute, each load spread over
     the block's passes (the head's forward only), offloads per backward at the link and the D2H
-    worker's accumulation rate (the slower of the two), a resident block's one ship."""
+    worker's accumulation rate (the slower of the two), a resident block's one ship (and a streamed
+    block's with a device accumulator, ``w.grad_acc``, loaded per pass still)."""
     m, last = w.num_microbatches, len(shape.unit_numels) - 1
     link, d2h_link, accum = rates.link_bytes_per_s, rates.d2h_link_bytes_per_s or rates.link_bytes_per_s, 0.0
     accum = rates.accum_rate()
@@ -159,12 +160,13 @@ def _block_costs(shape, w: StageWork, n, t, e, compute, rates: HostRates) -> dic
         h2d, d2h, acc = block_traffic(shape, w, i, n=n, itemsize=e)
         worker = max(d2h / d2h_link, acc / accum)
         passes = m if i == last else 2 * m
+        offload, ship = (0.0, worker) if i in w.grad_acc else (worker / m, 0.0)  # device accumulator
         if i in w.resident:  # its load is the step's first use, gated (exposure.py)
             out[i] = BlockCost(f, b, ship_s=worker, head=i == last)
         elif i == 0 and w.rows:  # gathered at each forward
-            out[i] = BlockCost(f, b, h2d / m / link, worker / m)
+            out[i] = BlockCost(f, b, h2d / m / link, offload, ship)
         else:
-            out[i] = BlockCost(f, b, h2d / passes / link, worker / m, head=i == last)
+            out[i] = BlockCost(f, b, h2d / passes / link, offload, ship, head=i == last)
     return out
 
 

@@ -52,7 +52,8 @@ class StageTraffic:
     h2d_bytes: int
     """Host → device: every load's bytes (the embedding's: the gathered rows only)."""
     d2h_bytes: int
-    """Device → host: streamed blocks' gradients per backward (e bytes), resident ones' once (fp32)."""
+    """Device → host: streamed blocks' gradients per backward (e bytes), resident ones' and those with a
+    device accumulator (``work.grad_acc``) once (fp32)."""
     accum_bytes: int
     """Host DRAM bytes the D2H worker touches adding gradients into the fp32 accumulators (reads of
     the staged gradients, reads and writes of the accumulators; not the DMA itself)."""
@@ -83,7 +84,9 @@ def stage_traffic(
     accumulator: it reads the staged copy (e) and the accumulator (4) and writes the accumulator (4),
     except that the step's first offload overwrites it (no read). A resident block accumulates on the
     device and offloads its fp32 gradient once per step, copied into the accumulator (read 4 + write
-    4). Stage 0's embedding when it travels as rows (``work.rows``) gathers only the n used rows
+    4). A streamed block with a device accumulator (``work.grad_acc``, ``stream.grad_on_device``) loads
+    as a streamed one and ships as a resident one: ``4 × P`` D2H and ``8 × P`` host bytes per step. Stage
+    0's embedding when it travels as rows (``work.rows``) gathers only the n used rows
     (n·D·e in) and offloads an n-row gradient (n·D·e and the 8-byte ids out) that is scatter-added
     into an accumulator zeroed once per step. A resident block with its optimizer on the device
     (``work.on_device``) moves nothing and its units add no host optimizer bytes: their update's
@@ -120,17 +123,22 @@ def block_traffic(
     """(H2D, D2H, accumulation) bytes of one of ``work.blocks`` in the step, by :func:`stage_traffic`'s
     rules, which sums them (without the activation offload); the per-block overlap model
     (``blocks.py``) spreads them over the block's passes. A block with its optimizer on the device
-    (``work.on_device``) moves nothing."""
+    (``work.on_device``) moves nothing; a streamed one with a device accumulator (``work.grad_acc``)
+    its loads, ``4 × P`` D2H and ``8 × P`` host bytes."""
     e, p, num_mb = itemsize, shape.load_numels[block], work.num_microbatches
     if block in work.on_device:
         return 0, 0, 0
     if block in work.resident:
         return p * e, 4 * p, 8 * p
     if block == 0 and work.rows:
-        out = num_mb * (n * shape.hidden * e + 8 * n)
-        return num_mb * n * shape.hidden * e, out, 4 * p + out + num_mb * 8 * n * shape.hidden
-    loads = sum(1 for i in work.loads if i == block)
-    return loads * p * e, num_mb * p * e, num_mb * p * e + 4 * p + (num_mb - 1) * 8 * p
+        h2d, out = num_mb * n * shape.hidden * e, num_mb * (n * shape.hidden * e + 8 * n)
+        if block in work.grad_acc:  # the rows added on the device, the [V, D] accumulator shipped once
+            return h2d, 4 * p, 8 * p
+        return h2d, out, 4 * p + out + num_mb * 8 * n * shape.hidden
+    loads = sum(1 for i in work.loads if i == block) * p * e
+    if block in work.grad_acc:
+        return loads, 4 * p, 8 * p
+    return loads, num_mb * p * e, num_mb * p * e + 4 * p + (num_mb - 1) * 8 * p
 
 
 def speculative_bytes_per_param(rolled_back: bool) -> int:

@@ -31,6 +31,9 @@ class StageWork:
         p2p_buffers: most [B, T, D] P2P buffers alive at once.
         kept: decoder layers whose activations stay from the forward to the backward (not
             recomputed: ``core/recompute.py``).
+        grad_acc: streamed blocks whose fp32 gradient accumulates on the device across the step
+            and leaves once per step (``stream.grad_on_device``): loaded per pass as any streamed
+            block, D2H ``4 × numel`` bytes and one host copy per step.
     """
 
     stage: int
@@ -43,6 +46,7 @@ class StageWork:
     p2p_buffers: int
     on_device: frozenset[int] = frozenset()
     kept: frozenset[int] = frozenset()
+    grad_acc: frozenset[int] = frozenset()
 
     @property
     def num_microbatches(self) -> int:

@@ -158,20 +158,14 @@ class Engine:
         self.window = self._make_window(resident)
         self.device_opt.bind_weights(self.window.resident_views)
         self._loads = self.plan.window_loads(self.window.rows)  # the window's load sequence of a step
-        self._arrivals = self.plan.arrivals(self.window.resident)  # a resident block's: once, at its last
+        self._arrivals = self.plan.arrivals([*self.window.resident, *self.window.grad_acc])  # those: once
         b = run.batch
         shape = (b.micro_batch_size, b.seq_len, model.config.hidden_size)
         offload = saved_offload(cfg.stream, self.plan, self.blocks, self._is_last, self.window, shape)
         kept = run.kept[topo.stage] if run.kept else frozenset()
         self.runner = StageRunner(model, self.blocks, self.window, self.dtype, offload, kept)
         self.p2p = P2P(
-            topo.stage,
-            topo.num_stages,
-            shape,
-            self.dtype,
-            self.comm,
-            topo.pipeline_ranks,
-            timeline=self.timeline,
+            topo.stage, topo.num_stages, shape, self.dtype, self.comm, topo.pipeline_ranks, self.timeline
         )
         self.breakdown = self._make_breakdown()
         self._log_layout()
@@ -188,6 +182,7 @@ class Engine:
             self.device,
             resident=resident,
             device_grads={b: self.device_opt.grad_views(b) for b in self.device_opt.blocks},
+            grad_acc=self.run.grad_acc_of(self.stage),
             rows=rows,
             accum_threads=self.host_threads.accum_threads,
             gate=self.updates.gate,
@@ -228,6 +223,8 @@ class Engine:
             "device_optimizer_bytes": self.device_opt.nbytes,
             "num_on_device": len(self.device_opt.blocks),
             "num_kept": len(self.runner.kept),
+            "num_grad_on_device": len(self.window.grad_acc),
+            "grad_acc_bytes": self.window.grad_acc_nbytes,
         }
         return StepBreakdown(self.device, per_token, peak, static, self.topo.num_stages, self.timeline)
 

@@ -109,6 +109,8 @@ def _stage_table(plan: Plan) -> Table:
         "total",
         "usable",
     )
+    acc = any(st.grad_acc_bytes for st in plan.stages)  # stream.grad_on_device=true's accumulators
+    cols = (*cols[:3], "grad accumulators", *cols[3:]) if acc else cols
     for col in cols:
         table.add_column(col, justify="right")
     usable = _gb(plan.device_limit_bytes) if plan.device_limit_bytes else "shared"
@@ -120,6 +122,7 @@ def _stage_table(plan: Plan) -> Table:
             str(st.stage),
             span,
             _gb(st.window_bytes),
+            *([_gb(st.grad_acc_bytes)] if acc else []),
             f"{_gb(st.saved_bytes)} ({st.in_flight})",
             f"{_gb(st.p2p_bytes)} ({st.p2p_buffers})",
             _gb(st.transient_bytes),

@@ -446,11 +446,20 @@ def _reference(model_dir: Path, batches, variant: str = ""):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("on_device", [False, True], ids=["host-optimizer", "on-device"])
-def test_nan_gradient_is_skipped_on_every_stage(tmp_path: Path, corpus, shm_dir: Path, on_device) -> None:
+PLACEMENTS = {
+    "host-optimizer": [],
+    "on-device": ["optim.on_device=true", "stream.device_budget=1000000000"],
+    "grad-on-device": ["stream.grad_on_device=true", "stream.device_budget=0"],
+}
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_nan_gradient_is_skipped_on_every_stage(tmp_path: Path, corpus, shm_dir: Path, placement) -> None:
     """A NaN gradient on the last stage at step NAN_AT is skipped on every stage (weights equal plain
     transformers + AdamW without that step), also with every unit's optimizer on the device (the NaN
-    in the head's device gradient); the launch also cleans the stores kill -9 leaks."""
+    in the head's device gradient) and with every streamed unit's gradient accumulated on the device
+    (the NaN in the head's gradient once its accumulator has landed in the store); the launch also
+    cleans the stores kill -9 leaks."""
     model_dir = tmp_path / "hf"
     torch.manual_seed(11)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**NAN_HF)).save_pretrained(model_dir)
@@ -466,7 +475,7 @@ def test_nan_gradient_is_skipped_on_every_stage(tmp_path: Path, corpus, shm_dir:
     overrides += ["train.dtype=float32", f"train.steps={NAN_STEPS}", "optim.max_grad_norm=0.3"]
     overrides += [f"optim.{k}={v}" for k, v in OPTIM.items()]
     overrides += ["checkpoint.export_dtype=float32"]
-    overrides += ["optim.on_device=true", "stream.device_budget=1000000000"] if on_device else []
+    overrides += PLACEMENTS[placement]
     with _leaked_stores(shm_dir) as removed_the_stale_store_only:  # one launch checks both
         rc, out, _ = _finish(_launch(2, overrides, tmp_path, f"nan_rank=1,nan_step={NAN_AT}"))
         assert rc == 0, out[-4000:]
@@ -477,7 +486,8 @@ def test_nan_gradient_is_skipped_on_every_stage(tmp_path: Path, corpus, shm_dir:
     assert [r["bad_steps"] for r in records] == [int(s >= NAN_AT) for s in range(1, NAN_STEPS + 1)]
     assert records[NAN_AT - 1]["grad_norm"] is None  # NaN, written as null
     units = NAN_HF["num_hidden_layers"] + 2
-    assert {r["num_on_device"] for r in records} == {units if on_device else 0}
+    assert {r["num_on_device"] for r in records} == {units if placement == "on-device" else 0}
+    assert {r["num_grad_on_device"] for r in records} == {units if placement == "grad-on-device" else 0}
     for r in (0, 1):
         assert (
             f"step {NAN_AT}: loss or gradient norm is NaN/inf; update skipped"

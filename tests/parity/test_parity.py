@@ -109,6 +109,9 @@ class Case:
     """Units expected resident under ``device_budget`` (all stages)."""
     on_device: tuple[str, ...] = ()
     """Resident units expected to keep their optimizer on the device (``optim.on_device=true`` if any)."""
+    grad_acc: tuple[str, ...] = ()
+    """Streamed units expected to accumulate their gradient on the device (``stream.grad_on_device=true``
+    if any)."""
     hf: dict = field(default_factory=dict)
     mutants: tuple[str, ...] = ()
     """Reference variants the engine must NOT match (shows the comparison can fail)."""
@@ -408,6 +411,7 @@ def parity_spec(case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs, l
         **{f"optim.{k}": v for k, v in OPTIM.items()},
         **({"model.router_aux_loss": case.router_aux_loss} if case.router_aux_loss else {}),
         "optim.on_device": bool(case.on_device),  # the placement the case names, not auto's
+        "stream.grad_on_device": bool(case.grad_acc),
     }
     spec = {
         "arch": case.arch,
@@ -486,16 +490,16 @@ def unit_of(hf_name: str) -> str:
 def check_d2h_bytes(case: Case, run: Run, weights: dict[str, torch.Tensor]) -> None:
     """Gradient bytes leaving each stage's device per step (fp32, from the HF state dict's sizes): a
     resident unit's once (its device accumulator, 4 B/param; none with its optimizer on the device,
-    ``Case.on_device``), a streamed unit's at every one of the
+    ``Case.on_device``), as a streamed unit's with a device accumulator (``Case.grad_acc``), another
+    streamed unit's at every one of the
     ``grad_accum × microbatches`` backwards; the tied head binds the embedding (``lm_head.weight``)."""
     load = {}
     for name, w in weights.items():
         load[unit_of(name)] = load.get(unit_of(name), 0) + 4 * w.numel()
     backwards = case.grad_accum * case.microbatches
     for s, names in enumerate(run.units):
-        want = sum(
-            load[u] * (0 if u in case.on_device else 1 if u in case.resident else backwards) for u in names
-        )
+        once = set(case.resident) | set(case.grad_acc)
+        want = sum(load[u] * (0 if u in case.on_device else 1 if u in once else backwards) for u in names)
         got = {step["breakdown"][f"stage{s}/d2h_bytes"] for step in run.steps}
         assert got == {want}, f"stage {s}: D2H bytes per step {got}, expected {want}"
 
@@ -576,7 +580,7 @@ def check_run(case: Case, run: Run, model_dir: Path, inputs, labels, lengths, de
     )
     assert all(run.units), f"a stage owns no unit: {run.units}"
     assert run.resident == list(case.resident), "the case does not exercise the residency it names"
-    if case.resident:
+    if case.resident or case.grad_acc:
         check_d2h_bytes(case, run, ref.weights)
 
     assert [s["tokens"] for s in run.steps] == ref.tokens

@@ -13,9 +13,9 @@ of the sequence share one load: the later ones reuse its slot, with no H2D and n
     release()  marks compute on it issued and issues the next streamed load into the freed slot;
     offload()  copies the block's gradients into staging buffer ``n % slots`` (async on CUDA) and
                queues their accumulation, at most ``slots`` in flight; the first offload into an
-               accumulator since begin() overwrites it; a resident block's gradients are added into
-               its device fp32 accumulator instead (DESIGN invariant 8), shipped once by its last
-               backward of the step (``begin(..., backwards=)`` gives the count);
+               accumulator since begin() overwrites it; a resident block's gradients (and a streamed
+               one's of ``grad_acc``) are added into its device fp32 accumulator instead (DESIGN
+               invariant 8), shipped once by its last backward (``begin(..., backwards=)`` counts);
     flush()    waits for every queued offload (before the optimizer reads the accumulators).
     gate(block) (optional) returns futures a load must wait for before copying (the optimizer's
                updates of the block's units); a reused load is not gated again.
@@ -39,6 +39,7 @@ import torch
 
 from nodetrain.core.step_plan import reuses
 from nodetrain.engine.device.copy_worker import CopyWorker, done_copy, wait_copy
+from nodetrain.engine.device.device_acc import DeviceAccumulation
 from nodetrain.engine.device.staging import GradStaging, rows_to_device
 from nodetrain.engine.host.accumulate import HostAccumulator
 from nodetrain.engine.threads import check_writer
@@ -50,7 +51,7 @@ from nodetrain.store import HostStore
 __all__ = ["Window"]
 
 
-class Window:
+class Window(DeviceAccumulation):
     """``slots`` device buffers through which a stage's blocks stream, plus resident blocks.
 
     Args:
@@ -65,6 +66,8 @@ class Window:
         resident: blocks held in buffers of their own for the whole sequence.
         device_grads: resident blocks with their optimizer on the device (device_adamw.py): block ->
             local name -> fp32 device view its gradients add into; never shipped nor reloaded.
+        grad_acc: streamed blocks (a row block too) with a device fp32 gradient accumulator
+            (``stream.grad_on_device``): loaded per pass, their gradient shipped once per sequence.
         rows: blocks of a single [V, D] binding (the embedding) that travel as the rows a
             micro-batch uses (:meth:`gather_rows`, :meth:`offload_rows`), never through a slot.
         accum_threads: OpenMP team of the D2H worker, which adds the offloaded gradients into the
@@ -78,7 +81,8 @@ class Window:
     Memory: ``slots × max streamed block numel × compute itemsize`` bytes (row blocks are not
     streamed: their gathered rows and row gradients are per micro-batch) plus each resident block's
     ``numel × (compute itemsize + 4)`` bytes (its weights and its fp32 gradient accumulator) on the
-    device (``nbytes``; ``resident_nbytes`` the latter); ``slots × max block numel ×
+    device (``nbytes``; ``resident_nbytes`` the latter), each ``grad_acc`` block's ``numel × 4``
+    (``grad_acc_nbytes``); ``slots × max block numel ×
     compute itemsize`` bytes of host staging (``staging_nbytes``; page-locked on CUDA, in whole
     pages: ``staging_pinned_nbytes``) and the D2H worker's fp32 scratch of ``accum_threads ×
     accumulate.CHUNK_PER_THREAD`` elements.
@@ -95,6 +99,7 @@ class Window:
         owned_units=None,
         resident=(),
         device_grads=None,
+        grad_acc=(),
         rows=(),
         accum_threads: int = 0,
         gate=None,
@@ -109,9 +114,9 @@ class Window:
         self.rows = sorted(set(rows))
         assert not set(self.rows) & set(self.resident), "a block is either resident or gathered as rows"
         assert all(len(bindings[i]) == 1 and len(bindings[i][0].shape) == 2 for i in self.rows), self.rows
-        self._make_buffers(blocks, slots, dtype, dict(device_grads or {}))
-        self._backwards_left: dict[int, int] = {}  # resident block -> backwards left in this sequence
-        self._acc_started: set[int] = set()  # resident blocks whose accumulator was written since begin()
+        self._make_buffers(blocks, slots, dtype, dict(device_grads or {}), grad_acc)
+        self._backwards_left: dict[int, int] = {}  # accumulating block -> backwards left in the sequence
+        self._acc_started: set[int] = set()  # blocks whose device accumulator was written since begin()
         self._views = {i: self._slot_views(bindings[i]) for i in blocks}
         owned = set(blocks if owned_units is None else owned_units)
         self._grad_targets = {i: self._grad_views(bindings[i], owned) for i in blocks}
@@ -144,10 +149,13 @@ class Window:
         resident accumulator's ship ``8`` (read its fp32 staging, write), its add into a shared target
         ``12``."""
 
-    def _make_buffers(self, blocks, slots: int, dtype: torch.dtype, device_grads: dict) -> None:
+    def _make_buffers(self, blocks, slots: int, dtype: torch.dtype, device_grads: dict, grad_acc) -> None:
         """The device buffers: ``slots`` slots sized by the largest streamed block, each resident
-        block's weights and its fp32 gradient accumulator (or ``device_grads``' views)."""
+        block's weights and its fp32 gradient accumulator (or ``device_grads``' views), and each
+        ``grad_acc`` block's fp32 gradient accumulator."""
         assert set(device_grads) <= set(self.resident), "a block keeps its optimizer only when resident"
+        self.grad_acc = sorted(set(grad_acc))
+        assert not set(self.grad_acc) & set(self.resident), "a resident block has its accumulator already"
         self._kept = device_grads  # block -> its gradients' device views (DeviceAdamW)
         streamed = [i for i in blocks if i not in self.resident and i not in self.rows]
         numel = max((self._numel(i) for i in streamed), default=0)
@@ -157,7 +165,7 @@ class Window:
         }
         self._grad_acc = {
             i: torch.empty(self._numel(i), dtype=torch.float32, device=self.device)
-            for i in self.resident
+            for i in [*self.resident, *self.grad_acc]
             if i not in self._kept
         }
         self._acc_views = {i: self._split(i, a) for i, a in self._grad_acc.items()} | self._kept
@@ -175,8 +183,14 @@ class Window:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes held by the slots and the resident blocks."""
-        return sum(s.numel() * s.element_size() for s in self._slots) + self.resident_nbytes
+        """Device bytes held by the slots, the resident blocks and the streamed blocks' accumulators."""
+        slots = sum(s.numel() * s.element_size() for s in self._slots)
+        return slots + self.resident_nbytes + self.grad_acc_nbytes
+
+    @property
+    def grad_acc_nbytes(self) -> int:
+        """Device bytes of the streamed blocks' fp32 gradient accumulators (``grad_acc``)."""
+        return sum(self._grad_acc[i].numel() * 4 for i in self.grad_acc)
 
     @property
     def staging_nbytes(self) -> int:
@@ -191,7 +205,7 @@ class Window:
     @property
     def resident_nbytes(self) -> int:
         """Device bytes held by the resident blocks: weights (compute dtype) and fp32 accumulators."""
-        held = [*self._resident.values(), *self._grad_acc.values()]
+        held = [*self._resident.values(), *(a for i, a in self._grad_acc.items() if i in self._resident)]
         return sum(s.numel() * s.element_size() for s in held)
 
     def _slot_views(self, bindings: tuple[Binding, ...]) -> list[tuple[str, int, tuple[int, ...]]]:
@@ -346,57 +360,6 @@ class Window:
 
         self._offloads.append(self._d2h.submit(accumulate))
 
-    def _accumulate_on_device(self, block: int, grads: dict[str, torch.Tensor]) -> None:
-        """Add a resident block's gradients into its device fp32 accumulator (the same elementwise
-        fp32 += compute-dtype sums, in the same order, as the host accumulation); ship it at the
-        block's last backward of the sequence."""
-        acc, first = self._acc_views[block], block not in self._acc_started
-        for name, _, shape in self._views[block]:
-            view = acc[name].view(shape)
-            if first:
-                view.copy_(grads[name])
-            else:
-                view.add_(grads[name])
-        self._acc_started.add(block)
-        self._backwards_left[block] -= 1
-        if self._backwards_left[block] == 0 and block not in self._kept:
-            self._ship(block)
-
-    def _ship(self, block: int) -> None:
-        """Queue the D2H copy of ``block``'s fp32 accumulator into the store (first write: a copy).
-
-        It takes the next staging buffer of the rotation and counts as an offload in flight, so a
-        later offload's copy waits for it (``_free_staging``); it need not wait itself: its buffer is
-        written only inside its job, after the buffer's previous job on the in-order D2H worker.
-        It streams the accumulator through the buffer's two halves in chunks (``GradStaging.ship``)."""
-        acc, targets = self._grad_acc[block], self._grad_targets[block]
-        jobs = []
-        for name, pos, shape in self._views[block]:
-            dst = targets[name]
-            first = dst.data_ptr() not in self._written
-            jobs.append((dst, first, acc[pos : pos + math.prod(shape)]))
-            self._written.add(dst.data_ptr())
-            self.accum_host_bytes += dst.numel() * (8 if first else 12)
-        self.d2h_bytes += acc.numel() * acc.element_size()
-        cuda = self.device.type == "cuda"
-        ready = torch.cuda.current_stream(self.device).record_event() if cuda else None
-        halves = self._staging.halves(self._num_offloads % len(self._staging), torch.float32)
-        self._num_offloads += 1
-
-        def ship():
-            self._staging.ship(jobs, halves, ready, self._land)
-            if self._on_arrival is not None:
-                self._on_arrival(block)
-
-        self._offloads.append(self._d2h.submit(ship))
-
-    def _land(self, dst: torch.Tensor, first: bool, half: torch.Tensor) -> None:
-        """D2H worker: write a landed ship chunk into its fp32 target."""
-        if first:
-            self._accum.copy(dst, half)
-        else:  # a target shared with another block (the tied embedding of one stage)
-            self._accum.add(dst, half)
-
     def _free_staging(self) -> None:
         """Bound gradient memory in flight: wait until a staging buffer is free."""
         if len(self._offloads) >= len(self._staging):
@@ -433,15 +396,19 @@ class Window:
         """Queue D2H of a row block's gradient rows, scatter-added into its host accumulator.
 
         The first offload into the accumulator since :meth:`begin` zeroes it before adding (rows
-        no micro-batch used have zero gradient), the later ones only add, as :meth:`offload` does.
+        no micro-batch used have zero gradient), the later ones only add, as :meth:`offload` does; with
+        a device accumulator (``grad_acc``) the same adds run on the device, shipped at the last one.
 
         Args:
             block: one of ``rows``.
             index: [U] int64 row indices on the host, unique.
             grad_rows: [U, D] compute dtype on the device, the gradient of those rows.
         """
-        self._free_staging()
         (b,) = self.bindings[block]
+        if block in self._backwards_left:
+            self._accumulate_rows_on_device(block, index, grad_rows)
+            return
+        self._free_staging()
         dst = self._grad_targets[block][b.local_name].view(b.shape)  # [V, D] fp32, host
         first = dst.data_ptr() not in self._written
         self._written.add(dst.data_ptr())
@@ -470,7 +437,7 @@ class Window:
                 self._offloads.pop(0).result()
         assert self._next == len(self._seq) and not self._loads, "load sequence not fully consumed"
         left = {b: n for b, n in self._backwards_left.items() if n}
-        assert not left, f"resident blocks' backwards left unshipped: {left}"
+        assert not left, f"accumulating blocks' backwards left unshipped: {left}"
 
     def take_stats(self) -> dict[str, float]:
         """Bytes and busy seconds of both directions since the last call (after :meth:`flush`)."""
