@@ -29,6 +29,7 @@ from nodetrain.cost.memory import (
 from nodetrain.cost.shape import ModelShape
 from nodetrain.cost.tier import ram_store_bytes, tier_bytes
 from nodetrain.cost.traffic import speculative_backup_bytes
+from nodetrain.cost.work import StageWork
 
 __all__ = ["NodeFit", "node_fit", "profile_host_free_bytes", "MAX_MICRO_BATCH"]
 
@@ -64,6 +65,10 @@ class NodeFit:
     grad_on_device: bool = False
     """``stream.grad_on_device=true``: every streamed block keeps an fp32 gradient accumulator on the
     device, counted in each stage's memory (and so left out of the automatic budget first)."""
+    keep_all: bool = False
+    """``stream.recompute=false``: every decoder layer keeps its activations for every micro-batch in
+    flight, counted in each stage's memory (so in the fit and left out of the automatic budget first;
+    ``auto`` keeps only what the budget leaves, core/recompute.py)."""
 
     @property
     def stage_blocks(self) -> list[range]:
@@ -82,12 +87,20 @@ class NodeFit:
     def stage(self, k: int, b: int, resident=(), on_device=(), grad_acc=None) -> StageMemory:
         """Stage ``k``'s peak device bytes at micro-batch size ``b`` with ``resident`` blocks kept, those
         of ``on_device`` with their optimizer there too, and the streamed blocks of ``grad_acc`` with a
-        device gradient accumulator (None: every streamed block with :attr:`grad_on_device`, else none)."""
+        device gradient accumulator (None: every streamed block with :attr:`grad_on_device`, else none);
+        with :attr:`keep_all` every layer's kept activations."""
         if grad_acc is None:
             grad_acc = self.plans[k].blocks if self.grad_on_device else ()
+        last = len(self.shape.unit_numels) - 1
+        kept = [i for i in self.plans[k].blocks if 0 < i < last] if self.keep_all else ()
+        return self.memory_of(self.plans[k].work(resident, on_device, kept, grad_acc), b)
+
+    def memory_of(self, work: StageWork, b: int) -> StageMemory:
+        """Peak device bytes of one stage's ``work`` with its placement as given (resident, on-device,
+        kept and accumulating blocks: ``RunShape.works``) at micro-batch size ``b``."""
         return stage_memory(
             self.shape,
-            self.plans[k].work(resident, on_device, (), grad_acc),
+            work,
             b=b,
             t=self.seq_len,
             slots=self.slots,
@@ -174,4 +187,5 @@ def node_fit(
         tier_pool_bytes=tier[1],
         offload_activations=cfg.stream.offload_activations,
         grad_on_device=cfg.stream.grad_on_device is True,
+        keep_all=cfg.stream.recompute is False,
     )

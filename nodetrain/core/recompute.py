@@ -11,10 +11,10 @@ or the resident blocks (placement.py).
 - ``auto``: placement decides residency first (placement.py: weights within the stage's device
   budget); the kept activations take what remains of that budget (``budget − resident bytes``), for
   every micro-batch in flight at once. Layers are kept greedily by recompute FLOPs saved per byte
-  kept (ties: lower layer first); the rest are recomputed. On the CPU the budget for activations is 0
-  (every layer recomputed, as the automatic device budget is 0 there), and with
-  ``stream.offload_activations`` too (the offload moves saved inputs only; ``recompute=false``
-  with it is refused at start-up, config/checks.py).
+  kept (ties: lower layer first); the rest are recomputed. On the CPU the automatic device budget is
+  0, so every layer is recomputed unless ``stream.device_budget`` is given in bytes; with
+  ``stream.offload_activations`` every layer is recomputed (the offload moves saved inputs only;
+  ``recompute=false`` with it is refused at start-up, config/checks.py).
 
 Only decoder layers are candidates: the embedding has nothing to recompute (a gather) and the head
 takes its gradients in its forward (engine/linear_ce.py).
@@ -116,16 +116,16 @@ def decide_recompute(
     if requested is False:
         kept = tuple(frozenset(layers_of(shape, p)) for p in plans)
         return Recompute(kept, ("stream.recompute=false: every layer keeps its activations (no recompute)",))
-    if cpu or offload:
+    lefts = [max(0, b - r) for b, r in zip(budgets, resident_bytes, strict=True)]
+    if offload or (cpu and not any(lefts)):
         why = (
-            "on the CPU (no device budget for activations)"
-            if cpu
-            else "with stream.offload_activations=true (which moves saved inputs, not kept activations)"
+            "with stream.offload_activations=true (which moves saved inputs, not kept activations)"
+            if offload
+            else "on the CPU (its automatic device budget is 0: give stream.device_budget in bytes)"
         )
         return Recompute(
             tuple(frozenset() for _ in plans), (f"stream.recompute=auto: every layer recomputed {why}",)
         )
-    lefts = [max(0, b - r) for b, r in zip(budgets, resident_bytes, strict=True)]
     kept = tuple(kept_layers(shape, p, x, n, t, itemsize) for p, x in zip(plans, lefts, strict=True))
     return Recompute(
         kept,

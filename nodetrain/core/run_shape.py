@@ -166,7 +166,8 @@ def _grad_line(cfg: Config, machine: Machine, plans, resident, grads) -> str:
     asked = str(cfg.stream.grad_on_device).lower()
     got = sum(map(len, grads))
     streamed = sum(len(p.blocks) - len(r) for p, r in zip(plans, resident, strict=True))
-    why = " (the CPU's automatic budget is 0)" if machine.on_cpu and asked == "auto" and not got else ""
+    automatic = machine.on_cpu and cfg.stream.device_budget in ("auto", -1)
+    why = " (the CPU's automatic budget is 0)" if automatic and asked == "auto" and not got else ""
     return (
         f"stream.grad_on_device={asked}: {got} of {streamed} streamed blocks accumulate their fp32 "
         f"gradient on the device and ship it once per step{why}"
@@ -185,7 +186,9 @@ def _on_device_line(cfg: Config, shape: ModelShape, machine: Machine, resident, 
     got, held = sum(map(len, on_device)), sum(map(len, resident))
     tied = shape.tied and len(resident) > 1
     notes = [
-        "the CPU's automatic budget is 0" if machine.on_cpu and asked == "auto" else "",
+        "the CPU's automatic budget is 0"
+        if machine.on_cpu and asked == "auto" and cfg.stream.device_budget in ("auto", -1)
+        else "",
         "the tied embedding is read by two stages: it and the head keep their optimizer on the host"
         if tied
         else "",

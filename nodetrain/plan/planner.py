@@ -73,6 +73,10 @@ class Plan:
     """Store bytes on NVMe (``store.tier=nvme``); the host store in RAM is ``store_bytes`` − this +
     ``tier_pool_bytes``."""
     tier_pool_bytes: int = 0
+    placed: tuple[StageMemory, ...] = ()
+    """Per stage its peak with the run's placement (resident units, their optimizer on the device,
+    kept activations, device gradient accumulators); :attr:`stages` is the streamed peak the fit and
+    the automatic budget start from."""
     compute_bound: tuple[int, int, StepTime] | None = None
     """With the tier or activation offload: the smallest batch found compute-bound,
     (micro-batch size, micro-batches, its step), by :func:`compute_bound_batch`; None: none found."""
@@ -176,6 +180,7 @@ def make_plan(cfg: Config, model: HFModel | None = None) -> Plan:
         store_bytes=fit.store_bytes,
         host_need_bytes=host_need,
         stages=stages,
+        placed=tuple(fit.memory_of(w, batch.micro_batch_size) for w in run.works),
         device_limit_bytes=fit.device_limit_bytes,
         max_micro_batch=max_b,
         time=time,

@@ -95,34 +95,31 @@ def _store_table(plan: Plan) -> Table:
 
 def _stage_table(plan: Plan) -> Table:
     where = "device" if plan.device_limit_bytes else "host (CPU stages)"
+    stages = plan.placed or plan.stages
     table = Table(
-        title=f"Peak {where} memory per stage at micro_batch_size={plan.batch.micro_batch_size} (GB)",
+        title=f"Peak {where} memory per stage at micro_batch_size={plan.batch.micro_batch_size} with the "
+        "planned placement (GB)",
         title_justify="left",
     )
-    cols = (
-        "stage",
-        "units",
-        "window",
-        "saved inputs (mbs)",
-        "P2P live (bufs)",
-        "recompute+grads",
-        "total",
-        "usable",
-    )
-    acc = any(st.grad_acc_bytes for st in plan.stages)  # stream.grad_on_device=true's accumulators
-    cols = (*cols[:3], "grad accumulators", *cols[3:]) if acc else cols
-    for col in cols:
+    optional = {  # shown where some stage holds them
+        "resident (+ AdamW)": [st.resident_bytes for st in stages],
+        "grad accumulators": [st.grad_acc_bytes for st in stages],
+        "kept activations": [st.kept_bytes for st in stages],
+    }
+    shown = [name for name, values in optional.items() if any(values)]
+    cols = ("stage", "units", "window", *shown, "saved inputs (mbs)", "P2P live (bufs)", "recompute+grads")
+    for col in (*cols, "total", "usable"):
         table.add_column(col, justify="right")
     usable = _gb(plan.device_limit_bytes) if plan.device_limit_bytes else "shared"
     units = plan.shape.num_layers + 2
-    for st in plan.stages:
+    for k, st in enumerate(stages):
         names = [("embed" if i == 0 else "head" if i == units - 1 else f"L{i - 1}") for i in st.blocks]
         span = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
         table.add_row(
             str(st.stage),
             span,
             _gb(st.window_bytes),
-            *([_gb(st.grad_acc_bytes)] if acc else []),
+            *(_gb(optional[name][k]) for name in shown),
             f"{_gb(st.saved_bytes)} ({st.in_flight})",
             f"{_gb(st.p2p_bytes)} ({st.p2p_buffers})",
             _gb(st.transient_bytes),

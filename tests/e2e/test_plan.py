@@ -26,6 +26,7 @@ from nodetrain.config.schema import (
     HardwareConfig,
     ModelConfig,
 )
+from nodetrain.cost.memory import kept_activation_bytes
 from nodetrain.plan.host import host_problems
 from nodetrain.plan.planner import make_plan
 
@@ -415,6 +416,31 @@ def test_config_b_memory_and_time_by_hand() -> None:
     cfg.plan.train_tokens, cfg.plan.days = 1e9, 7.0
     p = make_plan(cfg)
     assert p.nodes == math.ceil(1e9 / p.time.tokens_per_day / 7.0)
+
+
+def test_recompute_false_counts_every_layers_kept_activations() -> None:
+    """``stream.recompute=false`` keeps every layer's activations whatever the budget: the fit and
+    the automatic budget count them (``in_flight × kept_activation_bytes`` a layer), so a device that
+    holds config A's streamed step but not its kept layers refuses it, and ``auto`` keeps what fits.
+    The planned placement's table (``Plan.placed``) holds them with the resident units."""
+    auto = make_plan(_config_a())
+    kept = [auto.placed[k].kept_bytes for k in range(2)]
+    assert all(kept) and kept == [
+        st.in_flight * kept_activation_bytes(auto.shape, k + 1, 32, 2) for k, st in enumerate(auto.placed)
+    ]
+    assert [st.kept_bytes for st in auto.stages] == [0, 0]  # the streamed peak keeps nothing
+    placed = auto.placed[1]
+    assert placed.total_bytes == (
+        placed.window_bytes + placed.resident_bytes + placed.grad_acc_bytes + placed.activation_bytes
+    )
+    cfg = _config_a()
+    cfg.stream.recompute = False
+    everything = make_plan(cfg)
+    assert [st.kept_bytes for st in everything.stages] == kept  # one layer per stage: all of them
+    cfg.hardware.device_memory_gb = 2.0 + (everything.stages[1].total_bytes - kept[1] // 2) / 1e9
+    assert not make_plan(cfg).fits  # the streamed step fits, its kept activations do not
+    cfg.stream.recompute = "auto"
+    assert make_plan(cfg).fits
 
 
 def test_device_does_not_fit_names_the_largest_micro_batch() -> None:

@@ -197,8 +197,8 @@ def _shape(layers: int = 4) -> ModelShape:
 def test_auto_keeps_the_layers_whose_in_flight_activations_fit(schedule, stages, stage, held) -> None:
     """Closed form: with equal layers, ``auto`` keeps the first ⌊left / (held × A)⌋ of them, A =
     ``kept_activation_bytes`` per micro-batch, held = micro-batches in flight (1F1B: min(S − s, M),
-    GPipe: M = 6); left = the stage's budget less its resident bytes; nothing on the CPU, with the
-    offload, or with ``true``; every layer with ``false``."""
+    GPipe: M = 6); left = the stage's budget less its resident bytes; nothing on the CPU's automatic
+    budget (0), with the offload, or with ``true``; every layer with ``false``."""
     shape, n = _shape(), 2 * 16
     plan = StepPlan.step(schedule, stages, stage, 1, 6, range(0, 6), stage == stages - 1)
     per = kept_activation_bytes(shape, 1, n, 4)
@@ -215,10 +215,13 @@ def test_auto_keeps_the_layers_whose_in_flight_activations_fit(schedule, stages,
         )
         assert got.kept == (frozenset(range(1, 1 + min(fit, 4))),), (fit, got)
         assert kept_layers(shape, plan, left, n, 16, 4) == got.kept[0]
-    for kw, want in (({"cpu": True}, frozenset()), ({"cpu": False, "offload": True}, frozenset())):
-        assert decide_recompute("auto", shape, [plan], [BIG], [0], n=n, t=16, itemsize=4, **kw).kept == (
-            want,
-        )
+    for budget, kw, want in (
+        (0, {"cpu": True}, frozenset()),  # the CPU's automatic budget
+        (BIG, {"cpu": True}, frozenset(range(1, 5))),  # a budget given in bytes is honoured on the CPU
+        (BIG, {"cpu": False, "offload": True}, frozenset()),
+    ):
+        got = decide_recompute("auto", shape, [plan], [budget], [0], n=n, t=16, itemsize=4, **kw)
+        assert got.kept == (want,), (budget, kw)
     assert decide_recompute(True, shape, [plan], [BIG], [0], n=n, t=16, itemsize=4, cpu=False).kept == (
         frozenset(),
     )
