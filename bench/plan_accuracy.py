@@ -3,7 +3,7 @@ and of the GPU runs in a run directory.
 
     python bench/plan_accuracy.py          # memory, ~3-6 minutes on 2 cores
     python bench/plan_accuracy.py --time   # step time, ~10-30 minutes on 2 cores (3 runs per config)
-    python bench/plan_accuracy.py --run ../shared/gpu-runs/2026-12-04-h200   # a GPU run, seconds
+    python bench/plan_accuracy.py --run tests/data/gpu-runs/2026-12-04-h200   # a GPU run, seconds
 
 ``--run DIR`` (issue 33): every run of a GPU run directory (``NAME_metrics.jsonl``, ``NAME_rank0.log``
 and ``runs.json`` with the planner's overrides), predicted vs measured step time and phases (compute,
@@ -289,11 +289,14 @@ def _time_report(name: str, nproc: int, overrides: list[str], repeat: int) -> tu
 
 
 def main() -> None:
+    if "--run" not in sys.argv[1:] and {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__.split("\n\n")[1])  # the usage lines
+        return
     if "--run" in sys.argv[1:]:
         from plan_gpu_runs import main as gpu_runs
 
         runs = sys.argv[sys.argv.index("--run") + 1 :]
-        sys.exit(gpu_runs(runs))
+        sys.exit(gpu_runs(runs, prog="plan_accuracy.py --run"))
     if "--time" in sys.argv[1:]:
         repeat = int(next((a.split("=")[1] for a in sys.argv[1:] if a.startswith("--repeat=")), "3"))
         errors = {name: _time_report(name, nproc, ov, repeat) for name, (nproc, ov) in CONFIGS.items()}

@@ -129,7 +129,8 @@ def _metrics_logger(
     run continues the wandb run its checkpoint recorded unless ``logging.wandb_id`` names another.
     Rows after ``start_step`` that an earlier launch wrote are dropped (one row per step); a launch
     that continues another run's checkpoints starts its file with that run's rows; rows the resumed
-    checkpoint carried (a full disk refused them) are written back. ``write``: Faults.metrics_write."""
+    checkpoint carried (a full disk refused them, or they were not yet written) are written back.
+    ``write``: Faults.metrics_write."""
     continued = Path(ckpt_dir).parent
     history = continued / "metrics.jsonl" if continued.resolve() != Path(job.run_dir).resolve() else None
     lc = cfg.logging

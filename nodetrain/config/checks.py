@@ -114,8 +114,12 @@ classes silently keep unknown kwargs, so a typo such as ``num_hidden_layer`` is 
 
 
 def _fmt(value: Any) -> str:
+    """A value as the config spells it: ``true``/``false`` (YAML, not Python's True/False), ``<unset>``
+    for None, ``''`` for an empty string."""
     if value is None:
         return "<unset>"
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, str):
         return value or "''"
     return str(value)

@@ -6,7 +6,8 @@ stage, and the step's flush). Pure arithmetic on seconds: ``step_time.py`` turns
 the costs and plays the passes out on the schedule (``exposure.pipeline_times``). Does not own the
 bytes (``traffic.py``), the FLOPs (``compute.py``) or what each stage loads (``core/step_plan.py``).
 
-The model (issue 33; measured against ../shared/gpu-runs/2026-12-04-h200, docs/planner.md):
+The model (issue 33; measured against the first GPU run, a copy of its files in
+tests/data/gpu-runs/2026-12-04-h200, docs/planner.md):
 
 - forward: the H2D worker loads block i into the slot block i − ``slots`` freed, so (2 slots) it
   crosses while block i − 1 computes; nothing is offloaded (but the head's gradients), so a forward

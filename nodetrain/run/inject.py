@@ -87,13 +87,17 @@ class Faults:
         when it is unset or empty. ``world_size`` > 0 also checks the ranks against it.
 
         Raises:
-            ConfigError: listing every unknown key, unreadable value or value out of range, with the fix.
+            ConfigError: listing every unknown key, unreadable value, value out of range, key given
+                twice and fault half set (a rank without its step, or a step without its rank), with
+                the fix.
         """
         text = (os.environ if environ is None else environ).get(ENV, "").strip()
         if not text:
             return NO_FAULTS
         problems: list[str] = []
-        values = _typed(_pairs(text, problems), problems)
+        pairs = _pairs(text, problems)
+        values = _typed(pairs, problems)
+        problems += _half_set(pairs, values)
         faults = cls(**values)
         problems += faults._range_problems(world_size)
         if problems:
@@ -221,7 +225,7 @@ def _pairs(text: str, problems: list[str]) -> dict[str, object]:
     """``{"key": value}`` of a JSON object, or ``key=value,...`` (values as strings)."""
     if text.startswith("{"):
         try:
-            pairs = json.loads(text)
+            pairs = json.loads(text, object_pairs_hook=lambda items: _once(items, problems))
         except ValueError as e:
             problems.append(f"not a JSON object ({e}); write key=value,... or valid JSON")
             return {}
@@ -229,14 +233,52 @@ def _pairs(text: str, problems: list[str]) -> dict[str, object]:
             problems.append(f'{pairs!r}: not a JSON object; write e.g. {{"fail_rank": 1}}')
             return {}
         return pairs
-    pairs = {}
+    items = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep:
             problems.append(f"{item}: not key=value; write e.g. fail_rank=1,fail_step=2")
             continue
-        pairs[key.strip()] = value.strip()
+        items.append((key.strip(), value.strip()))
+    return _once(items, problems)
+
+
+def _once(items: list[tuple[str, object]], problems: list[str]) -> dict[str, object]:
+    """``dict(items)``, with a problem for every key given more than once (its first value kept)."""
+    pairs: dict[str, object] = {}
+    for key, value in items:
+        if key in pairs:
+            problems.append(f"{key}={value}: {key} is already given ({key}={pairs[key]}); give each key once")
+            continue
+        pairs[key] = value
     return pairs
+
+
+_PAIRS = (("fail_rank", "fail_step"), ("nan_rank", "nan_step"), ("tier_fail_rank", "tier_fail_write"))
+"""Knobs that fire only together: a fault needs its rank and its step (or write)."""
+
+
+def _half_set(pairs: dict[str, object], values: dict[str, object]) -> list[str]:
+    """A problem for every pair of :data:`_PAIRS` with one knob on (not -1) and the other off (it
+    would never fire), and for ``fail_mode`` without ``fail_rank``/``fail_step``; a pair with an
+    unreadable value is left to that value's problem."""
+    found = []
+    for pair in _PAIRS:
+        if any(k in pairs and k not in values for k in pair):
+            continue
+        on = [k for k in pair if values.get(k, -1) != -1]
+        if len(on) == 1:
+            (other,) = set(pair) - set(on)
+            found.append(
+                f"{on[0]}={values[on[0]]} without {other}: the fault never fires; set {other} too, "
+                f"or drop {on[0]}"
+            )
+    if "fail_mode" in values and all(values.get(k, -1) == -1 for k in _PAIRS[0]):
+        found.append(
+            f"fail_mode={values['fail_mode']} without fail_rank and fail_step: nothing fails; set "
+            "both, or drop fail_mode"
+        )
+    return found
 
 
 _KNOBS = {f.name: f.type for f in dataclasses.fields(Faults) if not f.name.startswith("_")}

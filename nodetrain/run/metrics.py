@@ -121,12 +121,14 @@ def _open_history(run_dir: Path, history: Path | None, start_step: int | None, c
     the run directory has none, cut after ``start_step``, the rows a checkpoint ``carried`` written back."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / METRICS_FILE
-    if history is not None and Path(history).is_file() and not path.exists():
+    new = not path.exists()
+    if history is not None and Path(history).is_file() and new:
         shutil.copyfile(history, path)  # truncated to start_step just below
+        new = False
     if start_step is not None and path.is_file():
         _truncate_after(path, start_step)
     if start_step is not None and carried:
-        _restore(path, carried, start_step)
+        _restore(path, carried, start_step, new)
     return path
 
 
@@ -159,7 +161,8 @@ class MetricsLogger:
             no file yet, its rows up to ``start_step`` start this run's file, so one file holds
             the whole curve; None = none.
         carried: rows the checkpoint this launch resumes carried (:meth:`rows_to_carry`): those of
-            steps up to ``start_step`` the file lacks (a full disk refused them) are written first.
+            steps up to ``start_step`` the file lacks (a full disk refused them, the launch ended
+            before writing them, or this is a new run directory) are written first.
         write: ``write(file, data, step) -> bytes written`` (``Faults.metrics_write``: the file's
             write, or a full disk a test injects); None = the file's.
     """
@@ -339,18 +342,27 @@ def read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
     return rows
 
 
-def _restore(path: Path, carried: list[dict[str, Any]], start_step: int) -> None:
-    """Append the ``carried`` rows of steps up to ``start_step`` that ``path`` lacks, in step order."""
+def _restore(path: Path, carried: list[dict[str, Any]], start_step: int, new: bool = False) -> None:
+    """Append the ``carried`` rows of steps up to ``start_step`` that ``path`` lacks, in step order.
+    ``new``: the run directory had no ``metrics.jsonl`` (a resume into a new run directory), so the
+    rows are missing for that reason, not because a full disk refused them."""
     present = {rec.get("step") for _, rec in read_rows(path)} if path.is_file() else set()
     wanted = [r for r in carried if r.get("step", 0) <= start_step and r.get("step") not in present]
     missing = sorted(wanted, key=lambda r: r["step"])
     if not missing:
         return
+    why = (
+        "a resume into a new run directory, whose metrics.jsonl starts with them; the checkpoint "
+        "carries no earlier step's row"
+        if new
+        else "the file lacks them: a full disk refused them, or the launch ended before writing them"
+    )
     log.warning(
-        "%s: writing the row(s) of step(s) %s the checkpoint of step %d carried (a full disk refused them)",
+        "%s: writing the row(s) of step(s) %s the checkpoint of step %d carried (%s)",
         path,
         ", ".join(str(r["step"]) for r in missing),
         start_step,
+        why,
     )
     with path.open("a", encoding="utf-8") as f:
         f.write("".join(json.dumps(r, allow_nan=False) + "\n" for r in missing))

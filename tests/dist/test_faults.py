@@ -144,7 +144,7 @@ def test_bad_faults_are_refused_at_once_naming_each_key_value_and_fix() -> None:
     with pytest.raises(ConfigError) as info:
         Faults.from_env(2, {ENV: text})
     message = str(info.value)
-    assert message.startswith(f"{ENV}='{text}' (test-only fault injection): 7 problem(s):"), message
+    assert message.startswith(f"{ENV}='{text}' (test-only fault injection): 9 problem(s):"), message
     for line in (
         "fail_rank=2: not a rank of 2; use -1 (off)",
         "nan_step=0: must be -1 (off) or a 1-based step; use -1",
@@ -153,6 +153,8 @@ def test_bad_faults_are_refused_at_once_naming_each_key_value_and_fix() -> None:
         "optim_delay_s=slow: not a number; give a number",
         "nan_rnak=1: unknown key; use one of copy_delay_s,",
         "oops: not key=value",
+        "fail_rank=2 without fail_step: the fault never fires",
+        "nan_step=0 without nan_rank: the fault never fires",
     ):
         assert f"  - {line}" in message, message
     with pytest.raises(ConfigError, match="not a JSON object"):

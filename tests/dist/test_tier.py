@@ -176,7 +176,7 @@ def test_bad_tier_keys_are_refused_naming_field_value_and_fix(tmp_path: Path) ->
     msg = str(e.value)
     assert "store.tier_dir" not in msg  # a plan for another machine may name a directory this one lacks
     assert "store.tier_buffers=1: must be an integer >= 2" in msg
-    assert "optim.speculative=True: backs up fp32 master weights and moments in host RAM" in msg
+    assert "optim.speculative=true: backs up fp32 master weights and moments in host RAM" in msg
     cfg = _tiny_cfg(tmp_path, tier="nvme")
     with pytest.raises(ConfigError, match=r"store\.tier_dir='': required with store\.tier=nvme"):
         validate(cfg, 1)

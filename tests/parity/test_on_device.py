@@ -112,7 +112,7 @@ def test_on_device_true_with_lean_state_is_refused() -> None:
     with pytest.raises(ConfigError) as err:
         validate(cfg, 1)
     assert (
-        "optim.on_device=True: keeps fp32 master weights and moments on the device, optim.state=lean"
+        "optim.on_device=true: keeps fp32 master weights and moments on the device, optim.state=lean"
         in str(err.value)
     )
     assert "set optim.on_device=auto or false (or optim.state=full)" in str(err.value)

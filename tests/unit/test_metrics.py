@@ -298,3 +298,27 @@ def test_rows_a_full_disk_refused_go_with_the_checkpoint_and_come_back_on_resume
     with _logger(tmp_path, start_step=3, carried=carried):  # a second resume adds nothing twice
         pass
     assert [json.loads(ln)["step"] for ln in (tmp_path / METRICS_FILE).read_text().splitlines()] == [1, 2, 3]
+
+
+def test_the_carried_rows_warning_says_why_the_file_lacks_them(tmp_path: Path, caplog) -> None:
+    """An explicit ``checkpoint.resume=<path>`` into a new run directory has no metrics.jsonl: the
+    carried rows start it, and the warning says so (no full disk); a file of this run's that lacks
+    them says they were refused or never written."""
+    carried = [_record(3)]
+    with caplog.at_level(logging.WARNING), _logger(tmp_path / "new", start_step=3, carried=carried):
+        pass
+    assert "step(s) 3 the checkpoint of step 3 carried (a resume into a new run directory" in caplog.text
+    assert "full disk" not in caplog.text
+    assert [json.loads(ln)["step"] for ln in (tmp_path / "new" / METRICS_FILE).read_text().splitlines()] == [
+        3
+    ]
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / METRICS_FILE).write_text("".join(json.dumps(_record(s)) + "\n" for s in (1, 2)))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), _logger(tmp_path / "old", start_step=3, carried=carried):
+        pass
+    assert (
+        "step(s) 3 the checkpoint of step 3 carried (the file lacks them: a full disk refused them, or "
+        "the launch ended before writing them)" in caplog.text
+    )
+    assert "new run directory" not in caplog.text

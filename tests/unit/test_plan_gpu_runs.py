@@ -1,9 +1,11 @@
-"""The planner against the first GPU run (issue 33): ``bench/plan_gpu_runs.py`` on a copy of
-../shared/gpu-runs/2026-12-04-h200's metrics and start-up logs (tests/data/gpu-runs/), and the
-per-block overlap model (``nodetrain/cost/blocks.py``) against closed forms."""
+"""The planner against the first GPU run (issue 33): ``bench/plan_gpu_runs.py`` on
+tests/data/gpu-runs/2026-12-04-h200 (a copy of that run's metrics, start-up logs and summary), its
+command line, and the per-block overlap model (``nodetrain/cost/blocks.py``) against closed forms."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,6 +32,49 @@ def test_the_shared_h200_runs_are_predicted_within_the_issue_bounds() -> None:
     assert not problems
     assert len(rows) == 12
     assert [r for r in rows if not r.ok] == []
+
+
+def test_the_command_line_prints_usage_and_refuses_a_missing_run_directory(tmp_path: Path) -> None:
+    """No run directory: argparse's usage and exit 2; ``--help``: the usage, exit 0; a directory that
+    is not there, or has no runs.json, or lacks a run's metrics: one line naming it, exit 2 (through
+    ``plan_accuracy.py --run`` too), and no traceback."""
+    from plan_gpu_runs import main
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+    bare = cli("bench/plan_gpu_runs.py")
+    assert bare.returncode == 2 and "usage: plan_gpu_runs.py" in bare.stderr and "run_dir" in bare.stderr
+    helped = cli("bench/plan_gpu_runs.py", "--help")
+    assert helped.returncode == 0 and "usage: plan_gpu_runs.py" in helped.stdout
+    assert "--warmup" in helped.stdout
+    gone = cli("bench/plan_accuracy.py", "--run", str(tmp_path / "nonexistent"))
+    assert gone.returncode == 2 and "Traceback" not in gone.stderr
+    assert gone.stderr.strip().splitlines() == [
+        f"plan_accuracy.py --run: error: run directory {tmp_path / 'nonexistent'}: no such directory; "
+        "give one that holds runs.json (the planner's overrides), NAME_metrics.jsonl and "
+        "NAME_rank0.log per run"
+    ]
+    assert main([str(tmp_path)]) == 2  # no runs.json
+    (tmp_path / "runs.json").write_text(json.dumps({"overrides": [], "runs": {"a": []}}))
+    assert main([str(tmp_path)]) == 2  # no a_metrics.jsonl
+
+
+def test_a_figure_measured_near_zero_shows_and_is_judged_by_its_absolute_difference(capsys) -> None:
+    """A bubble of 0 predicted and measured shows no relative error (it means nothing) but its
+    absolute difference; a figure under the floor is within it when the difference is, and a large
+    one still misses."""
+    from plan_gpu_runs import FLOOR_S, Row, _within, report
+
+    assert Row("r", "bubble", 0.0, 0.0, True).error is None
+    assert Row("r", "bubble", 0.0, 0.0, True).shown_error == "0.000 s"
+    assert Row("r", "bubble", 0.5, 0.001, False).shown_error == "+0.499 s"
+    assert Row("r", "stall", 1.1, 1.0, True).shown_error == "+10.0%"
+    assert _within("bubble", 0.004, 0.0, step=0.1) and not _within("bubble", 0.5, 0.0, step=4.0)
+    assert _within("step", 0.003, 0.001, step=0.001) and not _within("step", FLOOR_S * 3, 0.0, step=0.0)
+    assert report(RUN)
+    bubbles = [x for x in capsys.readouterr().out.splitlines() if " bubble " in x]
+    assert len(bubbles) == 2 and all("%" not in x and "0.000 s" in x for x in bubbles), bubbles
 
 
 def test_a_forward_hides_each_load_behind_the_previous_block() -> None:
