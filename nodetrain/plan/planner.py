@@ -21,6 +21,7 @@ from nodetrain.config.schema import Config, ConfigError, validate
 from nodetrain.core.batch import BatchShape, priced_batch
 from nodetrain.core.fit import profile_host_free_bytes
 from nodetrain.core.machine import GB, profile_machine
+from nodetrain.core.placement import on_device_request
 from nodetrain.core.pricing import host_rates
 from nodetrain.core.run_shape import RunShape, resolve
 from nodetrain.cost.memory import StageMemory
@@ -139,6 +140,13 @@ def _check_hardware(cfg: Config, num_stages: int) -> None:
     if hw.gpus_per_node and not hw.device_memory_gb > cfg.plan.device_reserve_gb:
         what = f"must exceed plan.device_reserve_gb={cfg.plan.device_reserve_gb} on a GPU profile"
         problems.append(f"hardware.device_memory_gb={hw.device_memory_gb}: {what}")
+    on_device, _ = on_device_request(cfg.optim.on_device, cfg.optim.state, cfg.store.tier)
+    if hw.gpus_per_node and on_device and not (hw.hbm_bandwidth_gbps or hw.device_memory_bandwidth_gbps):
+        problems.append(
+            "hardware.hbm_bandwidth_gbps=0: the AdamW of units kept on the device (optim.on_device="
+            f"{str(cfg.optim.on_device).lower()}) would be priced at 0 s; set the GPU's memory bandwidth "
+            "in GB/s (datasheet: H100 SXM 3350, H200 4800) or optim.on_device=false"
+        )
     if hw.gpus_per_node and num_stages > hw.gpus_per_node:
         problems.append(
             f"pipeline.stages={num_stages}: more stages than hardware.gpus_per_node={hw.gpus_per_node} "

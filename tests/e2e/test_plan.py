@@ -514,6 +514,10 @@ def test_cli_refuses_meaningless_hardware_without_a_traceback() -> None:
     assert "hardware.cores=0: must be >= 1" in out
     assert "hardware.gpus_per_node=0: must be >= 1 on a GPU profile" in out
     assert "Traceback" not in out
+    out = _plan_cli("hardware=h100_sxm", "hardware.hbm_bandwidth_gbps=0", rc=2)
+    assert "hardware.hbm_bandwidth_gbps=0: the AdamW of units kept on the device" in out
+    assert "Traceback" not in out
+    _plan_cli("hardware=h100_sxm", "hardware.hbm_bandwidth_gbps=0", "optim.on_device=false")  # not needed
 
 
 def test_cli_llama2_70b_on_h100_fits() -> None:

@@ -94,6 +94,7 @@ def _gpu(**kw) -> HardwareConfig:
         name="gpu",
         peak_flops=1e15,
         device_memory_gb=80,
+        hbm_bandwidth_gbps=3350,  # prices the AdamW of units kept on the device (store.tier=ram only)
         host_link_gbps=50,
         host_memory_gb=2048,
         host_memory_bandwidth_gbps=500,
