@@ -149,6 +149,32 @@ def optimizer(ckpt: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def check_resume_across(work: Path, nproc: int, key: str, overrides: list[str]) -> dict[str, str]:
+    """Family Q with ``overrides`` and ``key=true`` vs ``key=false`` (a setting that must not change a
+    number): both uninterrupted runs have equal records and final master weights, and step 3's
+    checkpoint of either, resumed with the other value, ends bit for bit where they end (records,
+    master weights, AdamW moments). Returns each value's start-up output, for its placement lines."""
+    runs, said = {}, {}
+    for on in ("true", "false"):
+        runs[on] = work / f"{key}_{on}"
+        extra = [f"{key}={on}", "checkpoint.every=3", "checkpoint.keep_last=0"]
+        said[on] = train(work, nproc, runs[on], [*Q, *overrides, *extra])
+    want = records(runs["true"])
+    assert all(want[s][k] == records(runs["false"])[s][k] for s in want for k in RECORD_KEYS)
+    end = runs["true"] / "checkpoints" / f"step-{STEPS}"
+    _assert_same_tensors(master(end), master(runs["false"] / "checkpoints" / f"step-{STEPS}"))
+    for saved, other in (("true", "false"), ("false", "true")):
+        run = work / f"{key}_{saved}_to_{other}"
+        ckpt = runs[saved] / "checkpoints" / "step-3"
+        train(work, nproc, run, [*Q, *overrides, f"{key}={other}", f"checkpoint.resume={ckpt}"])
+        got = records(run)
+        assert all(got[s][k] == want[s][k] for s in range(4, STEPS + 1) for k in RECORD_KEYS), (saved, other)
+        last = run / "checkpoints" / f"step-{STEPS}"
+        _assert_same_tensors(master(last), master(end))
+        _assert_same_tensors(optimizer(last), optimizer(end))
+    return said
+
+
 @pytest.fixture(scope="module")
 def q_ref(work: Path) -> Path:
     """Family Q, 2 stages, uninterrupted, saving step-3 and step-6."""

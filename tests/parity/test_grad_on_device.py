@@ -20,14 +20,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 from test_checkpoint_runs import (
-    RECORD_KEYS,
-    STEPS,
-    Q,
-    _assert_same_tensors,
-    master,
-    optimizer,
-    records,
-    train,
+    check_resume_across,
     work,  # noqa: F401  (the module's corpus and store directory, a fixture)
 )
 from test_parity import Case, check_run, launch_cases
@@ -161,13 +154,6 @@ def test_gradient_bytes_per_step_do_not_grow_with_the_micro_batches(launched) ->
 
 # ----------------------------------------------------------------------------- resume across placements
 
-STREAMED = [
-    "stream.device_budget=0",
-    "checkpoint.every=3",
-    "checkpoint.keep_last=0",
-    "stream.grad_on_device=",
-]
-
 
 def test_resume_is_bitwise_across_grad_on_device_true_and_false(work: Path) -> None:  # noqa: F811
     """Qwen3, tied, two stages, every unit streamed: the gradients accumulated on the device and on the
@@ -175,22 +161,7 @@ def test_resume_is_bitwise_across_grad_on_device_true_and_false(work: Path) -> N
     the embedding's rows on stage 0, the head's use of it into ``grad_tied`` on stage 1), so a
     checkpoint of either resumed with the other ends exactly where both uninterrupted runs end
     (records, master weights, moments)."""
-    runs = {}
-    for on in ("true", "false"):
-        runs[on] = work / f"grad_on_device_{on}"
-        out = train(work, 2, runs[on], [*Q, *STREAMED[:-1], STREAMED[-1] + on])
-        said = [line for line in out.splitlines() if "stream.grad_on_device=" in line]
-        assert f"stream.grad_on_device={on}: " + ("6 of 6" if on == "true" else "0 of 6") in out, said
-    want = records(runs["true"])
-    assert all(want[s][k] == records(runs["false"])[s][k] for s in want for k in RECORD_KEYS)
-    end = runs["true"] / "checkpoints" / f"step-{STEPS}"
-    _assert_same_tensors(master(end), master(runs["false"] / "checkpoints" / f"step-{STEPS}"))
-    for saved, other in (("true", "false"), ("false", "true")):
-        run = work / f"grad_on_device_{saved}_to_{other}"
-        ckpt = runs[saved] / "checkpoints" / "step-3"
-        train(work, 2, run, [*Q, *STREAMED[:-1], STREAMED[-1] + other, f"checkpoint.resume={ckpt}"])
-        got = records(run)
-        assert all(got[s][k] == want[s][k] for s in range(4, STEPS + 1) for k in RECORD_KEYS), (saved, other)
-        last = run / "checkpoints" / f"step-{STEPS}"
-        _assert_same_tensors(master(last), master(end))
-        _assert_same_tensors(optimizer(last), optimizer(end))
+    out = check_resume_across(work, 2, "stream.grad_on_device", ["stream.device_budget=0"])
+    for on, text in out.items():
+        said = [line for line in text.splitlines() if "stream.grad_on_device=" in line]
+        assert f"stream.grad_on_device={on}: " + ("6 of 6" if on == "true" else "0 of 6") in text, said

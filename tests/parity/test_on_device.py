@@ -19,14 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_checkpoint_runs import (
-    RECORD_KEYS,
-    STEPS,
-    Q,
-    _assert_same_tensors,
-    master,
-    optimizer,
-    records,
-    train,
+    check_resume_across,
     work,  # noqa: F401  (the module's corpus and store directory, a fixture)
 )
 from test_parity import Case, check_parity, check_run, launch_cases
@@ -216,33 +209,12 @@ def test_every_unit_on_the_device_moves_no_host_byte(launched) -> None:
 
 # ----------------------------------------------------------------------------- resume across placements
 
-RESIDENT = [
-    "stream.device_budget=1000000000",
-    "checkpoint.every=3",
-    "checkpoint.keep_last=0",
-    "optim.on_device=",
-]
-
 
 def test_resume_is_bitwise_across_on_device_true_and_false(work: Path) -> None:  # noqa: F811
     """Qwen3, tied, one stage, every unit resident (the CPU's budget given in bytes): the optimizer on
     the device and on the host give the same run bit for bit, so a checkpoint of either resumed with
     the other ends exactly where both uninterrupted runs end (records, master weights, moments)."""
-    runs = {}
-    for on in ("true", "false"):
-        runs[on] = work / f"on_device_{on}"
-        out = train(work, 1, runs[on], [*Q, *RESIDENT[:-1], RESIDENT[-1] + on])
-        said = [line for line in out.splitlines() if "optim.on_device=" in line or "blocks resident" in line]
-        assert f"optim.on_device={on}: " + ("6 of 6" if on == "true" else "every unit") in out, said
-    want = records(runs["true"])
-    assert all(want[s][k] == records(runs["false"])[s][k] for s in want for k in RECORD_KEYS)
-    end = runs["true"] / "checkpoints" / f"step-{STEPS}"
-    for saved, other in (("true", "false"), ("false", "true")):
-        run = work / f"on_device_{saved}_to_{other}"
-        ckpt = runs[saved] / "checkpoints" / "step-3"
-        train(work, 1, run, [*Q, *RESIDENT[:-1], RESIDENT[-1] + other, f"checkpoint.resume={ckpt}"])
-        got = records(run)
-        assert all(got[s][k] == want[s][k] for s in range(4, STEPS + 1) for k in RECORD_KEYS), (saved, other)
-        last = run / "checkpoints" / f"step-{STEPS}"
-        _assert_same_tensors(master(last), master(end))
-        _assert_same_tensors(optimizer(last), optimizer(end))
+    out = check_resume_across(work, 1, "optim.on_device", ["stream.device_budget=1000000000"])
+    for on, text in out.items():
+        said = [line for line in text.splitlines() if "optim.on_device=" in line or "blocks resident" in line]
+        assert f"optim.on_device={on}: " + ("6 of 6" if on == "true" else "every unit") in text, said
