@@ -342,6 +342,9 @@ def _check_stages(
 def _check_batch(train: TrainConfig, pipeline: PipelineConfig, nodes: int, problems: Problems) -> None:
     if not all(type(v) is int for v in (train.micro_batch_size, pipeline.microbatches)):
         return  # auto (the planner picks a divisor) or already reported
+    if type(pipeline.wave) is int and pipeline.wave >= 1 and pipeline.microbatches % pipeline.wave:
+        what = f"does not divide pipeline.microbatches={pipeline.microbatches} (a wave is W micro-batches of a round)"
+        problems.add("pipeline.wave", pipeline.wave, what, "use a divisor of pipeline.microbatches, or 1")
     per_round = train.micro_batch_size * pipeline.microbatches * nodes
     if train.batch_size <= 0 or train.micro_batch_size < 1 or pipeline.microbatches < 1:
         return
