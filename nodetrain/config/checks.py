@@ -190,6 +190,10 @@ def _check_optim(cfg: Config, infinite: set[str], problems: Problems) -> None:
             "moves off it (it offloads saved block inputs only)",
             "set stream.recompute=auto or true (or stream.offload_activations=false)",
         )
+    if cfg.stream.offload_activations and type(cfg.pipeline.wave) is int and cfg.pipeline.wave > 1:
+        what = "runs a wave of micro-batches per load; stream.offload_activations=true does not order waves"
+        fix = "set pipeline.wave=1 (or stream.offload_activations=false)"
+        problems.add("pipeline.wave", cfg.pipeline.wave, what, fix)
     if cfg.optim.state == "lean" and cfg.optim.speculative is True:  # auto: no speculation with lean
         problems.add(
             "optim.speculative",
@@ -343,7 +347,8 @@ def _check_batch(train: TrainConfig, pipeline: PipelineConfig, nodes: int, probl
     if not all(type(v) is int for v in (train.micro_batch_size, pipeline.microbatches)):
         return  # auto (the planner picks a divisor) or already reported
     if type(pipeline.wave) is int and pipeline.wave >= 1 and pipeline.microbatches % pipeline.wave:
-        what = f"does not divide pipeline.microbatches={pipeline.microbatches} (a wave is W micro-batches of a round)"
+        m = pipeline.microbatches
+        what = f"does not divide pipeline.microbatches={m} (a wave is W micro-batches of a round)"
         problems.add("pipeline.wave", pipeline.wave, what, "use a divisor of pipeline.microbatches, or 1")
     per_round = train.micro_batch_size * pipeline.microbatches * nodes
     if train.batch_size <= 0 or train.micro_batch_size < 1 or pipeline.microbatches < 1:

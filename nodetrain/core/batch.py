@@ -30,14 +30,17 @@ AUTO_MAX_ROUNDS = 8
 
 def _candidates(cfg: Config, num_stages: int, nodes: int) -> list[tuple[int, int]]:
     """(micro-batch size, micro-batches) pairs to try: the given value of each, or for ``auto`` powers
-    of two (sizes) and S, 2S, 4S … (micro-batches); with ``train.batch_size`` only pairs dividing it."""
+    of two (sizes) and W·S, 2W·S, 4W·S … (micro-batches, W = ``pipeline.wave``); with
+    ``train.batch_size`` only pairs dividing it."""
     b, m = cfg.train.micro_batch_size, cfg.pipeline.microbatches
     sizes = [1 << k for k in range(17)] if b == "auto" else [b]
     counts = [num_stages << k for k in range(AUTO_MAX_ROUNDS.bit_length())] if m == "auto" else [m]
+    if m == "auto":  # a wave is W micro-batches of a round: only multiples of W
+        counts = [y * cfg.pipeline.wave for y in counts]
     if cfg.train.batch_size > 0:
         fits = [(x, y) for x in sizes for y in counts if cfg.train.batch_size % (x * y * nodes) == 0]
         if m == "auto" and not any(y for _, y in fits):
-            counts = list(range(1, AUTO_MAX_ROUNDS * num_stages + 1))
+            counts = [y * cfg.pipeline.wave for y in range(1, AUTO_MAX_ROUNDS * num_stages + 1)]
             fits = [(x, y) for x in sizes for y in counts if cfg.train.batch_size % (x * y * nodes) == 0]
         return fits
     return [(x, y) for x in sizes for y in counts]

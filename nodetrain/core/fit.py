@@ -163,9 +163,11 @@ def node_fit(
     device_limit = (
         0 if hw.gpus_per_node == 0 else int((hw.device_memory_gb - cfg.plan.device_reserve_gb) * GB)
     )
-    last = len(shape.unit_numels) - 1
+    last, wave = len(shape.unit_numels) - 1, cfg.pipeline.wave
     plans = tuple(
-        StepPlan.step(cfg.pipeline.schedule, num_stages, k, grad_accum, microbatches, blocks, last in blocks)
+        StepPlan.step(
+            cfg.pipeline.schedule, num_stages, k, grad_accum, microbatches, blocks, last in blocks, wave
+        )
         for k, blocks in enumerate(partition(list(shape.costs), num_stages))
     )
     tier = tier_bytes(layout, cfg.store.tier_buffers) if cfg.store.tier == "nvme" else (0, 0)

@@ -73,15 +73,18 @@ AUTO = (-1, "auto")
 """The values of ``stream.device_budget`` that ask for the automatic budget."""
 
 
-def saved_transfer_bytes(numel: int, itemsize: int, loads: int, backwards: int) -> int:
+def saved_transfer_bytes(numel: int, itemsize: int, loads: int, backwards: int, wave: int = 1) -> int:
     """Link bytes per step a block saves by being resident (see the module docstring).
 
     Args:
         numel: elements the block binds; itemsize: compute-dtype bytes (e).
-        loads: its uses in the step's load sequence; backwards: its gradient offloads in the step.
+        loads: its uses in the step's load sequence; backwards: its backwards (micro-batches) in the step.
+        wave: W, micro-batches per item: with W > 1 a streamed block ships one fp32 wave sum per
+            backward item (``backwards / W × numel × 4`` D2H) instead of ``backwards × numel × e``.
     """
     h2d = max(loads - 1, 0) * numel * itemsize
-    d2h = backwards * numel * itemsize - (numel * GRAD_ACC_ITEMSIZE if backwards else 0)
+    streamed = backwards * numel * itemsize if wave <= 1 else backwards // wave * numel * GRAD_ACC_ITEMSIZE
+    d2h = streamed - (numel * GRAD_ACC_ITEMSIZE if backwards else 0)
     return h2d + d2h
 
 
@@ -162,7 +165,7 @@ def resident_blocks(
         for i in numel
     }
     cost = {i: n * per[i] for i, n in numel.items()}
-    saved = {i: saved_transfer_bytes(n, itemsize, *uses[i]) for i, n in numel.items()}
+    saved = {i: saved_transfer_bytes(n, itemsize, *uses[i], plan.wave) for i, n in numel.items()}
     head = len(shape.unit_numels) - 1
     return frozenset(choose_resident(cost, saved, budget, first=(head,) if head in numel else ()))
 

@@ -74,14 +74,14 @@ def kept_layers(
     shape: ModelShape, plan: StepPlan, budget: int, n: int, t: int, itemsize: int
 ) -> frozenset[int]:
     """``auto``'s kept layers of one stage: those whose activations, for the most micro-batches the
-    stage's step holds at once (``schedule.in_flight_peak`` of its actions: 1F1B stage s of S up to
-    S − s, GPipe all of a round), fit ``budget`` bytes (:func:`choose_kept`).
+    stage's step holds at once (W × ``schedule.in_flight_peak`` of its items: 1F1B stage s of S up to
+    W·(S − s), GPipe all of a round), fit ``budget`` bytes (:func:`choose_kept`).
 
     Args:
         shape: the model; plan: the stage's step; budget: device bytes for activations.
         n: tokens per micro-batch (B·T); t: sequence length; itemsize: compute-dtype bytes.
     """
-    held = in_flight_peak(plan.step_actions)
+    held = plan.wave * in_flight_peak(plan.step_actions)  # an item in flight holds W micro-batches' graphs
     layers = layers_of(shape, plan)
     cost = {i: held * kept_activation_bytes(shape, i, n, itemsize) for i in layers}
     flops = {i: sum(block_work(shape, i, n, t, itemsize)[0][:2]) for i in layers}
@@ -139,9 +139,10 @@ def decide_recompute(
 def _auto_line(stage: int, shape: ModelShape, plan: StepPlan, kept, left: int, n: int, itemsize: int) -> str:
     """What ``auto`` became on one stage, for the start-up log."""
     each = sum(kept_activation_bytes(shape, i, n, itemsize) for i in kept)
+    held = plan.wave * in_flight_peak(plan.step_actions)
     return (
         f"stream.recompute=auto on stage {stage}: {len(kept)} of {len(layers_of(shape, plan))} layers keep "
-        f"their activations ({each / 1e9:.2f} GB per micro-batch, {in_flight_peak(plan.step_actions)} in "
+        f"their activations ({each / 1e9:.2f} GB per micro-batch, {held} in "
         f"flight) in the {left / 1e9:.2f} GB the device budget has left after its resident blocks; the "
         "rest are recomputed"
     )

@@ -155,9 +155,21 @@ def resolve(
     lines += [update.line] if update.line else []
     lines.append(_on_device_line(cfg, shape, machine, resident, on_device))
     lines.append(_grad_line(cfg, machine, fit.plans, resident, grads))
+    lines.append(_wave_line(fit.plans))
     lines += recompute.lines
     return RunShape(
         batch, fit.plans, budgets, resident, update, machine, tuple(lines), on_device, recompute.kept, grads
+    )
+
+
+def _wave_line(plans) -> str:
+    """What ``pipeline.wave`` does: W micro-batches per item, its items per step and its bubble."""
+    p = plans[0]
+    s, items = len(plans), p.num_items // p.rounds
+    bubble = (s - 1) / (items + s - 1)
+    return (
+        f"pipeline.wave={p.wave}: {p.num_items} items of {p.wave} micro-batch(es) per step, each streamed "
+        f"block loaded once per item and its gradient shipped once per item; bubble {bubble:.1%}"
     )
 
 

@@ -64,18 +64,24 @@ def reuses(sequence: list[int], resident) -> list[bool]:
     return [k > 0 and b == sequence[k - 1] and b not in resident for k, b in enumerate(sequence)]
 
 
-def arrival_order(backwards: list[int], resident) -> list[int]:
+def arrival_order(backwards: list[int], resident, wave: int = 1, rows=()) -> list[int]:
     """Blocks in the order their gradients reach the host store in a step: a streamed block at every
-    backward, one with a device accumulator once, at its last backward (the accumulator is shipped then).
+    backward (with waves: once per item, its wave's fp32 sum), a row block at every micro-batch's
+    backward (``wave`` per item: its rows are offloaded per micro-batch), one with a device accumulator
+    once, at its last backward (the accumulator is shipped then).
 
     Args:
-        backwards: block indices in the order their backwards offload (the step's offload sequence).
+        backwards: block indices in the order their items' backwards offload (the step's offload
+            sequence, one entry per item).
         resident: the blocks with a device accumulator: the resident ones and the streamed ones of
             ``stream.grad_on_device`` (``StageWork.grad_acc``).
+        wave: micro-batches per item (``pipeline.wave``, W ≥ 1).
+        rows: the row blocks (a streamed embedding, :func:`row_blocks`).
     """
-    resident = set(resident)
+    resident, rows = set(resident), set(rows)
     last = {b: k for k, b in enumerate(backwards) if b in resident}
-    return [b for k, b in enumerate(backwards) if b not in last or last[b] == k]
+    kept = [b for k, b in enumerate(backwards) if b not in last or last[b] == k]
+    return [b for b in kept for _ in range(wave if b in rows and b not in resident else 1)]
 
 
 def final_order(arrivals, units_of: dict[int, list[int]]) -> list[int]:
@@ -100,12 +106,15 @@ class StepPlan:
     """What one step (or one evaluation) of a stage does, in order.
 
     Attributes:
-        actions: one pipeline round's actions (``build_schedule``).
+        actions: one pipeline round's actions (``build_schedule``), each over one item: a wave of
+            ``wave`` consecutive micro-batches (``Action.mb`` numbers items; 1 micro-batch when W = 1).
         rounds: how many rounds the step runs (``step_rounds``).
         loads: block indices in the order the actions use them through the window (row blocks
             included: :meth:`window_loads` leaves them out).
         offloads: block indices in the order their gradients are offloaded (empty for evaluation).
         blocks: the stage's blocks; stage, num_stages: its place in the pipeline.
+        wave: W, micro-batches per item (``pipeline.wave``): a load, a streamed block's wave-summed
+            gradient ship, a P2P message each cover W micro-batches.
     """
 
     actions: tuple[Action, ...]
@@ -115,6 +124,7 @@ class StepPlan:
     blocks: tuple[int, ...] = ()
     stage: int = 0
     num_stages: int = 1
+    wave: int = 1
 
     @classmethod
     def of(
@@ -126,13 +136,16 @@ class StepPlan:
         train: bool = True,
         stage: int = 0,
         num_stages: int = 1,
+        wave: int = 1,
     ) -> StepPlan:
-        """Expand ``rounds`` × ``actions`` for a stage of ``blocks`` (``is_last``: it holds the head;
-        ``train=False``: an evaluation, nothing offloaded)."""
+        """Expand ``rounds`` × ``actions`` (items of ``wave`` micro-batches) for a stage of ``blocks``
+        (``is_last``: it holds the head; ``train=False``: an evaluation, nothing offloaded)."""
         blocks, every = list(blocks), list(actions) * rounds
         loads = [b for a in every for b in stage_loads(blocks, is_last, (), a.kind)]
         offloads = [b for a in every for b in stage_offloads(blocks, is_last, a.kind)] if train else []
-        return cls(tuple(actions), rounds, tuple(loads), tuple(offloads), tuple(blocks), stage, num_stages)
+        return cls(
+            tuple(actions), rounds, tuple(loads), tuple(offloads), tuple(blocks), stage, num_stages, wave
+        )
 
     @classmethod
     def step(
@@ -144,11 +157,19 @@ class StepPlan:
         microbatches: int,
         blocks,
         is_last: bool,
+        wave: int = 1,
     ) -> StepPlan:
-        """A training step of ``grad_accum × microbatches`` micro-batches (``step_rounds``)."""
+        """A training step of ``grad_accum × microbatches`` micro-batches (``step_rounds``), scheduled
+        as items of ``wave`` consecutive micro-batches (item k of a round: micro-batches kW … kW+W−1).
+
+        Raises:
+            ValueError: ``wave`` does not divide a round's micro-batches.
+        """
         rounds, per_round = step_rounds(schedule, grad_accum, microbatches)
-        actions = build_schedule(schedule, num_stages, stage, per_round)
-        return cls.of(actions, rounds, blocks, is_last, stage=stage, num_stages=num_stages)
+        if wave < 1 or per_round % wave:
+            raise ValueError(f"pipeline.wave={wave} does not divide a round's {per_round} micro-batches")
+        actions = build_schedule(schedule, num_stages, stage, per_round // wave)
+        return cls.of(actions, rounds, blocks, is_last, stage=stage, num_stages=num_stages, wave=wave)
 
     @classmethod
     def evaluation(cls, num_microbatches: int, blocks, is_last: bool) -> StepPlan:
@@ -168,9 +189,10 @@ class StepPlan:
             b for b, again in zip(seq, reuses(seq, resident), strict=True) if not again and b not in resident
         ]
 
-    def arrivals(self, resident=()) -> list[int]:
-        """Blocks in the order their gradients reach the host store (:func:`arrival_order`)."""
-        return arrival_order(list(self.offloads), resident)
+    def arrivals(self, resident=(), rows=()) -> list[int]:
+        """Blocks in the order their gradients reach the host store (:func:`arrival_order`; ``rows``:
+        the window's row blocks, which arrive once per micro-batch)."""
+        return arrival_order(list(self.offloads), resident, self.wave, rows)
 
     @property
     def step_actions(self) -> list[Action]:
@@ -178,20 +200,31 @@ class StepPlan:
         return list(self.actions) * self.rounds
 
     @property
-    def num_microbatches(self) -> int:
-        """Micro-batches of the step (all rounds)."""
+    def num_items(self) -> int:
+        """Items (waves) of the step (all rounds)."""
         return self.rounds * sum(a.kind == "F" for a in self.actions)
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches of the step (all rounds): items × :attr:`wave`."""
+        return self.num_items * self.wave
+
+    def microbatches_of(self, item: int) -> list[int]:
+        """The micro-batches (numbered across the step) of item ``item`` (numbered across the step)."""
+        return [item * self.wave + j for j in range(self.wave)]
 
     @property
     def backward_microbatches(self) -> tuple[int, ...]:
         """The step's micro-batches (numbered across its rounds) in the order of their backwards."""
         per_round = sum(a.kind == "F" for a in self.actions)
-        return tuple(r * per_round + a.mb for r in range(self.rounds) for a in self.actions if a.kind == "B")
+        items = [r * per_round + a.mb for r in range(self.rounds) for a in self.actions if a.kind == "B"]
+        return tuple(mb for i in items for mb in self.microbatches_of(i))
 
     @property
     def backwards(self) -> Counter:
-        """Block -> its offloads (backwards) in the step (``Window.begin``'s count)."""
-        return Counter(self.offloads)
+        """Block -> its backwards in the step, one per micro-batch (``Window.begin``'s count of a device
+        accumulator's adds): :attr:`wave` per offload entry."""
+        return Counter({b: n * self.wave for b, n in Counter(self.offloads).items()})
 
     def uses(self, blocks=None) -> dict[int, tuple[int, int]]:
         """Block -> (loads, backwards) in the step, the embedding counted as if it streamed whole
@@ -203,8 +236,10 @@ class StepPlan:
         """What the cost model counts of this step with ``resident`` blocks kept on the device, those of
         ``on_device`` with their optimizer there too, the ``kept`` layers' activations kept from
         forward to backward (not recomputed) and the streamed blocks of ``grad_acc`` accumulating their
-        gradient on the device (``stream.grad_on_device``; resident blocks left out)."""
-        resident = frozenset(resident)
+        gradient on the device (``stream.grad_on_device``; resident blocks left out). Its peaks count
+        micro-batches: ``in_flight`` and ``p2p_buffers`` are W × the items' (an item's saved inputs and
+        its P2P message cover W micro-batches)."""
+        resident, actions = frozenset(resident), list(self.actions)
         return StageWork(
             stage=self.stage,
             blocks=range(self.blocks[0], self.blocks[-1] + 1),
@@ -212,11 +247,12 @@ class StepPlan:
             loads=tuple(self.streamed_loads(resident)),
             resident=resident,
             rows=bool(row_blocks(self.blocks, resident)),
-            in_flight=in_flight_peak(list(self.actions)),
-            p2p_buffers=p2p_live_peak(list(self.actions), self.rounds, self.stage, self.num_stages),
+            in_flight=self.wave * in_flight_peak(list(self.actions)),
+            p2p_buffers=self.wave * p2p_live_peak(actions, self.rounds, self.stage, self.num_stages),
             on_device=frozenset(on_device) & resident,
             kept=frozenset(kept),
             grad_acc=frozenset(grad_acc) - resident,
+            wave=self.wave,
         )
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "resident_bytes_per_param",
     "layer_saved_per_token",
     "saved_per_micro_batch",
+    "wave_summed_numel",
     "kept_activation_bytes",
     "CHUNK_LOGITS_BYTES",
     "chunk_tokens",
@@ -134,7 +135,8 @@ class StageMemory:
     blocks: range
     window_bytes: int
     """``slots × largest slotted block load × e``: the streamed blocks but a streamed embedding,
-    which travels as gathered rows (``Window.nbytes`` less its resident buffers)."""
+    which travels as gathered rows, plus the wave-sum buffers (:attr:`wave_bytes`) (``Window.nbytes``
+    less its resident buffers and device accumulators)."""
     staging_bytes: int
     """Host bytes (on every profile, page-locked on CUDA) of the gradient offloads' staging buffers,
     ``slots × largest block × e`` (``Window.staging_nbytes``, staging.py); not device memory."""
@@ -160,6 +162,10 @@ class StageMemory:
     grad_acc_bytes: int = 0
     """fp32 gradient accumulators of the streamed blocks that keep one on the device (``work.grad_acc``,
     ``stream.grad_on_device``), ``4 × load`` each (``Window.grad_acc_nbytes``)."""
+    wave_bytes: int = 0
+    """With waves (``work.wave`` > 1): the fp32 wave-sum buffers a streamed block's gradients add into
+    over a wave, one per slot, ``slots × 4 × largest wave-summed load`` (``Window.wave_nbytes``); part of
+    :attr:`window_bytes` (so the automatic budget leaves them out), 0 without waves."""
 
     @property
     def activation_bytes(self) -> int:
@@ -366,7 +372,9 @@ def stage_memory(
     gradients accumulate on the device, none queue. A streamed block with a device accumulator
     (``work.grad_acc``) adds ``load × 4`` bytes (``grad_acc_bytes``). A streamed embedding
     (``work.rows``) is gathered by rows: never in a slot, its backward :func:`_rows_backward_bytes`,
-    its offload the used rows (≤ min(n, V) × D).
+    its offload the used rows (≤ min(n, V) × D). With waves (``work.wave`` = W > 1) the saved inputs,
+    kept activations and P2P buffers are counted per micro-batch (``work.in_flight``, ``work.p2p_buffers``
+    are W × the items'), and the window adds one fp32 wave-sum buffer per slot (``wave_bytes``).
     """
     n, e, d, blocks = b * t, itemsize, shape.hidden, work.blocks
     largest = max(shape.load_numels[i] for i in blocks)
@@ -375,10 +383,11 @@ def stage_memory(
     on_device = min(in_flight, OFFLOADED_IN_FLIGHT) if offload_activations else in_flight
     queued = _queued_bytes(on_cpu, slots, offloaded, e)
     kept = sum(kept_activation_bytes(shape, i, n, e) for i in work.kept)
+    wave = slots * GRAD_ACC_ITEMSIZE * wave_summed_numel(shape, work)
     return StageMemory(
         stage=work.stage,
         blocks=blocks,
-        window_bytes=slots * streamed * e,
+        window_bytes=slots * streamed * e + wave,
         staging_bytes=slots * largest * e,
         saved_bytes=on_device * saved_per_micro_batch(shape, blocks, n, e),
         p2p_bytes=buffers * n * d * e,
@@ -388,6 +397,7 @@ def stage_memory(
         p2p_buffers=buffers,
         kept_bytes=in_flight * kept,
         grad_acc_bytes=sum(shape.load_numels[i] for i in work.grad_acc) * GRAD_ACC_ITEMSIZE,
+        wave_bytes=wave,
     )
 
 
@@ -406,6 +416,15 @@ def _streamed(shape: ModelShape, work: StageWork, n: int) -> tuple[int, int]:
     slotted = [i for i in work.blocks if i not in work.resident and not (rows and i == 0)]
     streamed = max((shape.load_numels[i] for i in slotted), default=0)
     return streamed, max(streamed, min(n, shape.vocab) * shape.hidden if rows else 0)
+
+
+def wave_summed_numel(shape: ModelShape, work: StageWork) -> int:
+    """Elements of one wave-sum buffer (the largest streamed block whose gradient is summed over a wave
+    on the device: not resident, not a row block, no device accumulator); 0 without waves (W = 1)."""
+    if work.wave <= 1:
+        return 0
+    skip = set(work.resident) | set(work.grad_acc) | ({0} if work.rows else set())
+    return max((shape.load_numels[i] for i in work.blocks if i not in skip), default=0)
 
 
 def _queued_bytes(on_cpu: bool, slots: int, offloaded: int, e: int) -> int:

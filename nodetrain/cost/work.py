@@ -20,7 +20,8 @@ class StageWork:
     Attributes:
         stage: the stage's index in its pipeline.
         blocks: its blocks (contiguous unit indices).
-        actions: every action of the step in order (objects with ``kind`` "F"/"B" and ``mb``).
+        actions: every action of the step in order (objects with ``kind`` "F"/"B" and ``mb``), each over
+            one item of ``wave`` micro-batches.
         loads: the blocks the window copies H2D into slots, in order (reused loads, resident blocks and
             rows left out).
         resident: blocks kept on the device for the whole step (loaded once, fp32 gradient on it).
@@ -34,6 +35,9 @@ class StageWork:
         grad_acc: streamed blocks whose fp32 gradient accumulates on the device across the step
             and leaves once per step (``stream.grad_on_device``): loaded per pass as any streamed
             block, D2H ``4 × numel`` bytes and one host copy per step.
+        wave: W, micro-batches per item (``pipeline.wave``): each streamed block (not a row block, not
+            one of ``grad_acc``) is loaded once per item and ships its wave-summed fp32 gradient once per
+            backward item (D2H ``4 × numel``); ``in_flight`` and ``p2p_buffers`` count micro-batches.
     """
 
     stage: int
@@ -47,8 +51,14 @@ class StageWork:
     on_device: frozenset[int] = frozenset()
     kept: frozenset[int] = frozenset()
     grad_acc: frozenset[int] = frozenset()
+    wave: int = 1
+
+    @property
+    def num_items(self) -> int:
+        """Items (waves of ``wave`` micro-batches) of the step (forward actions)."""
+        return sum(1 for a in self.actions if a.kind == "F")
 
     @property
     def num_microbatches(self) -> int:
-        """Micro-batches of the step (forwards)."""
-        return sum(1 for a in self.actions if a.kind == "F")
+        """Micro-batches of the step (forwards × ``wave``)."""
+        return self.num_items * self.wave

@@ -55,7 +55,6 @@ import torch.distributed as dist
 from nodetrain.config.constants import DTYPES
 from nodetrain.config.schema import Config
 from nodetrain.core.run_shape import RunShape
-from nodetrain.core.schedule import p2p_groups
 from nodetrain.core.step_plan import StepPlan, row_blocks
 from nodetrain.core.topology import replica_slice
 from nodetrain.core.update import policy_for
@@ -67,6 +66,7 @@ from nodetrain.engine.device.activations import saved_offload
 from nodetrain.engine.device.device_adamw import DeviceAdamW
 from nodetrain.engine.device.window import Window
 from nodetrain.engine.host.overlap import UnitUpdates
+from nodetrain.engine.rounds import run_round
 from nodetrain.engine.stage import IGNORE_INDEX, StageRunner
 from nodetrain.engine.step_batch import StepBatch
 from nodetrain.engine.threads import check_writer
@@ -158,7 +158,7 @@ class Engine:
         self.window = self._make_window(resident)
         self.device_opt.bind_weights(self.window.resident_views)
         self._loads = self.plan.window_loads(self.window.rows)  # the window's load sequence of a step
-        self._arrivals = self.plan.arrivals([*self.window.resident, *self.window.grad_acc])  # those: once
+        self._arrivals = self.plan.arrivals([*self.window.resident, *self.window.grad_acc], self.window.rows)
         b = run.batch
         shape = (b.micro_batch_size, b.seq_len, model.config.hidden_size)
         offload = saved_offload(cfg.stream, self.plan, self.blocks, self._is_last, self.window, shape)
@@ -185,6 +185,7 @@ class Engine:
             grad_acc=self.run.grad_acc_of(self.stage),
             rows=rows,
             accum_threads=self.host_threads.accum_threads,
+            wave=self.plan.wave,
             gate=self.updates.gate,
             on_arrival=self.updates.arrived,
             timeline=self.timeline,
@@ -225,14 +226,16 @@ class Engine:
             "num_kept": len(self.runner.kept),
             "num_grad_on_device": len(self.window.grad_acc),
             "grad_acc_bytes": self.window.grad_acc_nbytes,
+            "wave": self.plan.wave,
+            "wave_bytes": self.window.wave_nbytes,
         }
         return StepBreakdown(self.device, per_token, peak, static, self.topo.num_stages, self.timeline)
 
     def _log_layout(self) -> None:
         topo, units = self.topo, self.model.units
         log.info(
-            "stage %d/%d (replica %d/%d): %s … %s, %d units, window %.1f MB (resident: %s), "
-            "host store %.1f MB, %.2f bytes/parameter (optim.state=%s)",
+            "stage %d/%d (replica %d/%d): %s … %s, %d units, window %.1f MB (resident: %s; wave %d: "
+            "%.1f MB of fp32 wave sums), host store %.1f MB, %.2f bytes/parameter (optim.state=%s)",
             topo.stage,
             topo.num_stages,
             topo.replica,
@@ -242,6 +245,8 @@ class Engine:
             len(self.blocks),
             self.window.nbytes / 1e6,
             ", ".join(units[i].name for i in self.window.resident) or "none",
+            self.plan.wave,
+            self.window.wave_nbytes / 1e6,
             self.store.nbytes / 1e6,
             self.store.nbytes / sum(u.numel for u in units),
             self.cfg.optim.state,
@@ -327,7 +332,7 @@ class Engine:
         self.p2p.reset_peak()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for r in range(self.plan.rounds):
-            self._run_round(self.plan.actions, r, batch, 1.0 / max(tokens, 1), True, loss_sum)
+            run_round(self, self.plan.actions, r, batch, 1.0 / max(tokens, 1), True, loss_sum, self.plan.wave)
         self.updates.end_backward()
         self.window.flush()
         with self.timeline.phase("bubble"):
@@ -408,27 +413,6 @@ class Engine:
             later,
         )
 
-    def _run_round(self, actions, r: int, batch: StepBatch, loss_scale: float, train: bool, loss_sum) -> None:
-        """Run one pipeline round's actions; the last stage adds each forward's summed token loss
-        into ``loss_sum`` (an fp64 scalar on the device, read on the host once per step)."""
-        base = r * sum(a.kind == "F" for a in actions)  # micro-batches of the earlier rounds
-        groups = p2p_groups(actions, self.stage, self.num_stages)  # paired send/recv: NCCL-safe order
-        out = None
-        for a, group in zip(actions, groups[:-1], strict=True):
-            got = self.p2p.exchange(group, out, base)
-            mb = base + a.mb
-            lab, pos, packed = batch.microbatch(mb)  # views of the step's device copies
-            mask = batch.token_mask_of(mb)
-            if a.kind == "F":
-                x = batch.inputs[mb] if self.runner.is_first else got.to(self.device)
-                out = self.runner.forward(mb, x, lab, train, pos, loss_scale, packed, mask)
-                if self.runner.is_last:
-                    loss_sum += out  # on the device: no sync per micro-batch
-            else:
-                g = None if self.runner.is_last else got.to(self.device)
-                out = self.runner.backward(mb, g, position_ids=pos, packed=packed, token_mask=mask)
-        self.p2p.exchange(groups[-1], out, base)
-
     def _check_batch(self, inputs: torch.Tensor, labels: torch.Tensor, num_mb: int) -> None:
         b = self.run.batch
         want = (num_mb, b.micro_batch_size, b.seq_len)
@@ -477,7 +461,7 @@ class Engine:
         batch = StepBatch.of(self.runner, inputs, labels, positions, self.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         with self.model.eval_mode():
-            self._run_round(plan.actions, 0, batch, 1.0, False, loss_sum)
+            run_round(self, plan.actions, 0, batch, 1.0, False, loss_sum)  # one micro-batch per item
         self.window.flush()
         self.p2p.wait_sends()
         total = self.comm.tensor([0.0])

@@ -155,7 +155,7 @@ class StageRunner:
         packed: bool = True,
         token_mask: torch.Tensor | None = None,
     ):
-        """Forward micro-batch ``mb``.
+        """Forward micro-batch ``mb`` (a wave of one: :meth:`forward_wave`).
 
         Args:
             x: first stage: its input from :meth:`first_inputs`, or input ids [B, T] int64 on the
@@ -174,34 +174,67 @@ class StageRunner:
         Returns:
             hidden [B, T, D] to send on, or on the last stage the summed token loss (fp32 scalar).
         """
-        saved, ctx, grad_h = [], None, None
         if self._rows and isinstance(x, torch.Tensor):  # a caller outside a step: this micro-batch's rows now
             (x,) = self.first_inputs(x.cpu()[None])
+        (out,) = self.forward_wave(
+            [mb], [x], [labels], keep, [position_ids], loss_scale, [packed], [token_mask]
+        )
+        return out
+
+    def forward_wave(
+        self,
+        mbs: list[int],
+        xs: list,
+        labels: list,
+        keep: bool,
+        positions: list,
+        loss_scale: float,
+        packed: list,
+        masks: list,
+    ) -> list:
+        """Forward a wave of W micro-batches ``mbs`` layer-major: each block is acquired once and run on
+        every micro-batch of the wave in order before it is released (W = 1: :meth:`forward`).
+
+        Args:
+            mbs: the micro-batches (numbered across the step); xs, labels, positions, packed, masks: per
+                micro-batch, as :meth:`forward`'s ``x``, ``labels``, ``position_ids``, ``packed``,
+                ``token_mask``; keep, loss_scale: as :meth:`forward`.
+
+        Returns:
+            per micro-batch, hidden [B, T, D] compute dtype on the device, or on the last stage its
+            summed token loss (fp32 scalar).
+        """
+        w = len(mbs)
+        saved, ctxs, grad_hs, xs = [[] for _ in range(w)], [None] * w, [None] * w, list(xs)
         with torch.no_grad():
             for block in self.blocks:
                 if block in self._rows:
-                    x, used = self._gather_embedding(block, x)
-                    saved.append((used, None))
+                    for j in range(w):
+                        xs[j], used = self._gather_embedding(block, xs[j])
+                        saved[j].append((used, None))
                     continue
                 params = self.window.acquire(block)
-                if block == self._head:
-                    x, grad_h = self._head_forward(block, params, x, labels, keep, loss_scale)
-                    self.window.release()
-                    break
-                if ctx is None and block != 0:
-                    ctx = self.model.context(x, position_ids, packed, token_mask)
-                if keep and block in self.kept:  # its graph, not its RNG: no recompute to replay
-                    saved.append((self._save(mb, x), None))
-                    x = self._kept_forward(mb, block, params, x, ctx)
-                else:
-                    saved.append((self._save(mb, x) if keep else x, self._rng_state()))
-                    x = self.model.forward_block(block, params, x, ctx)
+                for j, mb in enumerate(mbs):
+                    if block == self._head:
+                        xs[j], grad_hs[j] = self._head_forward(
+                            block, params, xs[j], labels[j], keep, loss_scale
+                        )
+                        continue
+                    if ctxs[j] is None and block != 0:
+                        ctxs[j] = self.model.context(xs[j], positions[j], packed[j], masks[j])
+                    if keep and block in self.kept:  # its graph, not its RNG: no recompute to replay
+                        saved[j].append((self._save(mb, xs[j]), None))
+                        xs[j] = self._kept_forward(mb, block, params, xs[j], ctxs[j])
+                    else:
+                        saved[j].append((self._save(mb, xs[j]) if keep else xs[j], self._rng_state()))
+                        xs[j] = self.model.forward_block(block, params, xs[j], ctxs[j])
                 self.window.release()
         if keep:
-            self._saved[mb] = (saved, None if grad_h is None else self._save(mb, grad_h))
-            if self._offload is not None:
-                self._offload.done(mb)
-        return x
+            for j, mb in enumerate(mbs):
+                self._saved[mb] = (saved[j], None if grad_hs[j] is None else self._save(mb, grad_hs[j]))
+                if self._offload is not None:
+                    self._offload.done(mb)
+        return xs
 
     def _kept_forward(self, mb: int, block: int, params, x: torch.Tensor, ctx) -> torch.Tensor:
         """A kept layer's forward with autograd (its router aux term collected here, once), its graph
@@ -259,8 +292,8 @@ class StageRunner:
         packed: bool = True,
         token_mask: torch.Tensor | None = None,
     ):
-        """Backward micro-batch ``mb``: recompute each block (a kept layer: take its kept graph),
-        offload its weight gradients.
+        """Backward micro-batch ``mb`` (a wave of one: :meth:`backward_wave`): recompute each block (a
+        kept layer: take its kept graph), offload its weight gradients.
 
         The last stage's head was differentiated in :meth:`forward` (its ``loss_scale``, 1 /
         valid tokens of the whole step, makes the summed gradient that of the token-weighted mean
@@ -274,25 +307,48 @@ class StageRunner:
         Returns:
             gradient of the stage input [B, T, D], or None on the first stage.
         """
-        saved, grad_h = self._restore(mb)
-        if self.is_last:
-            grad_out = grad_h
-        ctx, graphs = None, self._graphs.pop(mb, {})
+        (g,) = self.backward_wave([mb], [grad_out], [position_ids], [packed], [token_mask])
+        return g
+
+    def backward_wave(self, mbs: list[int], grad_outs: list, positions: list, packed: list, masks: list):
+        """Backward a wave of W micro-batches ``mbs`` layer-major: each block, last first, is acquired
+        once, recomputed (or its kept graph taken) and differentiated for every micro-batch of the wave
+        in order, each micro-batch's weight gradients offloaded (the window sums them over the wave),
+        then released (W = 1: :meth:`backward`).
+
+        Args:
+            mbs: the micro-batches; grad_outs: per micro-batch, :meth:`backward`'s ``grad_out``;
+            positions, packed, masks: per micro-batch, as :meth:`forward_wave`'s.
+
+        Returns:
+            per micro-batch, the gradient of the stage input [B, T, D] (compute dtype, device), or None
+            on the first stage.
+        """
+        w, grads = len(mbs), list(grad_outs)
+        saved, ctxs, graphs = [], [None] * w, []
+        for j, mb in enumerate(mbs):
+            inputs, grad_h = self._restore(mb)
+            saved.append(inputs)
+            graphs.append(self._graphs.pop(mb, {}))
+            if self.is_last:
+                grads[j] = grad_h
         for block in reversed(self._recomputed):
-            x, rng = saved.pop()
+            held = [s.pop() for s in saved]  # per micro-batch: (input, RNG state)
             if block in self._rows:
-                self._embedding_backward(block, x, grad_out)
-                return None
+                for (x, _), g in zip(held, grads, strict=True):
+                    self._embedding_backward(block, x, g)
+                return [None] * w
             params = self.window.acquire(block)
-            if block in graphs:  # kept: its forward's graph, re-bound to the weights loaded now
-                grads, grad_out = graphs.pop(block).backward(params, grad_out)
-                self.window.offload(block, grads)
-            else:
-                if ctx is None and block != 0:
-                    ctx = self.model.context(x, position_ids, packed, token_mask)
-                grad_out = self._backward_block(block, params, x, rng, ctx, grad_out)
+            for j, (x, rng) in enumerate(held):
+                if block in graphs[j]:  # kept: its forward's graph, re-bound to the weights loaded now
+                    weight_grads, grads[j] = graphs[j].pop(block).backward(params, grads[j])
+                    self.window.offload(block, weight_grads)
+                    continue
+                if ctxs[j] is None and block != 0:
+                    ctxs[j] = self.model.context(x, positions[j], packed[j], masks[j])
+                grads[j] = self._backward_block(block, params, x, rng, ctxs[j], grads[j])
             self.window.release()
-        return grad_out
+        return grads
 
     def _backward_block(self, block, params, x, rng, ctx, grad_out):
         leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}

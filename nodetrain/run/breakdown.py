@@ -234,7 +234,7 @@ class StepBreakdown:
         static: what does not change between steps (``window_bytes``, ``resident_bytes``,
             ``num_resident``, ``resident_units`` (names, comma-separated), ``store_bytes``,
             ``device_optimizer_bytes``, ``num_on_device``, ``num_kept``, ``num_grad_on_device``,
-            ``grad_acc_bytes``), copied
+            ``grad_acc_bytes``, ``wave``, ``wave_bytes``), copied
             into every record.
         num_stages: stages per pipeline (P); the world is P × replicas, rank = replica · P + stage
             (replicas.py). Default: the whole world is one pipeline.
@@ -317,9 +317,8 @@ def combine_stages(records: list[dict], num_stages: int | None = None) -> dict:
     ``h2d_gbps``/``d2h_gbps`` bytes over worker-busy seconds of all ranks; ``window_bytes`` the
     largest rank's; ``accum_host_bytes``/``optim_host_bytes`` (host bytes of the gradient path) and
     ``*_bytes`` moved, ``*_busy_s``, ``num_resident`` (units resident on all devices),
-    ``num_on_device``, ``num_kept``, ``device_optimizer_bytes``, ``num_grad_on_device`` and
-    ``grad_acc_bytes`` summed; ``store_bytes`` one
-    node's store, as is.
+    ``num_on_device``, ``num_kept``, ``device_optimizer_bytes``, ``num_grad_on_device``,
+    ``grad_acc_bytes`` and ``wave_bytes`` summed; ``wave`` and ``store_bytes`` (one node's store) as is.
 
     Args:
         records: :meth:`StepBreakdown.stage_record` of every rank, in global rank order.
@@ -352,14 +351,10 @@ def combine_stages(records: list[dict], num_stages: int | None = None) -> dict:
     out["mfu"] = _rate(out["flops"], step_s * total("peak_flops"))
     out["window_bytes"] = max(r["window_bytes"] for r in records)
     out["num_resident"] = total("num_resident")
-    for key in (
-        "num_on_device",
-        "num_kept",
-        "device_optimizer_bytes",
-        "num_grad_on_device",
-        "grad_acc_bytes",
-    ):
-        out[key] = sum(r.get(key, 0) for r in records)  # optim.on_device, recompute, grad_on_device
+    device = ("num_on_device", "num_kept", "device_optimizer_bytes", "num_grad_on_device", "grad_acc_bytes")
+    for key in (*device, "wave_bytes"):
+        out[key] = sum(r.get(key, 0) for r in records)  # optim.on_device, recompute, grad_on_device, waves
+    out["wave"] = records[0].get("wave", 1)  # pipeline.wave: micro-batches per item, every stage
     out["num_rollbacks"] = sum(r.get("num_rollbacks", 0) for r in records[:p])  # one pipeline's units
     out["store_bytes"] = records[0]["store_bytes"]
     if "peak_flops_source" in records[0]:  # what ``mfu`` is measured against (select_peak_flops)

@@ -73,17 +73,19 @@ class P2P:
         """Seconds spent blocked in receives (bubble + P2P) since :meth:`reset_timer`."""
 
     def exchange(
-        self, group: tuple[Transfer, ...], out: torch.Tensor | None, mb_base: int
+        self, group: tuple[Transfer, ...], out: torch.Tensor | None, mb_base: int, wave: int = 1
     ) -> torch.Tensor | None:
         """Post one group of :func:`p2p_groups`; returns the received tensor, if the group receives.
 
         Args:
-            group: the transfers (micro-batch numbers within the round).
-            out: the previous action's output to send ([B, T, D] compute dtype, any device).
-            mb_base: index of the round's first micro-batch (tags are per step).
+            group: the transfers (item numbers within the round; an item is one micro-batch for W = 1).
+            out: the previous action's output to send ([B, T, D], or an item's [W, B, T, D], compute
+                dtype, any device).
+            mb_base: index of the round's first item (tags are per step).
+            wave: W, micro-batches per item (``pipeline.wave``): W > 1 receives [W, B, T, D].
 
         Returns:
-            [B, T, D] in the compute dtype on ``self.device``, or None.
+            [B, T, D] (W = 1) or [W, B, T, D] in the compute dtype on ``self.device``, or None.
         """
         if not group:
             return None
@@ -95,7 +97,8 @@ class P2P:
                 ops.append(P2POp("send", data, self.ranks[t.peer], tag))
                 counted.append(data)
             else:
-                buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                shape = self.shape if wave == 1 else (wave, *self.shape)
+                buf = torch.empty(shape, dtype=self.dtype, device=self.device)
                 ops.append(P2POp("recv", buf, self.ranks[t.peer], tag))
                 counted += [buf] if t.what == "grad" else []
         self._count(counted)

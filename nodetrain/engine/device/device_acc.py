@@ -7,6 +7,12 @@ accumulator through a staging buffer's two halves (staging.py) into the store's 
 :class:`~nodetrain.engine.device.window.Window` (a mixin: the window owns the buffers, the staging and
 the byte counts) for its resident blocks and for the streamed blocks of ``stream.grad_on_device``
 (core/placement.py). Does not own which blocks accumulate on the device (core/) or the buffers' memory.
+
+Waves (``pipeline.wave`` = W > 1): every other streamed block (not resident, not a row block, no device
+accumulator) sums its W micro-batches' gradients of an item in an fp32 wave-sum buffer (one per slot,
+sized by the largest such block, taken in rotation) and ships that sum once per item by the same path:
+the store's first arrival of the step overwrites, later ones add fp32 += fp32. A buffer is written
+again only once its previous ship has landed.
 """
 
 from __future__ import annotations
@@ -42,14 +48,60 @@ class DeviceAccumulation:
         if self._backwards_left[block] == 0 and block not in self._kept:
             self._ship(block)
 
-    def _ship(self, block: int) -> None:
-        """Queue the D2H copy of ``block``'s fp32 accumulator into the store (first write: a copy).
+    def _make_wave_buffers(self, blocks, slots: int, wave: int) -> None:
+        """``slots`` fp32 wave-sum buffers of the largest wave-summed block's numel (none when W = 1)."""
+        self.wave = wave
+        skip = {*self.resident, *self.rows, *self.grad_acc}
+        numel = max((self._numel(i) for i in blocks if i not in skip), default=0) if wave > 1 else 0
+        self._wave_bufs = [torch.empty(numel, dtype=torch.float32, device=self.device) for _ in range(slots)]
+        self._wave_bufs = self._wave_bufs if numel else []
+        self._wave_busy: list = [None] * len(self._wave_bufs)  # each buffer's last ship (a Future)
+        self._wave_open: dict[int, list[int]] = {}  # block -> [its buffer, adds so far] in the open wave
+        self._wave_next = 0
+
+    @property
+    def wave_nbytes(self) -> int:
+        """Device bytes of the fp32 wave-sum buffers, ``slots × 4 × largest wave-summed block`` (0: W = 1)."""
+        return sum(b.numel() * 4 for b in self._wave_bufs)
+
+    def _sums_waves(self, block: int) -> bool:
+        """Whether ``block``'s offloads add into a wave-sum buffer (W > 1, a streamed slotted block)."""
+        return bool(self._wave_bufs) and block not in self._resident and block not in self._acc_views
+
+    def _wave_add(self, block: int, grads: dict[str, torch.Tensor]) -> None:
+        """Add one micro-batch's gradients of ``block`` (local name -> compute dtype, device) into the
+        wave-sum buffer of its open wave (the first copies: no zeroing); after the W-th, ship the fp32
+        sum once (:meth:`_ship`). A buffer's first add of a wave waits for its previous ship."""
+        if block not in self._wave_open:
+            k = self._wave_next % len(self._wave_bufs)
+            self._wave_next += 1
+            busy = self._wave_busy[k]
+            if busy is not None and not busy.done():
+                with self.timeline.phase("d2h_wait"):
+                    busy.result()
+            self._wave_open[block] = [k, 0]
+        k, n = self._wave_open[block]
+        acc = self._wave_bufs[k]
+        for name, pos, shape in self._views[block]:
+            view = acc[pos : pos + math.prod(shape)].view(shape)
+            if n == 0:
+                view.copy_(grads[name])
+            else:
+                view.add_(grads[name])
+        self._wave_open[block][1] = n + 1
+        if n + 1 == self.wave:
+            del self._wave_open[block]
+            self._wave_busy[k] = self._ship(block, acc[: self._numel(block)])
+
+    def _ship(self, block: int, acc: torch.Tensor | None = None):
+        """Queue the D2H copy of ``block``'s fp32 accumulator (or of ``acc``, a flat fp32 device sum laid
+        out as the block's slot) into the store (first write: a copy); returns its Future.
 
         It takes the next staging buffer of the rotation and counts as an offload in flight, so a
         later offload's copy waits for it (``_free_staging``); it need not wait itself: its buffer is
         written only inside its job, after the buffer's previous job on the in-order D2H worker.
         It streams the accumulator through the buffer's two halves in chunks (``GradStaging.ship``)."""
-        acc, targets = self._grad_acc[block], self._grad_targets[block]
+        acc, targets = self._grad_acc[block] if acc is None else acc, self._grad_targets[block]
         jobs = []
         for name, pos, shape in self._views[block]:
             dst = targets[name]
@@ -69,6 +121,7 @@ class DeviceAccumulation:
                 self._on_arrival(block)
 
         self._offloads.append(self._d2h.submit(ship))
+        return self._offloads[-1]
 
     def _land(self, dst: torch.Tensor, first: bool, half: torch.Tensor) -> None:
         """D2H worker: write a landed ship chunk into its fp32 target."""

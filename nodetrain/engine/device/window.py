@@ -72,6 +72,8 @@ class Window(DeviceAccumulation):
             micro-batch uses (:meth:`gather_rows`, :meth:`offload_rows`), never through a slot.
         accum_threads: OpenMP team of the D2H worker, which adds the offloaded gradients into the
             host store (``stream.accum_threads``, split by ``host_threads.split_cores``); 0 = torch's.
+        wave: W, micro-batches per item (``pipeline.wave``): with W > 1 each streamed slotted block's W
+            offloads of an item are summed in an fp32 wave-sum buffer and shipped once (device_acc.py).
         gate: ``gate(block) -> list[Future]``, the updates a load of ``block`` waits for (called on
             the training thread when the load is issued; ``UnitUpdates.gate``); default none.
         on_arrival: ``on_arrival(block)``, called on the D2H worker once a block's gradients are in
@@ -82,7 +84,8 @@ class Window(DeviceAccumulation):
     streamed: their gathered rows and row gradients are per micro-batch) plus each resident block's
     ``numel × (compute itemsize + 4)`` bytes (its weights and its fp32 gradient accumulator) on the
     device (``nbytes``; ``resident_nbytes`` the latter), each ``grad_acc`` block's ``numel × 4``
-    (``grad_acc_nbytes``); ``slots × max block numel ×
+    (``grad_acc_nbytes``), with W > 1 ``slots × 4 × max wave-summed block numel`` (``wave_nbytes``);
+    ``slots × max block numel ×
     compute itemsize`` bytes of host staging (``staging_nbytes``; page-locked on CUDA, in whole
     pages: ``staging_pinned_nbytes``) and the D2H worker's fp32 scratch of ``accum_threads ×
     accumulate.CHUNK_PER_THREAD`` elements.
@@ -102,6 +105,7 @@ class Window(DeviceAccumulation):
         grad_acc=(),
         rows=(),
         accum_threads: int = 0,
+        wave: int = 1,
         gate=None,
         on_arrival=None,
         timeline=NULL_TIMELINE,
@@ -114,7 +118,7 @@ class Window(DeviceAccumulation):
         self.rows = sorted(set(rows))
         assert not set(self.rows) & set(self.resident), "a block is either resident or gathered as rows"
         assert all(len(bindings[i]) == 1 and len(bindings[i][0].shape) == 2 for i in self.rows), self.rows
-        self._make_buffers(blocks, slots, dtype, dict(device_grads or {}), grad_acc)
+        self._make_buffers(blocks, slots, dtype, dict(device_grads or {}), grad_acc, wave)
         self._backwards_left: dict[int, int] = {}  # accumulating block -> backwards left in the sequence
         self._acc_started: set[int] = set()  # blocks whose device accumulator was written since begin()
         self._views = {i: self._slot_views(bindings[i]) for i in blocks}
@@ -129,7 +133,6 @@ class Window(DeviceAccumulation):
         self._d2h = CopyWorker("d2h", None, self.device, accum_threads, faults)
         self._staging = GradStaging(slots, max(self._numel(i) for i in blocks), dtype, self.device)
         self._accum = HostAccumulator()  # used on the D2H worker only (its scratch, its team)
-        self._num_offloads = 0
         self._gate, self._on_arrival, self.timeline = gate, on_arrival, timeline
         self._seq: list[int] = []
         self._reuse: list[bool] = []  # per position of the sequence: shares the previous load (core)
@@ -137,7 +140,7 @@ class Window(DeviceAccumulation):
         self._slot_at: dict[int, torch.Tensor] = {}  # position -> buffer of a streamed load
         self._resident_loads: dict[int, tuple[Future, list[Future]]] = {}  # block -> this sequence's
         self._last_load: tuple[tuple[Future, list[Future]], torch.Tensor] | None = None  # latest streamed
-        self._next = self._cursor = self._streamed = self._in_flight = 0
+        self._next = self._cursor = self._streamed = self._in_flight = self._num_offloads = 0
         self._offloads: list[Future] = []  # staged offloads and ships, each holding a staging buffer
         self.stall_s = 0.0
         """Seconds compute waited for H2D since the last :meth:`begin`."""
@@ -149,10 +152,12 @@ class Window(DeviceAccumulation):
         resident accumulator's ship ``8`` (read its fp32 staging, write), its add into a shared target
         ``12``."""
 
-    def _make_buffers(self, blocks, slots: int, dtype: torch.dtype, device_grads: dict, grad_acc) -> None:
+    def _make_buffers(
+        self, blocks, slots: int, dtype: torch.dtype, device_grads: dict, grad_acc, wave: int
+    ) -> None:
         """The device buffers: ``slots`` slots sized by the largest streamed block, each resident
-        block's weights and its fp32 gradient accumulator (or ``device_grads``' views), and each
-        ``grad_acc`` block's fp32 gradient accumulator."""
+        block's weights and its fp32 gradient accumulator (or ``device_grads``' views), each
+        ``grad_acc`` block's fp32 gradient accumulator and, with ``wave`` > 1, the wave-sum buffers."""
         assert set(device_grads) <= set(self.resident), "a block keeps its optimizer only when resident"
         self.grad_acc = sorted(set(grad_acc))
         assert not set(self.grad_acc) & set(self.resident), "a resident block has its accumulator already"
@@ -169,6 +174,7 @@ class Window(DeviceAccumulation):
             if i not in self._kept
         }
         self._acc_views = {i: self._split(i, a) for i, a in self._grad_acc.items()} | self._kept
+        self._make_wave_buffers(blocks, slots, wave)
 
     def _split(self, block: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Local name -> the flat view of ``flat`` where ``block``'s binding of that name lies."""
@@ -183,9 +189,10 @@ class Window(DeviceAccumulation):
 
     @property
     def nbytes(self) -> int:
-        """Device bytes held by the slots, the resident blocks and the streamed blocks' accumulators."""
+        """Device bytes held by the slots, the resident blocks, the streamed blocks' accumulators and the
+        wave-sum buffers."""
         slots = sum(s.numel() * s.element_size() for s in self._slots)
-        return slots + self.resident_nbytes + self.grad_acc_nbytes
+        return slots + self.resident_nbytes + self.grad_acc_nbytes + self.wave_nbytes
 
     @property
     def grad_acc_nbytes(self) -> int:
@@ -245,6 +252,7 @@ class Window(DeviceAccumulation):
         self._written.clear()
         self._backwards_left = {b: n for b, n in (backwards or {}).items() if b in self._acc_views and n > 0}
         self._acc_started.clear()
+        assert not self._wave_open, f"waves left open: {self._wave_open}"
         self._next = self._cursor = self._streamed = self._in_flight = 0
         self._slot_at.clear()
         self._resident_loads.clear()
@@ -336,6 +344,9 @@ class Window(DeviceAccumulation):
             self._accumulate_on_device(block, grads)
             return
         check_writer("training", "the window's sequence")
+        if self._sums_waves(block):
+            self._wave_add(block, grads)
+            return
         self._free_staging()
         targets = self._grad_targets[block]
         jobs = []
@@ -438,6 +449,7 @@ class Window(DeviceAccumulation):
         assert self._next == len(self._seq) and not self._loads, "load sequence not fully consumed"
         left = {b: n for b, n in self._backwards_left.items() if n}
         assert not left, f"accumulating blocks' backwards left unshipped: {left}"
+        assert not self._wave_open, f"waves left unshipped: {self._wave_open}"
 
     def take_stats(self) -> dict[str, float]:
         """Bytes and busy seconds of both directions since the last call (after :meth:`flush`)."""
