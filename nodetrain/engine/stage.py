@@ -8,6 +8,10 @@ activations.py, ``stream.offload_activations``), the token-weighted loss on the 
 stage, and which blocks each action loads and offloads (:meth:`StageRunner.loads`). Does not own:
 the window mechanics (window.py) or the order of micro-batches (core/schedule.py).
 
+With waves (``pipeline.wave`` = W > 1, :meth:`StageRunner.forward_wave` / :meth:`StageRunner.backward_wave`)
+each block is acquired once per item and run on its W micro-batches in a row (layer-major), each
+micro-batch's gradients offloaded as before (the window sums them over the wave, device_acc.py).
+
 The last stage's head (final norm + lm_head) runs once per micro-batch: a training forward
 computes its loss and gradients chunk by chunk over tokens (linear_ce.py), offloads the weight
 gradients at once and keeps only the gradient of its input for the backward, which therefore

@@ -16,6 +16,8 @@ of the sequence share one load: the later ones reuse its slot, with no H2D and n
                accumulator since begin() overwrites it; a resident block's gradients (and a streamed
                one's of ``grad_acc``) are added into its device fp32 accumulator instead (DESIGN
                invariant 8), shipped once by its last backward (``begin(..., backwards=)`` counts);
+               with ``wave`` = W > 1 a streamed block's W offloads of an item are summed in an fp32
+               wave-sum buffer and shipped once (device_acc.py);
     flush()    waits for every queued offload (before the optimizer reads the accumulators).
     gate(block) (optional) returns futures a load must wait for before copying (the optimizer's
                updates of the block's units); a reused load is not gated again.
