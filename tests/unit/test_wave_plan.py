@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_step_time import HEAD, LAYER, SHAPE
+from test_step_time import HEAD, LAYER, SHAPE, _cpu_config
 from test_stream import BINDINGS, make_store  # noqa: F401  (a fixture)
 
+from nodetrain.config.checks import ConfigError, validate
+from nodetrain.config.schema import Config
+from nodetrain.core.batch import _candidates
 from nodetrain.core.placement import saved_transfer_bytes
 from nodetrain.core.recompute import kept_layers
 from nodetrain.core.schedule import build_schedule, in_flight_peak
 from nodetrain.core.step_plan import StepPlan
 from nodetrain.cost.memory import kept_activation_bytes, stage_memory
 from nodetrain.engine.device.window import Window
+from nodetrain.plan.planner import make_plan
 
 EMBED, L0, L1, HEAD_BLOCK = range(4)  # SHAPE's blocks on one stage
 
@@ -146,3 +150,36 @@ def test_the_window_ships_one_fp32_sum_per_item(make_store, dtype: torch.dtype) 
             window.flush()
     finally:
         window.close()
+
+
+def _refusal(cfg: Config) -> str:
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 1)
+    return str(err.value)
+
+
+def test_a_wave_is_refused_where_it_cannot_run() -> None:
+    """A wave that does not divide the micro-batches, and waves with activation offload, are refused
+    at start-up with the key, the value and the fix."""
+    cfg = _cpu_config("float32")
+    cfg.pipeline.microbatches, cfg.pipeline.wave = 4, 3
+    assert "pipeline.wave=3: does not divide pipeline.microbatches=4" in _refusal(cfg)
+    cfg.pipeline.wave, cfg.stream.offload_activations = 2, True
+    message = _refusal(cfg)
+    assert "pipeline.wave=2: runs a wave of micro-batches per load" in message, message
+    assert "set pipeline.wave=1 (or stream.offload_activations=false)" in message, message
+
+
+def test_resolve_with_waves_plans_items_and_says_so() -> None:
+    """The run resolved on a CPU profile: every stage's plan carries the wave and the start-up lines
+    say what it does; ``pipeline.microbatches=auto`` tries multiples of W only."""
+    cfg = _cpu_config("float32")
+    cfg.pipeline.microbatches, cfg.pipeline.wave = 4, 2
+    run = make_plan(cfg).run
+    assert {p.wave for p in run.plans} == {2} and run.plans[0].num_items == 2
+    assert any(
+        line.startswith("pipeline.wave=2: 2 items of 2 micro-batch(es) per step") for line in run.lines
+    )
+    assert {w.wave for w in run.works} == {2}
+    cfg.pipeline.microbatches = "auto"
+    assert {m % 2 for _, m in _candidates(cfg, 2, 1)} == {0}
