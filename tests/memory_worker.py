@@ -10,7 +10,7 @@ in the launch's one process group, each with an engine of its own):
 Writes ``out_dir/rank<r>.json``: {"stage", "blocks", "p2p_peak_buffers", "p2p_peak_bytes" (the
 engine's own high-water marks, ``P2P.peak_*``), "window_bytes" (the slots it allocated),
 "in_flight_peak" (most micro-batches whose block inputs the stage runner kept at once, read after
-each of its forwards)}.
+each of its forwards, of one micro-batch or of a wave)}.
 
     python -m torch.distributed.run --nproc_per_node 3 tests/memory_worker.py spec.json [spec.json ...]
 """
@@ -65,14 +65,14 @@ def run_spec(spec: dict) -> None:
         device=torch.device("cpu"),
     )
     runner, in_flight = engine.runner, [0]
-    forward = runner.forward
+    forward = runner.forward_wave  # every forward, of one micro-batch or a wave (pipeline.wave)
 
     def counted_forward(*args, **kwargs):
         out = forward(*args, **kwargs)
         in_flight[0] = max(in_flight[0], len(runner._saved))
         return out
 
-    runner.forward = counted_forward
+    runner.forward_wave = counted_forward
     num_mb = engine.run.batch.global_microbatches
     gen = torch.Generator().manual_seed(0)
     shape = (num_mb, cfg.train.micro_batch_size, cfg.train.seq_len)
