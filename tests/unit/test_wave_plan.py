@@ -19,6 +19,7 @@ from nodetrain.core.step_plan import StepPlan
 from nodetrain.cost.memory import kept_activation_bytes, stage_memory
 from nodetrain.engine.device.window import Window
 from nodetrain.plan.planner import make_plan
+from nodetrain.run.inject import Faults
 
 EMBED, L0, L1, HEAD_BLOCK = range(4)  # SHAPE's blocks on one stage
 
@@ -183,3 +184,27 @@ def test_resolve_with_waves_plans_items_and_says_so() -> None:
     assert {w.wave for w in run.works} == {2}
     cfg.pipeline.microbatches = "auto"
     assert {m % 2 for _, m in _candidates(cfg, 2, 1)} == {0}
+
+
+def test_a_wave_sum_buffer_is_rewritten_only_after_its_ship_landed(make_store) -> None:  # noqa: F811
+    """One slot (one wave-sum buffer) and a slowed D2H worker: block 1's wave ships from the buffer
+    while block 2's wave starts; its first add must wait for that ship, else the delayed ship would
+    read block 2's gradients into block 1's accumulator (without the wait this test fails)."""
+    store = make_store(torch.float32)
+    window = Window(store, BINDINGS, [1, 2], 1, "cpu", wave=2, faults=Faults(copy_delay_s=0.05))
+    ones = {"a": torch.ones(4, 4), "b": torch.ones(4)}
+    twos = {
+        "w": torch.full((4, 4), 2.0),
+        "n": torch.full((4,), 2.0),
+        "lm_head.weight": torch.full((8, 4), 2.0),
+    }
+    try:
+        window.begin([])
+        for block, g in ((1, ones), (1, ones), (2, twos), (2, twos)):
+            window.offload(block, g)
+        window.flush()
+        assert torch.equal(store.grad(1), torch.full((20,), 2.0))
+        assert torch.equal(store.grad(2), torch.full((20,), 4.0))
+        assert torch.equal(store.buffer(0, "grad_tied"), torch.full((32,), 4.0))
+    finally:
+        window.close()
