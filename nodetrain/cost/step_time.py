@@ -8,7 +8,8 @@ over as :class:`~nodetrain.cost.work.StageWork`), hardware profiles or verdicts 
 measuring (``bench/``), or anything that needs torch.distributed.
 
 Shapes as in ``memory.py``: n = B·T tokens per micro-batch, T = sequence length, e = compute-dtype
-bytes, S = stages, M = micro-batches per round, G = rounds per step (grad_accum).
+bytes, S = stages, M = micro-batches per round, G = rounds per step (grad_accum), W = micro-batches
+per wave (``pipeline.wave``): the schedule's items, each W micro-batches on one load per block.
 
 The step (:func:`step_time`): per stage max(compute, H2D, D2H, accumulation) per micro-batch,
 played out on the engine's schedule (``exposure.pipeline_times``), plus the optimizer seconds the
@@ -24,6 +25,7 @@ from dataclasses import dataclass, replace
 
 from nodetrain.cost.blocks import BlockCost, PassTimes, pass_times
 from nodetrain.cost.compute import ComputeRates, block_seconds, model_flops, stage_compute
+from nodetrain.cost.cores import core_seconds, shared_cores_floor
 from nodetrain.cost.exposure import (
     CLIP_FRACTION,
     MODES,
@@ -94,6 +96,8 @@ class StepTime:
     """Of ``compute_s``, the elementwise kernels' seconds."""
     overhead_s: float = 0.0
     """Of ``compute_s``, the decoder layers' fixed overheads (:attr:`ComputeRates.layer_overhead_s`)."""
+    recompute_s: float = 0.0
+    """Of ``compute_s``, the recomputed forwards (the compute less that with every layer kept)."""
     stage_compute_s: tuple[float, ...] = ()
     """Per stage, its compute seconds in the step (``compute_s`` is the largest)."""
     core_s: tuple[float, ...] = ()
@@ -144,19 +148,23 @@ class _Stages:
     passes: list[PassTimes]
     stretch: list[float]
     """Per stage, how much its shared cores slow its passes (1 on a GPU)."""
+    recompute: list[float]
+    """Per stage, the seconds of its compute that recompute forwards (its compute less that with every
+    layer kept, ``compute.block_work``)."""
 
 
 def _block_costs(shape, w: StageWork, n, t, e, compute, rates: HostRates) -> dict[int, BlockCost]:
     """A stage's blocks as :class:`~nodetrain.cost.blocks.BlockCost`: compute, each load spread over
     the block's passes (the head's forward only), offloads per backward at the link and the D2H
     worker's accumulation rate (the slower of the two), a resident block's one ship (and a streamed
-    block's with a device accumulator, ``w.grad_acc``, loaded per pass still)."""
-    m, last = w.num_microbatches, len(shape.unit_numels) - 1
+    block's with a device accumulator, ``w.grad_acc``, loaded per pass still). A pass is one pipeline
+    item: ``w.wave`` micro-batches in a row on each block, one load and one offload (issue 31)."""
+    m, last = w.num_items, len(shape.unit_numels) - 1
     link, d2h_link, accum = rates.link_bytes_per_s, rates.d2h_link_bytes_per_s or rates.link_bytes_per_s, 0.0
     accum = rates.accum_rate()
     out = {}
     for i in w.blocks:
-        f, b = block_seconds(shape, i, n, t, e, compute, i in w.kept)
+        f, b = (w.wave * x for x in block_seconds(shape, i, n, t, e, compute, i in w.kept))
         h2d, d2h, acc = block_traffic(shape, w, i, n=n, itemsize=e)
         worker = max(d2h / d2h_link, acc / accum)
         passes = m if i == last else 2 * m
@@ -185,7 +193,7 @@ def _stages(
     slots=2,
 ) -> _Stages:
     n, s = b * t, len(works)
-    out = _Stages([], [], [], [], [], [], [], [])
+    out = _Stages([], [], [], [], [], [], [], [], [])
     share = max(1, shared_cores // s)  # a stage's threads share its cores (one each at least)
     link = rates.link_bytes_per_s
     for w in works:
@@ -197,15 +205,17 @@ def _stages(
         out.actions.append(list(w.actions))
         out.traffic.append(x)
         out.compute_parts.append(parts)
+        unrecomputed = stage_compute(shape, w.blocks, n, t, itemsize, compute, w.blocks)
+        out.recompute.append(sum(parts) - w.num_microbatches * sum(unrecomputed))
         d2h_link = rates.d2h_link_bytes_per_s or link
         out.seconds.append(
             (sum(parts), x.h2d_bytes / link, x.d2h_bytes / d2h_link, x.accum_bytes / rates.accum_rate())
         )
         costs = _block_costs(shape, w, n, t, itemsize, compute, rates)
         p = pass_times([costs[i] for i in w.blocks], slots)
-        busy = w.num_microbatches * (p.forward_s + p.backward_s) + p.last_extra_s
+        busy = w.num_items * (p.forward_s + p.backward_s) + p.last_extra_s
         busy = max(busy, *out.seconds[-1][1:3])  # the link (activation offload's bytes too) at least
-        in_step = _core_seconds(sum(parts), x, rates.core_bytes_per_s, optimizer=False) if shared_cores else 0
+        in_step = core_seconds(sum(parts), x, rates.core_bytes_per_s, optimizer=False) if shared_cores else 0
         out.busy.append(max(busy, in_step / share))
         out.blocks.append(costs)
         out.passes.append(p)
@@ -380,7 +390,7 @@ def _phases(st: _Stages, works: list[StageWork], exposed: float, waits: float) -
     ``stall`` (its passes' loads beyond their compute, and the gated loads' copies after their
     updates), ``d2h_wait`` (offload slots and the flush) and ``optim`` (pending updates)."""
     k = max(range(len(works)), key=lambda j: st.busy[j])
-    p, m, x = st.passes[k], works[k].num_microbatches, st.stretch[k]
+    p, m, x = st.passes[k], works[k].num_items, st.stretch[k]
     return {
         "stall_s": x * m * p.stall_s + max(0.0, exposed - waits),
         "d2h_wait_s": x * (m * p.d2h_wait_s + p.last_extra_s),
@@ -408,7 +418,7 @@ def _floors(st: _Stages, traffic, rates: HostRates, optim, exposed: float, pipel
     (in the exposed seconds every stage's optimizer runs, all released by then, and little else),
     the slowest optimizer and the shared cores' floor; ``optim``: :func:`_optim_rates`'s."""
     optim_rates, optim_bound = optim
-    core_s, cores_s = _shared_cores(st, traffic, rates.core_bytes_per_s, shared_cores)
+    core_s, cores_s = shared_cores_floor(st.seconds, traffic, rates.core_bytes_per_s, shared_cores)
     compute, h2d, d2h, accum = (max(p[j] for p in st.seconds) for j in range(4))
     optimizer = max(x.optimizer_bytes / r for x, r in zip(traffic, optim_rates, strict=True))
     host_bytes = sum(x.host_bytes for x in traffic)
@@ -452,6 +462,7 @@ def _result(shape, st: _Stages, traffic, floors: _Floors, exposure, update_mode,
         attention_s=st.compute_parts[slowest][1],
         elementwise_s=st.compute_parts[slowest][2],
         overhead_s=st.compute_parts[slowest][3],
+        recompute_s=st.recompute[slowest],
         stage_compute_s=tuple(p[0] for p in st.seconds),
         core_s=tuple(floors.core_s),
         shared_cores_s=floors.cores_s,
@@ -471,24 +482,3 @@ def _bottleneck(
     if cores_s >= step and cores_s > max(pipeline + exposed, dram):
         out = "shared cores"
     return out
-
-
-def _shared_cores(st: _Stages, traffic, core_bytes_per_s: float, shared_cores: int):
-    """(per stage its CPU seconds, the step's floor from them) when the stages share ``shared_cores``
-    cores (else ``([], 0.0)``): work-conserving, every stage's CPU seconds over the node's cores, and
-    at least the busiest stage's over its share of them."""
-    if not shared_cores:
-        return [], 0.0
-    core_s = [_core_seconds(p[0], x, core_bytes_per_s) for p, x in zip(st.seconds, traffic, strict=True)]
-    per_stage = max(1, shared_cores // len(core_s))
-    return core_s, max(sum(core_s) / shared_cores, max(core_s) / per_stage)
-
-
-def _core_seconds(
-    compute_s: float, x: StageTraffic, core_bytes_per_s: float, optimizer: bool = True
-) -> float:
-    """A stage's CPU seconds in a step when its device is the CPU: ``compute_s``, plus the bytes its
-    H2D and D2H copies move (each byte read and written: 2 per byte copied), its gradient
-    accumulation and (``optimizer``) its optimizer move, at one core's bandwidth."""
-    moved = 2 * x.h2d_bytes + 2 * x.d2h_bytes + x.accum_bytes + (x.optimizer_bytes if optimizer else 0)
-    return compute_s + moved / core_bytes_per_s

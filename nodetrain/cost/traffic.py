@@ -23,6 +23,7 @@ __all__ = [
     "StageTraffic",
     "stage_traffic",
     "block_traffic",
+    "wave_offload_bytes",
     "speculative_bytes_per_param",
     "speculative_traffic",
 ]
@@ -92,6 +93,10 @@ def stage_traffic(
     (``work.on_device``) moves nothing and its units add no host optimizer bytes: their update's
     device bytes are ``device_optimizer_bytes``.
 
+    In waves (``work.wave`` = W > 1, ``pipeline.wave``) the loads are those of the step's M/W items
+    and a streamed block (the head too) ships its wave-summed fp32 gradient once per item
+    (:func:`wave_offload_bytes`); resident, device-accumulating and row blocks are unchanged.
+
     With ``offload_activations`` every micro-batch's saved block inputs (``saved_per_micro_batch``) go
     D2H after its forward and come back H2D before its backward.
 
@@ -124,7 +129,8 @@ def block_traffic(
     rules, which sums them (without the activation offload); the per-block overlap model
     (``blocks.py``) spreads them over the block's passes. A block with its optimizer on the device
     (``work.on_device``) moves nothing; a streamed one with a device accumulator (``work.grad_acc``)
-    its loads, ``4 × P`` D2H and ``8 × P`` host bytes."""
+    its loads, ``4 × P`` D2H and ``8 × P`` host bytes; a streamed one in waves of W > 1 micro-batches
+    (``work.wave``) :func:`wave_offload_bytes`, the streamed embedding's rows still per micro-batch."""
     e, p, num_mb = itemsize, shape.load_numels[block], work.num_microbatches
     if block in work.on_device:
         return 0, 0, 0
@@ -138,7 +144,19 @@ def block_traffic(
     loads = sum(1 for i in work.loads if i == block) * p * e
     if block in work.grad_acc:
         return loads, 4 * p, 8 * p
+    if work.wave > 1:
+        return (loads, *wave_offload_bytes(p, work.num_items))
     return loads, num_mb * p * e, num_mb * p * e + 4 * p + (num_mb - 1) * 8 * p
+
+
+def wave_offload_bytes(numel: int, items: int) -> tuple[int, int]:
+    """(D2H, host accumulation) bytes per step of a streamed block of ``numel`` elements whose weight
+    gradients are summed on the device over each wave (``pipeline.wave`` > 1) and shipped once per
+    item in fp32: ``items × 4·P`` D2H; the host reads each staged fp32 copy (4·P), the step's first
+    arrival overwrites the accumulator (write 4·P) and each later one adds fp32 += fp32 (read and write
+    8·P): ``items·4·P + 4·P + (items − 1)·8·P``. One item per step (W = M): 4·P D2H and 8·P host bytes,
+    as a device accumulator's (``stream.grad_on_device``). Source: issue 31 (the engine's wave rule)."""
+    return items * 4 * numel, items * 4 * numel + 4 * numel + (items - 1) * 8 * numel
 
 
 def speculative_bytes_per_param(rolled_back: bool) -> int:

@@ -29,6 +29,7 @@ from nodetrain.cost.shape import ModelShape, shape_of
 from nodetrain.cost.step_time import HostRates, StepTime
 from nodetrain.model import HFModel, build_hf_config
 from nodetrain.plan.verdict import hints, problems
+from nodetrain.plan.waves import WaveOption, wave_options
 
 __all__ = ["GB", "Plan", "make_plan", "model_of", "compute_bound_batch"]
 
@@ -81,6 +82,9 @@ class Plan:
     compute_bound: tuple[int, int, StepTime] | None = None
     """With the tier or activation offload: the smallest batch found compute-bound,
     (micro-batch size, micro-batches, its step), by :func:`compute_bound_batch`; None: none found."""
+    waves: tuple[WaveOption, ...] = ()
+    """The batch priced at every ``pipeline.wave`` dividing its micro-batches per round
+    (``waves.wave_options``)."""
 
     @property
     def batch(self) -> BatchShape:
@@ -202,6 +206,7 @@ def make_plan(cfg: Config, model: HFModel | None = None) -> Plan:
         compute_bound=compute_bound_batch(cfg, shape, num_stages, max_b)
         if cfg.store.tier == "nvme" or cfg.stream.offload_activations
         else None,
+        waves=wave_options(cfg, shape, machine, batch, num_stages),
     )
 
 

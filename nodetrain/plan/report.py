@@ -18,6 +18,7 @@ from nodetrain.cost.memory import (
     NCCL_MARGIN_BYTES,
 )
 from nodetrain.plan.planner import GB, Plan
+from nodetrain.plan.waves import wave_lines
 
 __all__ = ["render"]
 
@@ -118,7 +119,7 @@ def _stage_table(plan: Plan) -> Table:
         table.add_row(
             str(st.stage),
             span,
-            _gb(st.window_bytes),
+            _gb(st.window_bytes) + (f" (sums {_gb(st.wave_bytes)})" if st.wave_bytes else ""),
             *(_gb(optional[name][k]) for name in shown),
             f"{_gb(st.saved_bytes)} ({st.in_flight})",
             f"{_gb(st.p2p_bytes)} ({st.p2p_buffers})",
@@ -243,6 +244,7 @@ def _summary(plan: Plan) -> list[str]:
     lines = [
         *plan.choices,
         f"bottleneck: [bold]{t.bottleneck}[/]",
+        _left_line(plan),
         f"host side: {r.ranks} rank(s) share {r.host_bytes_per_s / GB:,.0f} GB/s of DRAM; each rank's "
         f"{r.accum_threads} accumulation + {r.optim_threads} optimizer thread(s) at "
         f"{r.core_bytes_per_s / GB:,.1f} GB/s per core{_measured_rates(r)}; link "
@@ -251,6 +253,7 @@ def _summary(plan: Plan) -> list[str]:
         f"MFU {t.mfu(plan.peak_flops):.1%} (model FLOPs 6·N·tokens + attention, PaLM arXiv:2204.02311, "
         f"over {plan.peak_flops / 1e12:,.1f} TFLOP/s peak at {hw.matmul_efficiency:.0%} matmul efficiency)",
         _exposure_line(plan),
+        *wave_lines(plan.waves, plan.cfg.pipeline.wave, plan.peak_flops),
         f"largest micro-batch that fits: train.micro_batch_size={plan.max_micro_batch}",
         *_budget_line(plan),
         f"training budget: {plan.train_tokens / 1e9:,.1f}B tokens ({budget}) = "
@@ -263,6 +266,22 @@ def _summary(plan: Plan) -> list[str]:
             "scaling; nodetrain itself runs one node)"
         )
     return lines
+
+
+def _left_line(plan: Plan) -> str:
+    """What the step holds beyond the slowest stage's compute (the busiest stage's waits, the bubble,
+    the optimizer the next step waits for), and the MFU of the compute alone, with and without its
+    recompute: what is left above the bottleneck."""
+    t, peak = plan.time, plan.peak_flops
+    ceiling = t.model_flops / t.compute_s / peak if t.compute_s > 0 else 0.0
+    bare = t.model_flops / (t.compute_s - t.recompute_s) / peak if t.compute_s > t.recompute_s else 0.0
+    return (
+        f"  beyond compute ({t.compute_s:,.3f} s, of it recompute {t.recompute_s:,.3f} s): "
+        f"{max(0.0, t.step_s - t.compute_s):,.3f} s of the step (waits for loads {t.stall_s:,.3f}, for "
+        f"offloads and the flush {t.d2h_wait_s:,.3f}, for the optimizer {t.optimizer_exposed_s:,.3f}; "
+        f"bubble {max(0.0, t.bubble_s):,.3f}); MFU of the compute alone {ceiling:.1%}, without recompute "
+        f"{bare:.1%}"
+    )
 
 
 def _compute_bound_line(plan: Plan) -> str:
