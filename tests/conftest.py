@@ -141,6 +141,9 @@ def run_torchrun(nproc: int, script: Path, *args: str, timeout_s: float = 180) -
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         pytest.fail(f"torchrun timed out after {timeout_s}s: {' '.join(cmd)}\n{output[-8000:]}")
+    except BaseException:  # interrupted (gpu_check.sh's SIGINT at its limit): the job must not outlive us
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     if proc.returncode != 0:
         pytest.fail(f"torchrun exited {proc.returncode}: {' '.join(cmd)}\n{output[-8000:]}")
     return output
