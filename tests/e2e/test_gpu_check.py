@@ -19,8 +19,10 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -252,3 +254,36 @@ def test_the_copy_figures_go_into_check_json_and_the_profile_lines(tmp_path: Pat
     (tmp_path / "copy_bandwidth.json").write_text(json.dumps(copies))
     step = _check_json.collect(tmp_path, False, [0] * n, [1] * n)["steps"]["copy_bandwidth"]
     assert not step["passed"] and step["errors"] == copies["errors"] and step["h2d_pinned_gbps"] == 52.5
+
+
+def test_a_killed_job_leaves_no_rank_behind() -> None:
+    """``bench._launch.kill_job`` (the check's and the tests' launches, at a timeout or an interrupt):
+    a launcher whose "rank" runs in a session of its own, as torchrun starts its ranks, leaves
+    nothing behind; killing the launcher's process group alone, as before, left the rank running."""
+    import psutil
+
+    from bench._launch import kill_job
+
+    spawn = (
+        "import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
+        "time.sleep(60)"
+    )
+    for fixed in (False, True):
+        proc = subprocess.Popen([sys.executable, "-c", spawn], start_new_session=True)
+        launcher = psutil.Process(proc.pid)
+        while not launcher.children():
+            time.sleep(0.01)
+        (rank,) = launcher.children()
+        if fixed:
+            kill_job(proc)
+        else:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        try:
+            rank.wait(timeout=5 if fixed else 0.5)
+            survived = False
+        except psutil.TimeoutExpired:
+            rank.kill()  # the old way's leftover
+            survived = True
+        assert survived != fixed
