@@ -34,6 +34,10 @@ RUN_KEYS = (
     "startup_s",
     "startup_gbps",
 )
+COPY_SUFFIXES = ("_gbps", "pinned")
+"""bench/copy_bandwidth.py's figures (GB/s) and page-lock flags, whichever it wrote."""
+COPY_KEYS = ("device", "both_overlapped", "h2d_mb", "d2h_mb", "repeats", "errors")
+"""And what they mean: where, the two directions overlapped, MB per copy, repeats, parts that failed."""
 PEER_KEYS = ("tokens_per_s", "mfu", "step_s", "init_s", "max_mem_gb", "layers")
 
 
@@ -79,7 +83,9 @@ def collect(out: Path, dry_run: bool, rcs: list[int], secs: list[int]) -> dict:
     steps = {n: {"rc": rc, "s": s, "passed": rc == 0} for n, rc, s in zip(STEPS, rcs, secs, strict=True)}
     _gpu_tests(steps["gpu_tests"], out)
     copies = load(out / "copy_bandwidth.json")
-    steps["copy_bandwidth"].update({k: v for k, v in copies.items() if k.endswith(("_gbps", "pinned"))})
+    steps["copy_bandwidth"].update({k: v for k, v in copies.items() if k.endswith(COPY_SUFFIXES)})
+    steps["copy_bandwidth"].update({k: copies.get(k) for k in COPY_KEYS})
+    steps["copy_bandwidth"]["passed"] &= bool(copies.get("passed"))
     two = load(out / "two_rank" / "two_rank.json")
     steps["two_rank"].update(
         {k: two.get(k) for k in ("max_abs_diff", "tolerance", "backend_1rank", "backend_2rank")}

@@ -1,8 +1,13 @@
-"""The torchrun command line the benchmarks launch ``nodetrain.train`` with (one node, a free port)."""
+"""The torchrun command line the benchmarks launch ``nodetrain.train`` with (one node, a free port), and
+how a launched job is killed (the tests' launches too: tests/conftest.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
+import subprocess
 import sys
 
 
@@ -18,3 +23,20 @@ def train_cmd(nproc: int, run_dir, *overrides: str) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
     cmd += [f"--master_port={free_port()}", "-m", "nodetrain.train", f"hydra.run.dir={run_dir}"]
     return cmd + list(overrides)
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL a torchrun job started with ``start_new_session=True``: its process group and every
+    process under the launcher. torchrun starts each rank in a session of its own, so killing the
+    group alone leaves the ranks running (holding the GPU and the host store) after a timeout."""
+    import psutil
+
+    try:
+        ranks = psutil.Process(proc.pid).children(recursive=True)  # before they lose their parent
+    except psutil.NoSuchProcess:
+        ranks = []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for rank in ranks:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            rank.kill()

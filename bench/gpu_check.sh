@@ -13,13 +13,19 @@
 # whole check is sized for 8 minutes on one H200 (DEADLINE_S): each step after gpu_syncs gets the
 # time left less what the steps after it expect (EXPECT_*_S, estimates for an H200), so a slow
 # machine skips the optional parts (the automatic-residency run, the FSDP2 peer) rather than overrun.
-# 1. gpu_tests: `pytest -m gpu` (the CUDA cases of tests/dist/test_gpu.py, whose CPU cases run in the
-#    suite: CUDA parity in fp32 against a CUDA reference, side-stream copies, a slot reloaded only
-#    after its reads with no host sync before release(), the D2H staging wait, saved inputs' round
-#    trip through pinned host buffers (stream.offload_activations), CUDA timeline), ≤ 150 s, log and
-#    JUnit XML;
-# 2. copy_bandwidth: bench/copy_bandwidth.py, H2D from the page-locked store and D2H through the
-#    pinned staging, next to pageable copies, ≤ 60 s;
+# 1. gpu_tests: `pytest -m gpu` over GPU_TESTS (their CPU cases run in the suite): tests/dist/test_gpu.py
+#    (CUDA parity in fp32 against a CUDA reference, side-stream copies, a slot reloaded only after its
+#    reads with no host sync before release(), the D2H staging wait, saved inputs' round trip through
+#    pinned host buffers (stream.offload_activations), CUDA timeline); a resident unit's ship through
+#    pinned halves (tests/unit/test_host_accumulation.py); CUDA parity in fp32 of the optimizer on the
+#    device, kept activations and streamed units' device accumulators (tests/parity/test_on_device.py,
+#    test_recompute.py, test_grad_on_device.py; one stage each: one GPU), ≤ 150 s (then SIGINT: the
+#    tests done so far are kept), log with the slowest tests' seconds, and JUnit XML;
+# 2. copy_bandwidth: bench/copy_bandwidth.py, the link with plain page-locked copies (H2D one 3B
+#    decoder layer in bf16, 201 MB; D2H its fp32 gradient, 403 MB): each direction alone and while the
+#    other runs, by CUDA events on side streams, next to pageable copies, then the window's own paths
+#    (H2D from the page-locked store, D2H through the pinned staging, Window.offload), ≤ 60 s;
+#    `bench/copy_bandwidth.py --profile-lines RESULTS_DIR/check.json` prints the profile's link lines;
 # 3. two_rank: bench/gpu_two_rank.py, 2 ranks (two stages) sharing the one GPU with
 #    dist.backend=gloo (NCCL refuses two ranks on one device) against 1 rank (NCCL), 1F1B, fp32,
 #    5 steps: the losses must agree to 1e-5, ≤ 150 s;
@@ -67,6 +73,10 @@ if [[ "$dry_run" == "--dry-run" ]]; then
     extra=(--dry-run --store-dir "$store_dir")
 fi
 
+# every file holding a gpu-marked test (tests/e2e/test_gpu_check.py checks that none is missing)
+GPU_TESTS=(tests/dist/test_gpu.py tests/unit/test_host_accumulation.py tests/parity/test_on_device.py
+           tests/parity/test_recompute.py tests/parity/test_grad_on_device.py)
+
 t0=$(date +%s)
 "$py" - >"$out/env.json" <<'EOF'
 import json, torch
@@ -75,8 +85,10 @@ print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
                   "gpu": torch.cuda.get_device_name(0) if cuda else None}))
 EOF
 
-timeout 150 "$py" -m pytest -m gpu -q -p no:cacheprovider --junitxml "$out/gpu_tests.xml" tests/dist/test_gpu.py \
-    >"$out/gpu_tests.log" 2>&1
+# SIGINT at the limit: pytest then kills the torchrun job in flight (conftest.run_torchrun) and still
+# writes the JUnit XML of the tests done; -k: killed 15 s later if it did not stop
+timeout -s INT -k 15 150 "$py" -m pytest -m gpu -q -p no:cacheprovider --durations=25 \
+    --junitxml "$out/gpu_tests.xml" "${GPU_TESTS[@]}" >"$out/gpu_tests.log" 2>&1
 tests_rc=$?
 tail -n 3 "$out/gpu_tests.log"
 t1=$(date +%s)

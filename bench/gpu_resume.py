@@ -37,7 +37,7 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench._gpu_shapes import DENSE  # noqa: E402
-from bench._launch import free_port  # noqa: E402
+from bench._launch import free_port, kill_job  # noqa: E402
 
 STEPS, K = 6, 3
 """Steps of the uninterrupted run; the step the resumed one starts from."""
@@ -62,15 +62,25 @@ def _launch(name: str, overrides: list[str], out: Path, timeout_s: float) -> lis
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keep /tmp/site
     env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=path)
     print("+", " ".join(cmd), flush=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, text=True, capture_output=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as e:
-        raise RuntimeError(f"{name}: killed after {timeout_s:.0f} s") from e
-    (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except BaseException as e:  # a timeout, or this process stopped: the rank must not outlive it
+        kill_job(proc)
+        if isinstance(e, subprocess.TimeoutExpired):
+            raise RuntimeError(f"{name}: killed after {timeout_s:.0f} s") from e
+        raise
+    (out / f"{name}.log").write_text(stdout + stderr)
     if proc.returncode != 0:
-        raise RuntimeError(
-            f"{name}: exit {proc.returncode}; see {out / f'{name}.log'}:\n{proc.stderr[-2000:]}"
-        )
+        raise RuntimeError(f"{name}: exit {proc.returncode}; see {out / f'{name}.log'}:\n{stderr[-2000:]}")
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if "loss" in r]
 

@@ -46,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench._gpu_shapes import DENSE, SHAPES, GpuShape, fit_layers  # noqa: E402
-from bench._launch import train_cmd  # noqa: E402
+from bench._launch import kill_job, train_cmd  # noqa: E402
 from nodetrain.run.breakdown import PHASES  # noqa: E402
 
 
@@ -113,12 +113,12 @@ def train(name: str, overrides: list[str], out: Path, timeout_s: float, nproc: i
     try:
         output, _ = proc.communicate(timeout=max(timeout_s, 1))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_job(proc)
         output, _ = proc.communicate()
         (out / f"{name}.log").write_text(output)
         raise RuntimeError(f"{name}: killed after {timeout_s:.0f} s; see {out / f'{name}.log'}") from None
     except BaseException:  # SIGTERM or Ctrl-C: the job must not outlive this process
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_job(proc)
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)

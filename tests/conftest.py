@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -128,6 +127,13 @@ def start_job(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
     )
 
 
+def kill_job(proc: subprocess.Popen) -> None:
+    """``bench._launch.kill_job``: the launcher's group and its ranks (each in a session of its own)."""
+    from bench._launch import kill_job as kill
+
+    kill(proc)
+
+
 def run_torchrun(nproc: int, script: Path, *args: str, timeout_s: float = 180) -> str:
     """Run ``script`` under ``torch.distributed.run`` with ``nproc`` ranks; returns its output.
 
@@ -138,9 +144,12 @@ def run_torchrun(nproc: int, script: Path, *args: str, timeout_s: float = 180) -
     try:
         output, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_job(proc)
         output, _ = proc.communicate()
         pytest.fail(f"torchrun timed out after {timeout_s}s: {' '.join(cmd)}\n{output[-8000:]}")
+    except BaseException:  # interrupted (gpu_check.sh's SIGINT at its limit): the job must not outlive us
+        kill_job(proc)
+        raise
     if proc.returncode != 0:
         pytest.fail(f"torchrun exited {proc.returncode}: {' '.join(cmd)}\n{output[-8000:]}")
     return output

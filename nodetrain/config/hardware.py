@@ -66,8 +66,10 @@ class HardwareConfig:
     ``bench/cpu_profile.py --threads 1``); a team of k threads reaches k × this, at most the rank's
     share of ``host_memory_bandwidth_gbps``."""
     host_link_d2h_gbps: float = checked(0.0, at_least(0, "use 0 when not known"))
-    """Device → host bandwidth of one device when measured apart (``bench/copy_bandwidth.py``), GB/s;
-    0 = ``host_link_gbps``."""
+    """Device → host bandwidth of one device when measured apart, GB/s; 0 = ``host_link_gbps``.
+    ``bench/copy_bandwidth.py`` measures both (page-locked, each direction alone, and each while the
+    other runs) and ``--profile-lines`` prints them as profile lines; the planner prices the two
+    directions as independent, each at its own figure."""
     host_link_gated_gbps: float = checked(0.0, at_least(0, "use 0 when not known"))
     """Host → device bandwidth while the CPU AdamW runs on the same DRAM (a step's first loads wait for
     their units' updates and cross beside the optimizer), GB/s; 0 = ``host_link_gbps``."""

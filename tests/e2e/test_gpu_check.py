@@ -12,23 +12,38 @@ start-up read from a log) are checked on their own below, each with a case that 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
+import yaml
 from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
 sys.path.insert(0, str(ROOT))
-from bench import _check_json  # noqa: E402
+from bench import _check_json, copy_bandwidth  # noqa: E402
 from bench._gpu_shapes import DENSE, MOE  # noqa: E402
+
+LINK_KEYS = (
+    "h2d_pinned_gbps",
+    "d2h_pinned_gbps",
+    "h2d_while_d2h_gbps",
+    "d2h_while_h2d_gbps",
+    "h2d_pageable_gbps",
+    "d2h_pageable_gbps",
+)
+"""bench/copy_bandwidth.py's link figures, GB/s, in copy_bandwidth.json and check.json's step."""
 
 
 def test_syntax_and_usage(tmp_path: Path) -> None:
@@ -73,10 +88,12 @@ def test_dry_run_writes_the_results(tmp_path: Path) -> None:
     two = json.loads((out / "two_rank" / "two_rank.json").read_text())
     assert len(two["losses_1rank"]) == len(two["losses_2rank"]) == 5
     copies = json.loads((out / "copy_bandwidth.json").read_text())
-    keys = ("h2d_store_gbps", "h2d_pageable_gbps", "d2h_staging_gbps", "d2h_pageable_gbps", "offload_gbps")
-    for key in keys:
-        assert copies[key] > 0, key
-    assert copies["device"] == "cpu" and not copies["staging_pinned"]
+    for key in (*LINK_KEYS, "h2d_store_gbps", "d2h_staging_gbps", "offload_gbps"):
+        assert copies[key] > 0 and steps["copy_bandwidth"][key] == copies[key], key
+    assert copies["device"] == "cpu" and not copies["staging_pinned"] and not copies["host_pinned"]
+    assert steps["copy_bandwidth"]["errors"] == {} and steps["copy_bandwidth"]["d2h_mb"] == 8.0
+    lines = copy_bandwidth.profile_lines(out / "check.json")  # the documented --profile-lines
+    assert any("DRY RUN" in line for line in lines) and lines[-1].startswith("host_link_d2h_gbps: ")
     summary = json.loads((out / "summary.json").read_text())
     run = summary["runs"]["streamed"]
     for key in ("tflops", "mfu", "h2d_gbps", "d2h_gbps", "stall_pct", "step_s", "shares_pct"):
@@ -193,3 +210,80 @@ def test_resume_comparison_fails_on_any_difference(tmp_path: Path) -> None:
         and not result["checkpoint_equal"]
         and result["tensors_differ"] == ["master/model.w"]
     )
+
+
+def test_the_check_runs_every_file_with_a_gpu_marked_test() -> None:
+    """gpu_check.sh's pytest step (``GPU_TESTS``) names every test file holding a gpu-marked test:
+    a CUDA case left out runs nowhere (CI has no GPU)."""
+    listed = re.search(r"GPU_TESTS=\(([^)]*)\)", SCRIPT.read_text()).group(1).split()
+    marked = [
+        str(p.relative_to(ROOT))
+        for p in sorted((ROOT / "tests").rglob("test_*.py"))
+        if re.search(r"pytest\.mark\.gpu\b", p.read_text())
+    ]
+    assert sorted(listed) == sorted(marked)
+    assert all((ROOT / f).is_file() for f in listed)
+
+
+def test_the_copy_figures_go_into_check_json_and_the_profile_lines(tmp_path: Path) -> None:
+    """copy_bandwidth.json's figures land in check.json's copy_bandwidth step, which fails when a part
+    of the bench failed; ``--profile-lines`` prints pastable ``hardware`` lines from it (pinned, each
+    direction alone), the other figures in comments."""
+    figures = dict(zip(LINK_KEYS, (52.5, 49.25, 40.0, 38.0, 9.0, 6.5), strict=True))
+    copies = {"device": "cuda:0", "h2d_mb": 201.4, "d2h_mb": 402.8, "repeats": 10, "errors": {}}
+    copies.update(figures, host_pinned=True, both_overlapped=True, passed=True)
+    (tmp_path / "copy_bandwidth.json").write_text(json.dumps(copies))
+    (tmp_path / "env.json").write_text(json.dumps({"gpu": "NVIDIA H200", "torch": "2.11.0+cu130"}))
+    n = len(_check_json.STEPS)
+    check = _check_json.collect(tmp_path, False, [0] * n, [1] * n)
+    step = check["steps"]["copy_bandwidth"]
+    assert step["passed"] and {k: step[k] for k in LINK_KEYS} == figures and step["both_overlapped"]
+    (tmp_path / "check.json").write_text(json.dumps(check))
+    lines = copy_bandwidth.profile_lines(tmp_path / "check.json")
+    assert "NVIDIA H200" in lines[0] and not any("DRY RUN" in line for line in lines)
+    values = yaml.safe_load("\n".join(lines))
+    assert values == {"host_link_gbps": 52.5, "host_link_d2h_gbps": 49.2}  # one decimal, as printed
+    assert (
+        "alone (201 MB copies, median of 10); 40.0 with the other direction running, 9.0 pageable" in lines[1]
+    )
+    assert "D2H alone (403 MB copies, median of 10); 38.0 with the other" in lines[2]
+    from nodetrain.config.hardware import HardwareConfig
+
+    assert set(values) <= {f.name for f in dataclasses.fields(HardwareConfig)}
+    copies.update(passed=False, errors={"window": "RuntimeError: cudaHostRegister failed"})
+    (tmp_path / "copy_bandwidth.json").write_text(json.dumps(copies))
+    step = _check_json.collect(tmp_path, False, [0] * n, [1] * n)["steps"]["copy_bandwidth"]
+    assert not step["passed"] and step["errors"] == copies["errors"] and step["h2d_pinned_gbps"] == 52.5
+
+
+def test_a_killed_job_leaves_no_rank_behind() -> None:
+    """``bench._launch.kill_job`` (the check's and the tests' launches, at a timeout or an interrupt):
+    a launcher whose "rank" runs in a session of its own, as torchrun starts its ranks, leaves
+    nothing behind; killing the launcher's process group alone, as before, left the rank running."""
+    import psutil
+
+    from bench._launch import kill_job
+
+    spawn = (
+        "import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
+        "time.sleep(60)"
+    )
+    for fixed in (False, True):
+        proc = subprocess.Popen([sys.executable, "-c", spawn], start_new_session=True)
+        launcher = psutil.Process(proc.pid)
+        while not launcher.children():
+            time.sleep(0.01)
+        (rank,) = launcher.children()
+        if fixed:
+            kill_job(proc)
+        else:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        try:
+            rank.wait(timeout=5 if fixed else 0.5)
+            survived = False
+        except psutil.TimeoutExpired:
+            rank.kill()  # the old way's leftover
+            survived = True
+        assert survived != fixed

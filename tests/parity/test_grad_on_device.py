@@ -18,12 +18,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 from test_checkpoint_runs import (
     check_resume_across,
     work,  # noqa: F401  (the module's corpus and store directory, a fixture)
 )
-from test_parity import Case, check_run, launch_cases
+from test_parity import Case, check_parity, check_run, launch_cases
 
 _ALL = ("embed", "layers.0", "layers.1", "layers.2", "layers.3", "head")
 _MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_experts": 4, "mlp_only_layers": [0]}
@@ -110,6 +111,20 @@ def test_grad_on_device_parity_with_transformers_adamw(case: Case, launched) -> 
     run, reports, *rest = launched[case.id]
     assert [u for r in reports for u in r["grad_acc"]] == list(case.grad_acc), "not the placement named"
     check_run(case, run, *rest)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (gpu-marked)")
+def test_grad_on_device_parity_on_cuda(tmp_path: Path, shm_dir: Path, torchrun) -> None:
+    """Streamed units' fp32 accumulators on a CUDA device: one stage, tied (the embedding's rows and
+    the head's use of it in two device buffers, both shipped into unit 0's gradient), GPipe, 2 × 4
+    micro-batches; each unit's gradient leaves once per step (check_d2h_bytes: 4 B per parameter),
+    loss, gradient norm and weights against transformers + ``torch.optim.AdamW`` on the same GPU
+    (check_parity's measured tolerance), and the untied-gradient mutant fails. Not yet run on a GPU."""
+    case = ONE_STAGE[0]
+    assert case.stages == 1 and case.grad_acc == _ALL
+    run = check_parity(case, tmp_path, shm_dir, torchrun, device="cuda")
+    assert {s["breakdown"]["num_grad_on_device"] for s in run.steps} == {len(_ALL)}
 
 
 def _params(model_dir: Path) -> dict[str, int]:

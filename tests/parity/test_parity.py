@@ -334,9 +334,17 @@ class Run:
 
 
 def run_nodetrain(
-    case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs, labels, torchrun, device: str = "cpu"
+    case: Case,
+    tmp: Path,
+    shm_dir: Path,
+    model_dir: Path,
+    inputs,
+    labels,
+    torchrun,
+    device: str = "cpu",
+    overrides: dict | None = None,
 ) -> Run:
-    spec_file = write_spec(case, tmp, shm_dir, model_dir, inputs, labels, device=device)
+    spec_file = write_spec(case, tmp, shm_dir, model_dir, inputs, labels, overrides, device=device)
     torchrun(case.stages, WORKER, str(spec_file), timeout_s=150)
     return read_run(case, tmp / "out")
 
@@ -528,14 +536,21 @@ def test_parity_with_transformers_adamw(case: Case, launched) -> None:
     check_run(case, *launched(case))
 
 
-def check_parity(case: Case, tmp_path: Path, shm_dir: Path, torchrun, device: str = "cpu") -> None:
-    """Run ``case`` on ``device`` (one rank per stage) and compare it with the reference on the same
-    device."""
+def check_parity(
+    case: Case, tmp_path: Path, shm_dir: Path, torchrun, device: str = "cpu", overrides: dict | None = None
+) -> Run:
+    """Run ``case`` on ``device`` (one rank per stage; ``overrides``: config keys over the case's) and
+    compare it with the reference on the same device; returns the run. On CUDA each rank takes its own
+    GPU (parity_worker.py: ``cuda:<local rank>``, NCCL refuses two ranks on one device), so a case of
+    more stages than the machine has GPUs is skipped, named."""
+    if device == "cuda" and case.stages > torch.cuda.device_count():
+        pytest.skip(f"{case.id}: {case.stages} stages need as many GPUs, {torch.cuda.device_count()} here")
     model_dir = tmp_path / "hf"
     save_seeded_model(case, model_dir)
     inputs, labels, lengths = make_batches(case)
-    run = run_nodetrain(case, tmp_path, shm_dir, model_dir, inputs, labels, torchrun, device)
+    run = run_nodetrain(case, tmp_path, shm_dir, model_dir, inputs, labels, torchrun, device, overrides)
     check_run(case, run, model_dir, inputs, labels, lengths, device)
+    return run
 
 
 MAX_MEASURED_ATOL = 1e-5

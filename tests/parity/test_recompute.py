@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_parity import Case, check_run, launch_cases
+from test_parity import Case, check_parity, check_run, launch_cases
 
 from nodetrain.core.recompute import decide_recompute, kept_layers
 from nodetrain.core.step_plan import StepPlan
@@ -126,6 +126,20 @@ def test_recompute_false_and_true_match_transformers_adamw(cases, tmp_path) -> N
         assert kept == ([] if recompute else list(LAYERS)), (case.id, kept)
         assert {s["breakdown"]["num_kept"] for s in run.steps} == {len(kept)}, "metrics.jsonl's count"
         check_run(case, run, model_dir, inputs, labels, lengths)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (gpu-marked)")
+def test_kept_activations_parity_on_cuda(tmp_path: Path, shm_dir: Path, torchrun) -> None:
+    """Kept layers (``stream.recompute=false``) on a CUDA device: one stage, tied, streamed through two
+    slots with GPipe, so each layer's backward loads it into another slot than its forward did and the
+    kept graph must take the backward's weights; every decoder layer kept in every step, loss, gradient
+    norm and weights against transformers + ``torch.optim.AdamW`` on the same GPU (check_parity's
+    measured tolerance). Not yet run on a GPU."""
+    case, recompute = ONE_STAGE[0]
+    assert case.stages == 1 and recompute is False
+    run = check_parity(case, tmp_path, shm_dir, torchrun, "cuda", {"stream.recompute": recompute})
+    assert {s["breakdown"]["num_kept"] for s in run.steps} == {len(LAYERS)}
 
 
 def test_kept_block_rebinds_its_weights_after_the_slot_is_overwritten() -> None:
