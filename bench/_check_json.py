@@ -3,7 +3,8 @@
     OUT=<out> DRY_RUN=--dry-run|"" RCS="rc ..." SECS="s ..." python bench/_check_json.py
 
 RCS and SECS give each step's exit status and wall seconds, in ``STEPS`` order. A step passes when it
-exited 0 and its own JSON says it passed. Each nodetrain training run gets ``vs_plain`` and, for the
+exited 0 and its own JSON says it passed; an ``OPTIONAL`` step the deadline left no time for has status
+-1 and is listed in ``skipped`` instead. Each nodetrain training run gets ``vs_plain`` and, for the
 dense model, ``vs_fsdp2_offload``: its tokens/s over the peer's on the same model (bench/gpu_peers.py;
 None when the peer did not run or trained another layer count). Prints check.json; exit status 1
 unless every step passed. Not a benchmark itself.
@@ -17,6 +18,10 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 STEPS = ("gpu_tests", "copy_bandwidth", "two_rank", "gpu_syncs", "train", "peers", "train_moe", "resume")
+OPTIONAL = ("two_rank", "train_moe", "resume")
+"""Steps gpu_check.sh runs only in the time its deadline leaves; exit status ``SKIPPED`` (-1) when it did
+not (listed in ``skipped``, not counted against ``passed``)."""
+SKIPPED = -1
 RUN_KEYS = (
     "tokens_per_s",
     "tflops",
@@ -81,6 +86,7 @@ def _gpu_tests(step: dict, out: Path) -> None:
 def collect(out: Path, dry_run: bool, rcs: list[int], secs: list[int]) -> dict:
     """check.json's object (module docstring) from the files under ``out``."""
     steps = {n: {"rc": rc, "s": s, "passed": rc == 0} for n, rc, s in zip(STEPS, rcs, secs, strict=True)}
+    skipped = [n for n in OPTIONAL if steps[n]["rc"] == SKIPPED]
     _gpu_tests(steps["gpu_tests"], out)
     copies = load(out / "copy_bandwidth.json")
     steps["copy_bandwidth"].update({k: v for k, v in copies.items() if k.endswith(COPY_SUFFIXES)})
@@ -116,7 +122,8 @@ def collect(out: Path, dry_run: bool, rcs: list[int], secs: list[int]) -> dict:
         "torch": env.get("torch"),
         "total_s": sum(s["s"] for s in steps.values()),
         "steps": steps,
-        "passed": all(s["passed"] for s in steps.values()),
+        "skipped": skipped,
+        "passed": all(s["passed"] for n, s in steps.items() if n not in skipped),
     }
 
 

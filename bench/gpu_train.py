@@ -9,8 +9,9 @@ roomier of /dev/shm and $TMPDIR, and the model is shortened layer by layer if ne
 memory, holds it) with ``torchrun --nproc_per_node 1 -m nodetrain.train`` on the Shakespeare text,
 bf16, seq 4096, 4 micro-batches of 2, at the shape's constant learning rate (1e-5, no warm-up:
 the loss goes down from the first step), for a few steps. ``dense`` (Llama-3.2-3B): first with
-every unit streaming (``stream.device_budget=0``), then, if time is left, with the automatic
-residency; ``moe``: one run with the automatic residency. From each run's ``metrics.jsonl`` it
+every unit streaming (``stream.device_budget=0``) in one wave of the step's micro-batches
+(``pipeline.wave``), then, if time is left, with the automatic residency, then streamed at 16
+micro-batches in one wave (issue 31's MFU bar); ``moe``: one run with the automatic residency. From each run's ``metrics.jsonl`` it
 writes ``<out>/<run>.json``: median step time, TFLOP/s, MFU (on active parameters, against the
 datasheet peak of the hardware profile naming the GPU, e.g. 989.4 TFLOP/s dense bf16 for an H200,
 or ``--peak-flops``; the source is ``peak_flops_source``), H2D/D2H GB/s, stall %, d2h_wait %,
@@ -206,28 +207,40 @@ def _common(shape: GpuShape, layers: int, args, store_dir: str) -> list[str]:
     return common
 
 
-def _runs(shape: GpuShape, checkpoint: bool) -> list[tuple[str, list[str], float]]:
-    """(name, overrides, seconds it needs at least) of each run of ``shape``, in order."""
+def _runs(shape: GpuShape, checkpoint: bool, m: int) -> list[tuple[str, list[str], float]]:
+    """(name, overrides, seconds it needs at least) of each run of ``shape``, in order: ``dense``
+    streams every unit in one wave of its ``m`` micro-batches (``pipeline.wave``, issue 31), then the
+    automatic residency, then, if time is left, the streamed run at 16 micro-batches in one wave."""
     if shape.name == "moe":
         return [("moe", ["checkpoint.enable=false"], 0)]
     save = ["checkpoint.enable=true", "checkpoint.every=0"] if checkpoint else ["checkpoint.enable=false"]
-    # the H200 run's automatic-residency launch (6 steps) took ~90 s: 35 s start-up, 3.5 s steps
+    off = ["checkpoint.enable=false"]
+    # the H200 run's automatic-residency launch (6 steps) took ~90 s: 35 s start-up, 3.5 s steps;
+    # at 16 micro-batches a step is ~9 s (bench: the planner's streamed 3B at M=16)
     return [
-        ("streamed", ["stream.device_budget=0", *save], 0),
-        ("auto_residency", ["checkpoint.enable=false"], 80),
+        ("streamed", ["stream.device_budget=0", f"pipeline.wave={m}", *save], 0),
+        ("auto_residency", off, 80),
+        ("streamed_m16", ["stream.device_budget=0", "pipeline.microbatches=16", "pipeline.wave=16", *off], 100),
     ]
+
+
+def _with(common: list[str], extra: list[str]) -> list[str]:
+    """``common`` with ``extra`` appended, less the common overrides whose key ``extra`` sets (Hydra
+    refuses a key given twice)."""
+    keys = {o.split("=", 1)[0] for o in extra}
+    return [o for o in common if o.split("=", 1)[0] not in keys] + extra
 
 
 def _run_all(shape, common, args, t_start: float, summary: dict) -> None:
     """Each run of ``shape`` (the dry run: the first only) while ``--budget-s`` lasts, into ``summary``."""
-    runs = _runs(shape, args.checkpoint)
+    runs = _runs(shape, args.checkpoint, shape.batch(args.dry_run)[2])
     for name, extra, need_s in runs[:1] if args.dry_run else runs:
         left = args.budget_s - (time.monotonic() - t_start)
         if left < need_s:
             print(f"{name}: skipped, {left:.0f} s left")
             continue
         try:
-            records = train(name, common + extra, args.out, timeout_s=left)
+            records = train(name, _with(common, extra), args.out, timeout_s=left)
         except RuntimeError as e:  # the other run still gets its time; the summary says what failed
             print(e, file=sys.stderr, flush=True)
             summary["failed"][name] = str(e)[-2000:]

@@ -168,7 +168,8 @@ def _wave_line(plans) -> str:
     s, items = len(plans), p.num_items // p.rounds
     bubble = (s - 1) / (items + s - 1)
     return (
-        f"pipeline.wave={p.wave}: {p.num_items} items of {p.wave} micro-batch(es) per step, each streamed "
+        f"pipeline.wave={p.wave}: {p.num_items} item{'s' if p.num_items > 1 else ''} of {p.wave} micro-batch{'es' if p.wave > 1 else ''} "
+        "per step, each streamed "
         f"block loaded once per item and its gradient shipped once per item; bubble {bubble:.1%}"
     )
 

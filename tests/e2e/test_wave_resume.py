@@ -27,7 +27,7 @@ WAVE = ["pipeline.wave=2", "stream.device_budget=0"]
 def test_resume_with_waves_is_bitwise(work: Path) -> None:  # noqa: F811
     full = work / "wave_full"
     said = train(work, 2, full, [*Q, *WAVE, "checkpoint.every=3", "checkpoint.keep_last=0"])
-    assert "pipeline.wave=2: 1 items of 2 micro-batch(es) per step" in said, said[-3000:]
+    assert "pipeline.wave=2: 1 item of 2 micro-batches per step" in said, said[-3000:]
     want = records(full)
     assert {want[s]["wave"] for s in want} == {2}, "metrics.jsonl's wave"
     resumed = work / "wave_resumed"

@@ -203,3 +203,17 @@ def test_wave_bar_bytes_per_step(launched) -> None:
                 seen.setdefault((w, s), []).append((b[f"stage{s}/h2d_bytes"], *got))
     for s in range(2):
         print(f"stage {s}: (h2d, d2h, accum) W=1 {seen[(1, s)][0]}  W=4 {seen[(4, s)][0]}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (gpu-marked)")
+def test_wave_parity_on_cuda(tmp_path: Path, shm_dir: Path, torchrun, monkeypatch) -> None:
+    """Waves on a CUDA device: one stage, untied, GPipe, W=2 of 4 micro-batches, every unit streamed
+    (the wave sums in fp32 device buffers, shipped once per item through the pinned staging, a buffer
+    rewritten only after its ship landed): loss, gradient norm, weights and H2D bytes against
+    transformers + ``torch.optim.AdamW`` on the same GPU (check_parity's measured tolerance). Not yet
+    run on a GPU."""
+    case, wave, more = ONE_STAGE[0]
+    monkeypatch.setattr(test_parity, "_step_h2d_numel", _wave_h2d_numel)
+    run = test_parity.check_parity(case, tmp_path, shm_dir, torchrun, "cuda", {"pipeline.wave": wave, **more})
+    assert {s["breakdown"]["wave"] for s in run.steps} == {wave}

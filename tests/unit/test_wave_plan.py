@@ -179,7 +179,7 @@ def test_resolve_with_waves_plans_items_and_says_so() -> None:
     run = make_plan(cfg).run
     assert {p.wave for p in run.plans} == {2} and run.plans[0].num_items == 2
     assert any(
-        line.startswith("pipeline.wave=2: 2 items of 2 micro-batch(es) per step") for line in run.lines
+        line.startswith("pipeline.wave=2: 2 items of 2 micro-batches per step") for line in run.lines
     )
     assert {w.wave for w in run.works} == {2}
     cfg.pipeline.microbatches = "auto"
