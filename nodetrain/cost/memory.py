@@ -164,7 +164,7 @@ class StageMemory:
     ``stream.grad_on_device``), ``4 × load`` each (``Window.grad_acc_nbytes``)."""
     wave_bytes: int = 0
     """With waves (``work.wave`` > 1): the fp32 wave-sum buffers a streamed block's gradients add into
-    over a wave, one per slot, ``slots × 4 × largest wave-summed load`` (``Window.wave_nbytes``); part of
+    over a wave, one per slot, ``slots × 4 × largest wave-summed load`` (``DeviceSums.wave_nbytes``); part of
     :attr:`window_bytes` (so the automatic budget leaves them out), 0 without waves."""
 
     @property

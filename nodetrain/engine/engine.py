@@ -227,7 +227,7 @@ class Engine:
             "num_grad_on_device": len(self.window.grad_acc),
             "grad_acc_bytes": self.window.grad_acc_nbytes,
             "wave": self.plan.wave,
-            "wave_bytes": self.window.wave_nbytes,
+            "wave_bytes": self.window.sums.wave_nbytes,
         }
         return StepBreakdown(self.device, per_token, peak, static, self.topo.num_stages, self.timeline)
 
@@ -246,7 +246,7 @@ class Engine:
             self.window.nbytes / 1e6,
             ", ".join(units[i].name for i in self.window.resident) or "none",
             self.plan.wave,
-            self.window.wave_nbytes / 1e6,
+            self.window.sums.wave_nbytes / 1e6,
             self.store.nbytes / 1e6,
             self.store.nbytes / sum(u.numel for u in units),
             self.cfg.optim.state,

@@ -133,7 +133,7 @@ def test_the_window_ships_one_fp32_sum_per_item(make_store, dtype: torch.dtype) 
 
     try:
         slots_nbytes = 2 * 52 * store.layout.compute_dtype.itemsize
-        assert window.wave_nbytes == 2 * 4 * 52 and window.nbytes == slots_nbytes + 2 * 4 * 52
+        assert window.sums.wave_nbytes == 2 * 4 * 52 and window.nbytes == slots_nbytes + 2 * 4 * 52
         store.grad(1).fill_(123.0)  # what the previous step left
         window.begin([])
         g = [grads() for _ in range(4)]

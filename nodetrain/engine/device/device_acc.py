@@ -1,77 +1,147 @@
-"""Device gradient accumulators: the fp32 buffers a block's gradients add into on the device across a
-step's backwards, and their one ship per sequence into the host store.
+"""Device gradient sums: the fp32 buffers a block's gradients add into on the device, and when each
+sum is complete and leaves.
 
-Owns: the adds on the device (the same elementwise fp32 += compute-dtype sums, in the same order, as the
-host accumulation, accumulate.py), the count of a block's backwards left, and the ship of a finished
-accumulator through a staging buffer's two halves (staging.py) into the store's fp32 gradient. Used by
-:class:`~nodetrain.engine.device.window.Window` (a mixin: the window owns the buffers, the staging and
-the byte counts) for its resident blocks and for the streamed blocks of ``stream.grad_on_device``
-(core/placement.py). Does not own which blocks accumulate on the device (core/) or the buffers' memory.
+Owns: the per-step accumulators of the resident blocks and of the streamed blocks of
+``stream.grad_on_device`` (core/placement.py), the views of the blocks whose optimizer runs on the
+device (DeviceAdamW's, never shipped), the wave-sum buffers (``pipeline.wave`` > 1), the adds (the same
+elementwise fp32 += compute-dtype sums, in the same order, as the host accumulation, accumulate.py), the
+count of a block's backwards left and the hand-over of a complete sum to ``ship``. Does not own how a
+sum crosses to the host (the window's ``_ship``: staging, the D2H worker, byte counts) nor which blocks
+sum on the device (core/).
 
-Waves (``pipeline.wave`` = W > 1): every other streamed block (not resident, not a row block, no device
+Waves (``pipeline.wave`` = W > 1): every other streamed block (not resident, not a row block, no per-step
 accumulator) sums its W micro-batches' gradients of an item in an fp32 wave-sum buffer (one per slot,
 sized by the largest such block, taken in rotation) and ships that sum once per item by the same path:
 the store's first arrival of the step overwrites, later ones add fp32 += fp32. A buffer is written
 again only once its previous ship has landed.
+
+Written by the training thread only (DESIGN invariant 9).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
-__all__ = ["DeviceAccumulation"]
+from nodetrain.run.breakdown import NULL_TIMELINE
+
+__all__ = ["DeviceSums", "slot_layout"]
+
+Layout = list[tuple[str, int, tuple[int, ...]]]
+"""(local name, offset in elements, shape) of each binding in a block's flat buffer (a window slot)."""
 
 
-class DeviceAccumulation:
-    """The window's device accumulation (reads and writes the :class:`Window`'s state: ``_grad_acc``,
-    ``_acc_views``, ``_backwards_left``, ``_acc_started``, ``_staging``, the byte counts)."""
+def slot_layout(bindings) -> Layout:
+    """A block's flat layout: its bindings (``model.Binding``: local_name, numel, shape) back to back."""
+    out, pos = [], 0
+    for b in bindings:
+        out.append((b.local_name, pos, b.shape))
+        pos += b.numel
+    return out
 
-    def _accumulate_on_device(self, block: int, grads: dict[str, torch.Tensor]) -> None:
-        """Add a block's gradients into its device fp32 accumulator (the same elementwise
-        fp32 += compute-dtype sums, in the same order, as the host accumulation); ship it at the
-        block's last backward of the sequence."""
-        acc, first = self._acc_views[block], block not in self._acc_started
-        for name, _, shape in self._views[block]:
-            view = acc[name].view(shape)
-            if first:
-                view.copy_(grads[name])
-            else:
-                view.add_(grads[name])
-        self._count_backward(block)
 
-    def _count_backward(self, block: int) -> None:
-        """One backward of an accumulating block done: ship its accumulator after the last one."""
-        self._acc_started.add(block)
-        self._backwards_left[block] -= 1
-        if self._backwards_left[block] == 0 and block not in self._kept:
-            self._ship(block)
+class DeviceSums:
+    """A stage's fp32 gradient sums on the device.
 
-    def _make_wave_buffers(self, blocks, slots: int, wave: int) -> None:
-        """``slots`` fp32 wave-sum buffers of the largest wave-summed block's numel (none when W = 1)."""
-        self.wave = wave
-        skip = {*self.resident, *self.rows, *self.grad_acc}
-        numel = max((self._numel(i) for i in blocks if i not in skip), default=0) if wave > 1 else 0
-        self._wave_bufs = [torch.empty(numel, dtype=torch.float32, device=self.device) for _ in range(slots)]
-        self._wave_bufs = self._wave_bufs if numel else []
-        self._wave_busy: list = [None] * len(self._wave_bufs)  # each buffer's last ship (a Future)
+    Args:
+        views: each block's flat layout (the window's slot layout).
+        device: the compute device.
+        accumulate: blocks with a per-step fp32 accumulator (resident ones and ``grad_acc``), less
+            those in ``kept``; each gets ``numel × 4`` bytes.
+        kept: blocks whose gradients add into their optimizer's device views (DeviceAdamW): block ->
+            local name -> fp32 flat view; summed like the others, never shipped.
+        wave: W; wave_blocks: the blocks that sum per wave (W > 1), ``slots`` buffers of the largest.
+        ship: ``ship(block, flat) -> Future``, queue a complete fp32 sum (laid out as ``views[block]``)
+            for the host store; the Future resolves once it has landed.
+        timeline: where a wave buffer's wait for its previous ship is timed (``d2h_wait``).
+    """
+
+    def __init__(
+        self,
+        views: dict[int, Layout],
+        device: torch.device,
+        accumulate,
+        kept: dict,
+        wave: int,
+        wave_blocks,
+        slots: int,
+        ship: Callable[[int, torch.Tensor], Future],
+        timeline=NULL_TIMELINE,
+    ):
+        self._views, self._ship, self.timeline, self.wave = views, ship, timeline, wave
+        numel = {b: sum(math.prod(s) for _, _, s in v) for b, v in views.items()}
+        self._acc = {b: torch.empty(numel[b], dtype=torch.float32, device=device) for b in accumulate}
+        self._named = {b: self._split(b, a) for b, a in self._acc.items()} | dict(kept)
+        self._left: dict[int, int] = {}  # accumulating block -> backwards left in the sequence
+        self._started: set[int] = set()  # blocks written since begin()
+        size = max((numel[b] for b in wave_blocks), default=0) if wave > 1 else 0
+        self._wave_bufs = [torch.empty(size, dtype=torch.float32, device=device) for _ in range(slots)] if size else []
+        self._wave_busy: list[Future | None] = [None] * len(self._wave_bufs)  # each buffer's last ship
         self._wave_open: dict[int, list[int]] = {}  # block -> [its buffer, adds so far] in the open wave
         self._wave_next = 0
+
+    def _split(self, block: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {n: flat[p : p + math.prod(s)] for n, p, s in self._views[block]}
+
+    def nbytes(self, blocks) -> int:
+        """Device bytes of the per-step accumulators of ``blocks`` (those that have one)."""
+        return sum(self._acc[b].numel() * 4 for b in blocks if b in self._acc)
 
     @property
     def wave_nbytes(self) -> int:
         """Device bytes of the fp32 wave-sum buffers, ``slots × 4 × largest wave-summed block`` (0: W = 1)."""
         return sum(b.numel() * 4 for b in self._wave_bufs)
 
-    def _sums_waves(self, block: int) -> bool:
-        """Whether ``block``'s offloads add into a wave-sum buffer (W > 1, a streamed slotted block)."""
-        return bool(self._wave_bufs) and block not in self._resident and block not in self._acc_views
+    def begin(self, backwards: dict[int, int] | None) -> None:
+        """A new sequence: ``backwards`` block -> backwards it gets; the blocks listed that have a sum
+        (an accumulator or kept views) add into it and ship at their last."""
+        assert not self._wave_open, f"waves left open: {self._wave_open}"
+        self._left = {b: n for b, n in (backwards or {}).items() if b in self._named and n > 0}
+        self._started.clear()
 
-    def _wave_add(self, block: int, grads: dict[str, torch.Tensor]) -> None:
-        """Add one micro-batch's gradients of ``block`` (local name -> compute dtype, device) into the
-        wave-sum buffer of its open wave (the first copies: no zeroing); after the W-th, ship the fp32
-        sum once (:meth:`_ship`). A buffer's first add of a wave waits for its previous ship."""
+    def takes(self, block: int) -> bool:
+        """Whether ``block``'s gradients add into its per-step sum in this sequence."""
+        return block in self._left
+
+    def sums_wave(self, block: int, resident) -> bool:
+        """Whether ``block``'s offloads add into a wave-sum buffer (W > 1, a streamed slotted block)."""
+        return bool(self._wave_bufs) and block not in resident and block not in self._named
+
+    def add(self, block: int, grads: dict[str, torch.Tensor]) -> None:
+        """Add a block's gradients (local name -> compute dtype, device) into its per-step sum; ship it
+        at the block's last backward of the sequence."""
+        first = block not in self._started
+        for name, _, shape in self._views[block]:
+            view = self._named[block][name].view(shape)
+            if first:
+                view.copy_(grads[name])
+            else:
+                view.add_(grads[name])
+        self._count(block)
+
+    def add_rows(self, block: int, shape, index: torch.Tensor, grad_rows: torch.Tensor) -> None:
+        """A row block's gradient rows ([U, D] compute dtype, device; ``index`` [U] int64, host, unique)
+        added into its [V, D] (``shape``) fp32 accumulator, zeroed at the sequence's first; shipped at the
+        last, as the host's ``HostAccumulator.index_add`` would have added them."""
+        acc = self._acc[block].view(shape)
+        if block not in self._started:
+            acc.zero_()
+        acc.index_add_(0, index.to(acc.device, non_blocking=True), grad_rows.to(torch.float32))
+        self._count(block)
+
+    def _count(self, block: int) -> None:
+        self._started.add(block)
+        self._left[block] -= 1
+        if self._left[block] == 0 and block in self._acc:
+            self._ship(block, self._acc[block])
+
+    def add_wave(self, block: int, grads: dict[str, torch.Tensor]) -> None:
+        """Add one micro-batch's gradients of ``block`` into the wave-sum buffer of its open wave (the
+        first copies: no zeroing); after the W-th, ship the fp32 sum once. A buffer's first add of a
+        wave waits for its previous ship."""
         if block not in self._wave_open:
             k = self._wave_next % len(self._wave_bufs)
             self._wave_next += 1
@@ -91,52 +161,11 @@ class DeviceAccumulation:
         self._wave_open[block][1] = n + 1
         if n + 1 == self.wave:
             del self._wave_open[block]
-            self._wave_busy[k] = self._ship(block, acc[: self._numel(block)])
+            numel = sum(math.prod(s) for _, _, s in self._views[block])
+            self._wave_busy[k] = self._ship(block, acc[:numel])
 
-    def _ship(self, block: int, acc: torch.Tensor | None = None):
-        """Queue the D2H copy of ``block``'s fp32 accumulator (or of ``acc``, a flat fp32 device sum laid
-        out as the block's slot) into the store (first write: a copy); returns its Future.
-
-        It takes the next staging buffer of the rotation and counts as an offload in flight, so a
-        later offload's copy waits for it (``_free_staging``); it need not wait itself: its buffer is
-        written only inside its job, after the buffer's previous job on the in-order D2H worker.
-        It streams the accumulator through the buffer's two halves in chunks (``GradStaging.ship``)."""
-        acc, targets = self._grad_acc[block] if acc is None else acc, self._grad_targets[block]
-        jobs = []
-        for name, pos, shape in self._views[block]:
-            dst = targets[name]
-            first = dst.data_ptr() not in self._written
-            jobs.append((dst, first, acc[pos : pos + math.prod(shape)]))
-            self._written.add(dst.data_ptr())
-            self.accum_host_bytes += dst.numel() * (8 if first else 12)
-        self.d2h_bytes += acc.numel() * acc.element_size()
-        cuda = self.device.type == "cuda"
-        ready = torch.cuda.current_stream(self.device).record_event() if cuda else None
-        halves = self._staging.halves(self._num_offloads % len(self._staging), torch.float32)
-        self._num_offloads += 1
-
-        def ship():
-            self._staging.ship(jobs, halves, ready, self._land)
-            if self._on_arrival is not None:
-                self._on_arrival(block)
-
-        self._offloads.append(self._d2h.submit(ship))
-        return self._offloads[-1]
-
-    def _land(self, dst: torch.Tensor, first: bool, half: torch.Tensor) -> None:
-        """D2H worker: write a landed ship chunk into its fp32 target."""
-        if first:
-            self._accum.copy(dst, half)
-        else:  # a target shared with another block (the tied embedding of one stage)
-            self._accum.add(dst, half)
-
-    def _accumulate_rows_on_device(self, block: int, index: torch.Tensor, grad_rows: torch.Tensor) -> None:
-        """A row block's gradient rows ([U, D] compute dtype, device; ``index`` [U] int64, host, unique)
-        added into its [V, D] fp32 device accumulator, zeroed at the sequence's first; shipped at the
-        last, as the host's ``HostAccumulator.index_add`` would have added them."""
-        (b,) = self.bindings[block]
-        acc = self._grad_acc[block].view(b.shape)
-        if block not in self._acc_started:
-            acc.zero_()
-        acc.index_add_(0, index.to(self.device, non_blocking=True), grad_rows.to(torch.float32))
-        self._count_backward(block)
+    def check_drained(self) -> None:
+        """Every sum of the sequence shipped (after the last backward)."""
+        left = {b: n for b, n in self._left.items() if n}
+        assert not left, f"accumulating blocks' backwards left unshipped: {left}"
+        assert not self._wave_open, f"waves left unshipped: {self._wave_open}"

@@ -5,27 +5,24 @@ once per sequence), the H2D prefetch of the next blocks of a known load sequence
 gradients into the host store's fp32 accumulators through host staging buffers (staging.py, one per
 slot), and the bytes and busy seconds of both directions. Each direction runs on its own copy worker
 thread (on CUDA on its own stream, ordered against compute with events; on CPU the same protocol on
-separate tensors, with ``Faults.before_copy`` to slow the workers in tests).
+separate tensors, with ``Faults.before_copy`` to slow the workers in tests). The gradient sums kept
+on the device (resident blocks, ``grad_acc``, DeviceAdamW's, waves') are ``sums`` (device_acc.py).
 
 Protocol (the j-th streamed load of the sequence uses slot ``j % slots``; consecutive equal entries
 of the sequence share one load: the later ones reuse its slot, with no H2D and no second slot):
     acquire()  waits until the next load is in its slot (or resident buffer), returns the views;
     release()  marks compute on it issued and issues the next streamed load into the freed slot;
     offload()  copies the block's gradients into staging buffer ``n % slots`` (async on CUDA) and
-               queues their accumulation, at most ``slots`` in flight; the first offload into an
-               accumulator since begin() overwrites it; a resident block's gradients (and a streamed
-               one's of ``grad_acc``) are added into its device fp32 accumulator instead (DESIGN
-               invariant 8), shipped once by its last backward (``begin(..., backwards=)`` counts);
-               with ``wave`` = W > 1 a streamed block's W offloads of an item are summed in an fp32
-               wave-sum buffer and shipped once (device_acc.py);
+               queues their accumulation, at most ``slots`` in flight (the first into an accumulator
+               since begin() overwrites it), or adds them into the block's device sum, which ships
+               once complete (DESIGN invariant 8; ``begin(..., backwards=)`` counts);
     flush()    waits for every queued offload (before the optimizer reads the accumulators).
     gate(block) (optional) returns futures a load must wait for before copying (the optimizer's
                updates of the block's units); a reused load is not gated again.
 Row blocks (``rows``: the embedding, one [V, D] binding) never enter a slot: ``gather_rows`` copies
 the rows a micro-batch uses (U × D) and ``offload_rows`` scatter-adds their gradient rows into the
 fp32 accumulator (zeroed at the sequence's first offload). Host-side adds go through
-``HostAccumulator`` (accumulate.py); the waits enter ``timeline``'s ``stall``, ``d2h_wait`` and
-``optim`` phases (breakdown.py).
+``HostAccumulator`` (accumulate.py); the waits enter ``timeline``'s phases (breakdown.py).
 
 Why, with the timeline and which loads a schedule reuses: docs/design.md#the-window.
 """
@@ -41,11 +38,10 @@ import torch
 
 from nodetrain.core.step_plan import reuses
 from nodetrain.engine.device.copy_worker import CopyWorker, done_copy, wait_copy
-from nodetrain.engine.device.device_acc import DeviceAccumulation
+from nodetrain.engine.device.device_acc import DeviceSums, slot_layout
 from nodetrain.engine.device.staging import GradStaging, rows_to_device
 from nodetrain.engine.host.accumulate import HostAccumulator
 from nodetrain.engine.threads import check_writer
-from nodetrain.model import Binding
 from nodetrain.run.breakdown import NULL_TIMELINE
 from nodetrain.run.inject import NO_FAULTS, Faults
 from nodetrain.store import HostStore
@@ -53,7 +49,7 @@ from nodetrain.store import HostStore
 __all__ = ["Window"]
 
 
-class Window(DeviceAccumulation):
+class Window:
     """``slots`` device buffers through which a stage's blocks stream, plus resident blocks.
 
     Args:
@@ -86,11 +82,9 @@ class Window(DeviceAccumulation):
     streamed: their gathered rows and row gradients are per micro-batch) plus each resident block's
     ``numel × (compute itemsize + 4)`` bytes (its weights and its fp32 gradient accumulator) on the
     device (``nbytes``; ``resident_nbytes`` the latter), each ``grad_acc`` block's ``numel × 4``
-    (``grad_acc_nbytes``), with W > 1 ``slots × 4 × max wave-summed block numel`` (``wave_nbytes``);
-    ``slots × max block numel ×
-    compute itemsize`` bytes of host staging (``staging_nbytes``; page-locked on CUDA, in whole
-    pages: ``staging_pinned_nbytes``) and the D2H worker's fp32 scratch of ``accum_threads ×
-    accumulate.CHUNK_PER_THREAD`` elements.
+    (``grad_acc_nbytes``), with W > 1 ``slots × 4 × max wave-summed block numel`` (``sums.wave_nbytes``);
+    ``slots × max block numel × compute itemsize`` bytes of host staging (``staging_nbytes``; pinned
+    on CUDA: ``staging_pinned_nbytes``) and the D2H worker's ``accumulate.CHUNK_PER_THREAD`` scratch.
     """
 
     def __init__(
@@ -120,10 +114,9 @@ class Window(DeviceAccumulation):
         self.rows = sorted(set(rows))
         assert not set(self.rows) & set(self.resident), "a block is either resident or gathered as rows"
         assert all(len(bindings[i]) == 1 and len(bindings[i][0].shape) == 2 for i in self.rows), self.rows
+        self._views = {i: slot_layout(bindings[i]) for i in blocks}
+        self._gate, self._on_arrival, self.timeline = gate, on_arrival, timeline
         self._make_buffers(blocks, slots, dtype, dict(device_grads or {}), grad_acc, wave)
-        self._backwards_left: dict[int, int] = {}  # accumulating block -> backwards left in the sequence
-        self._acc_started: set[int] = set()  # blocks whose device accumulator was written since begin()
-        self._views = {i: self._slot_views(bindings[i]) for i in blocks}
         owned = set(blocks if owned_units is None else owned_units)
         self._grad_targets = {i: self._grad_views(bindings[i], owned) for i in blocks}
         self._check_targets()
@@ -135,7 +128,6 @@ class Window(DeviceAccumulation):
         self._d2h = CopyWorker("d2h", None, self.device, accum_threads, faults)
         self._staging = GradStaging(slots, max(self._numel(i) for i in blocks), dtype, self.device)
         self._accum = HostAccumulator()  # used on the D2H worker only (its scratch, its team)
-        self._gate, self._on_arrival, self.timeline = gate, on_arrival, timeline
         self._seq: list[int] = []
         self._reuse: list[bool] = []  # per position of the sequence: shares the previous load (core)
         self._loads: dict[int, tuple[Future, list[Future]]] = {}  # position -> (load, its gate)
@@ -170,17 +162,16 @@ class Window(DeviceAccumulation):
         self._resident = {
             i: torch.empty(self._numel(i), dtype=dtype, device=self.device) for i in self.resident
         }
-        self._grad_acc = {
-            i: torch.empty(self._numel(i), dtype=torch.float32, device=self.device)
-            for i in [*self.resident, *self.grad_acc]
-            if i not in self._kept
-        }
-        self._acc_views = {i: self._split(i, a) for i, a in self._grad_acc.items()} | self._kept
-        self._make_wave_buffers(blocks, slots, wave)
+        summed = [i for i in [*self.resident, *self.grad_acc] if i not in self._kept]
+        waved = [i for i in streamed if i not in self.grad_acc]
+        self.sums = DeviceSums(
+            self._views, self.device, summed, self._kept, wave, waved, slots, self._ship, self.timeline
+        )
+        """The fp32 gradient sums on the device (device_acc.py): accumulators, DeviceAdamW's, waves'."""
 
     def _split(self, block: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Local name -> the flat view of ``flat`` where ``block``'s binding of that name lies."""
-        return {n: flat[p : p + math.prod(s)] for n, p, s in self._slot_views(self.bindings[block])}
+        return {n: flat[p : p + math.prod(s)] for n, p, s in slot_layout(self.bindings[block])}
 
     def resident_views(self, block: int) -> dict[str, torch.Tensor]:
         """A resident block's weights: local name -> flat view of its buffer (compute dtype, device)."""
@@ -191,15 +182,14 @@ class Window(DeviceAccumulation):
 
     @property
     def nbytes(self) -> int:
-        """Device bytes held by the slots, the resident blocks, the streamed blocks' accumulators and the
-        wave-sum buffers."""
+        """Device bytes of the slots, the resident blocks, the ``grad_acc`` accumulators, the wave sums."""
         slots = sum(s.numel() * s.element_size() for s in self._slots)
-        return slots + self.resident_nbytes + self.grad_acc_nbytes + self.wave_nbytes
+        return slots + self.resident_nbytes + self.grad_acc_nbytes + self.sums.wave_nbytes
 
     @property
     def grad_acc_nbytes(self) -> int:
         """Device bytes of the streamed blocks' fp32 gradient accumulators (``grad_acc``)."""
-        return sum(self._grad_acc[i].numel() * 4 for i in self.grad_acc)
+        return self.sums.nbytes(self.grad_acc)
 
     @property
     def staging_nbytes(self) -> int:
@@ -214,15 +204,8 @@ class Window(DeviceAccumulation):
     @property
     def resident_nbytes(self) -> int:
         """Device bytes held by the resident blocks: weights (compute dtype) and fp32 accumulators."""
-        held = [*self._resident.values(), *(a for i, a in self._grad_acc.items() if i in self._resident)]
-        return sum(s.numel() * s.element_size() for s in held)
-
-    def _slot_views(self, bindings: tuple[Binding, ...]) -> list[tuple[str, int, tuple[int, ...]]]:
-        out, pos = [], 0
-        for b in bindings:
-            out.append((b.local_name, pos, b.shape))
-            pos += b.numel
-        return out
+        weights = sum(s.numel() * s.element_size() for s in self._resident.values())
+        return weights + self.sums.nbytes(self.resident)
 
     def _grad_views(self, bindings, owned: set[int]) -> dict[str, torch.Tensor]:
         out = {}
@@ -252,9 +235,7 @@ class Window(DeviceAccumulation):
         self._seq, self.stall_s = list(sequence), 0.0
         self._reuse = reuses(self._seq, self._resident)
         self._written.clear()
-        self._backwards_left = {b: n for b, n in (backwards or {}).items() if b in self._acc_views and n > 0}
-        self._acc_started.clear()
-        assert not self._wave_open, f"waves left open: {self._wave_open}"
+        self.sums.begin(backwards)
         self._next = self._cursor = self._streamed = self._in_flight = 0
         self._slot_at.clear()
         self._resident_loads.clear()
@@ -342,12 +323,12 @@ class Window(DeviceAccumulation):
         for that copy and accumulates the buffer into the store. At most ``slots`` offloads are in
         flight, so the buffer's previous offload has been accumulated before it is written again.
         """
-        if block in self._backwards_left:
-            self._accumulate_on_device(block, grads)
+        if self.sums.takes(block):
+            self.sums.add(block, grads)
             return
         check_writer("training", "the window's sequence")
-        if self._sums_waves(block):
-            self._wave_add(block, grads)
+        if self.sums.sums_wave(block, self._resident):
+            self.sums.add_wave(block, grads)
             return
         self._free_staging()
         targets = self._grad_targets[block]
@@ -372,6 +353,43 @@ class Window(DeviceAccumulation):
                 self._on_arrival(block)
 
         self._offloads.append(self._d2h.submit(accumulate))
+
+    def _ship(self, block: int, acc: torch.Tensor) -> Future:
+        """Queue the D2H copy of ``acc``, a complete fp32 device sum of ``block`` laid out as its slot
+        (``self.sums`` calls it), into the store (first write: a copy); returns its Future.
+
+        It takes the next staging buffer of the rotation and counts as an offload in flight, so a
+        later offload's copy waits for it (``_free_staging``); it need not wait itself: its buffer is
+        written only inside its job, after the buffer's previous job on the in-order D2H worker.
+        It streams the sum through the buffer's two halves in chunks (``GradStaging.ship``)."""
+        targets, jobs = self._grad_targets[block], []
+        for name, pos, shape in self._views[block]:
+            dst = targets[name]
+            first = dst.data_ptr() not in self._written
+            jobs.append((dst, first, acc[pos : pos + math.prod(shape)]))
+            self._written.add(dst.data_ptr())
+            self.accum_host_bytes += dst.numel() * (8 if first else 12)
+        self.d2h_bytes += acc.numel() * acc.element_size()
+        cuda = self.device.type == "cuda"
+        ready = torch.cuda.current_stream(self.device).record_event() if cuda else None
+        halves = self._staging.halves(self._num_offloads % len(self._staging), torch.float32)
+        self._num_offloads += 1
+
+        def ship():
+            self._staging.ship(jobs, halves, ready, self._land)
+            if self._on_arrival is not None:
+                self._on_arrival(block)
+
+        self._offloads.append(self._d2h.submit(ship))
+        return self._offloads[-1]
+
+    def _land(self, dst: torch.Tensor, first: bool, half: torch.Tensor) -> None:
+        """D2H worker: write a landed ship chunk into its fp32 target (an add where the target is
+        shared with another block: the tied embedding of one stage)."""
+        if first:
+            self._accum.copy(dst, half)
+        else:
+            self._accum.add(dst, half)
 
     def _free_staging(self) -> None:
         """Bound gradient memory in flight: wait until a staging buffer is free."""
@@ -418,8 +436,8 @@ class Window(DeviceAccumulation):
             grad_rows: [U, D] compute dtype on the device, the gradient of those rows.
         """
         (b,) = self.bindings[block]
-        if block in self._backwards_left:
-            self._accumulate_rows_on_device(block, index, grad_rows)
+        if self.sums.takes(block):
+            self.sums.add_rows(block, b.shape, index, grad_rows)
             return
         self._free_staging()
         dst = self._grad_targets[block][b.local_name].view(b.shape)  # [V, D] fp32, host
@@ -449,9 +467,7 @@ class Window(DeviceAccumulation):
             while self._offloads:
                 self._offloads.pop(0).result()
         assert self._next == len(self._seq) and not self._loads, "load sequence not fully consumed"
-        left = {b: n for b, n in self._backwards_left.items() if n}
-        assert not left, f"accumulating blocks' backwards left unshipped: {left}"
-        assert not self._wave_open, f"waves left unshipped: {self._wave_open}"
+        self.sums.check_drained()
 
     def take_stats(self) -> dict[str, float]:
         """Bytes and busy seconds of both directions since the last call (after :meth:`flush`)."""
