@@ -39,8 +39,10 @@ TINY_RUN = [
     "train.seq_len=16",
     "train.micro_batch_size=2",
     "pipeline.microbatches=2",
+    "logging.plots=false",
 ]
-"""Hydra overrides of a 2-layer, hidden-64 Llama on 16-token sequences: the cheapest real CLI run."""
+"""Hydra overrides of a 2-layer, hidden-64 Llama on 16-token sequences: the cheapest real CLI run
+(no PNG plots at its end: a second of matplotlib; a test of the plots a run draws turns them on)."""
 TESTS = Path(__file__).resolve().parent
 """tests/: the shared helpers (fixtures, *_worker.py scripts run by path, templates/) live here."""
 TIERS = ("unit", "dist", "parity", "e2e")
@@ -55,6 +57,16 @@ SONNET = (
     "Rough winds do shake the darling buds of May,\nAnd summer's lease hath all too short a date;\n"
 )
 """Four lines of a public-domain sonnet: real text for small training runs."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``-n`` (pytest-xdist, what CI runs): each worker takes whole test files, so a module's
+    shared launches (its module-scoped fixtures: a reference run several tests read) run once, not
+    once per worker."""
+    from xdist.scheduler import LoadFileScheduling
+
+    return LoadFileScheduling(config, log)
 
 
 @pytest.fixture(scope="module")

@@ -69,6 +69,7 @@ COMMON = [
     "logging.wandb=false",
     "data.vocab_size=300",
     "data.val_fraction=0.2",
+    "logging.plots=false",  # a second of matplotlib per launch, and no test here reads them
 ]
 Q = ["model=qwen3_tiny", "train.eval_every=0", "checkpoint.export_dtype=float32"]
 D = [
@@ -430,11 +431,14 @@ def test_sigterm_saves_the_step_every_rank_stopped_after_and_resume_is_exact(wor
 def test_resume_auto_without_run_dir_continues_the_newest_run_of_the_config(work: Path, q_ref: Path) -> None:
     """The README's relaunch: stop after 2 steps, then ``checkpoint.resume=auto`` with no
     ``hydra.run.dir``: the new launch finds the first run (same config hash) under the runs root,
-    continues it bitwise as ``q_ref`` ran uninterrupted, and writes its checkpoints there."""
+    continues it bitwise as ``q_ref`` ran uninterrupted, and writes its checkpoints there. Logged to
+    wandb (offline): the wandb run id goes into trainer_state.json and the resumed launch logs into
+    that same wandb run (a second offline segment of it, not a new run)."""
     runs = work / "runs_auto"
     args = [*Q, "checkpoint.every=3", "checkpoint.keep_last=0", f"data.source={work / 'corpus.txt'}"]
     args += [f"data.dir={work / 'prepared'}", f"store.dir={work / 'shm'}"]
-    env = job_env(NODETRAIN_RUNS=str(runs))
+    args += ["logging.wandb=true", "logging.plots=false"]
+    env = job_env(NODETRAIN_RUNS=str(runs), WANDB_MODE="offline")
     for extra in (["checkpoint.stop_after_steps=2"], ["checkpoint.resume=auto"]):
         cmd = torchrun_cmd(2, "-m", "nodetrain.train", *COMMON, *args, *extra)
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
@@ -447,6 +451,13 @@ def test_resume_auto_without_run_dir_continues_the_newest_run_of_the_config(work
     ckpts = first / "checkpoints"
     assert [p.name for _, p in st.complete_checkpoints(ckpts)] == ["step-2", "step-3", "step-6"]
     _assert_same_tensors(master(ckpts / "step-6"), master(q_ref / "checkpoints" / "step-6"))
+
+    (segment,) = list((first / "wandb").glob("offline-run-*"))
+    run_id = segment.name.rsplit("-", 1)[1]
+    ids = [p.name.rsplit("-", 1)[1] for p in (second / "wandb").glob("offline-run-*")]
+    assert ids == [run_id], (run_id, ids)
+    for step in (2, 6):
+        assert json.loads((ckpts / f"step-{step}" / st.TRAINER_STATE).read_text())["wandb_run_id"] == run_id
 
 
 @pytest.mark.parametrize("family", ["q_ref", "d_full"])
@@ -586,28 +597,6 @@ def test_resume_load_path_never_unpickles(q_ref: Path, monkeypatch, tmp_path: Pa
             assert torch.equal(
                 store.buffer(u.index, "exp_avg_sq")[sl].view(p.shape), moments[p.hf_name + ".exp_avg_sq"]
             )
-
-
-def _train_offline_wandb(work: Path, run_dir: Path, overrides: list[str]) -> None:
-    cmd, env = _cmd(work, 2, run_dir, [*Q, "logging.wandb=true", "logging.plots=false", *overrides])
-    env["WANDB_MODE"] = "offline"
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-
-
-def test_resume_continues_the_same_wandb_run(work: Path, tmp_path: Path) -> None:
-    """The wandb run id goes into trainer_state.json and a resumed run logs into that same run."""
-    run = tmp_path / "run"
-    _train_offline_wandb(work, run, ["train.steps=2", "checkpoint.every=2"])
-    (first,) = list((run / "wandb").glob("offline-run-*"))
-    run_id = first.name.rsplit("-", 1)[1]
-    state = json.loads((run / "checkpoints" / "step-2" / "trainer_state.json").read_text())
-    assert state["wandb_run_id"] == run_id
-    _train_offline_wandb(work, run, ["train.steps=3", "checkpoint.resume=auto"])
-    ids = sorted(p.name.rsplit("-", 1)[1] for p in (run / "wandb").glob("offline-run-*"))
-    assert ids == [run_id, run_id], ids  # a second offline segment of the same run, not a new run
-    state = json.loads((run / "checkpoints" / "step-3" / "trainer_state.json").read_text())
-    assert state["wandb_run_id"] == run_id
 
 
 # ----------------------------------------------------------------------------- issue 25

@@ -108,6 +108,27 @@ def test_dry_run_writes_the_results(tmp_path: Path) -> None:
     assert written == []  # each run's checkpoint.dir only held its lock file while the run lived
 
 
+def test_peers_train_transformers_own_models(one_rank_world) -> None:
+    """The dry run's peers step in this process (what of the check calls transformers directly, so
+    CI's oldest-transformers leg runs this and leaves the whole dry run to the first leg):
+    ``AutoModelForCausalLM.from_config`` of each shape's nodetrain config in the peer's dtype, trained
+    with ``labels`` for a step (forward and backward of each micro-batch, the optimizer step), plain
+    and under FSDP2 with CPU offload, on one decoder layer (the dry run's models have 4 and 2).
+    Randomly initialised (std 0.02), the loss is the uniform guess's, ln(vocab size)."""
+    spec = importlib.util.spec_from_file_location("gpu_peers", ROOT / "bench" / "gpu_peers.py")
+    gpu_peers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_peers)
+    device = torch.device("cpu")
+    for name, peer, _, _ in gpu_peers.PEERS:
+        shape = DENSE if name == "dense" else MOE
+        layers = 1
+        got = gpu_peers.measure(shape, peer, 1, layers, device, True, (1e12, "test"))
+        vocab = shape.hf_model(layers, True).config.vocab_size
+        assert got["peer"] == peer and got["layers"] == layers and len(got["steps"]) == 1
+        assert abs(got["losses"][0] - math.log(vocab)) < 0.1, (name, peer, got["losses"])
+        assert got["tokens_per_s"] > 0 and got["mfu"] > 0 and got["peak_flops_source"] == "test"
+
+
 def _gpu_train():
     """bench/gpu_train.py as a module (it is a script beside the package)."""
     spec = importlib.util.spec_from_file_location("gpu_train", ROOT / "bench" / "gpu_train.py")

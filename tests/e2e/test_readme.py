@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 VENV = "python3 -m venv .venv && . .venv/bin/activate && "
 TRAIN = VENV + "pip install -e . && torchrun --nproc_per_node 2 -m nodetrain.train"
-TEST = VENV + "pip install -e '.[dev]' && python -m pytest -q"
+TEST = VENV + "pip install -e '.[dev]' && python -m pytest -q -n 2"
 
 
 def _bash_blocks(text: str) -> list[str]:

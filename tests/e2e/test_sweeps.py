@@ -84,7 +84,7 @@ def test_multirun_of_two_learning_rates_on_two_ranks(
 ) -> None:
     lrs, steps = ("0.001", "0.0003"), 2
     overrides = [*TINY, *corpus, f"train.steps={steps}", f"train.eval_every={steps}", f"store.dir={shm_dir}"]
-    overrides += ["logging.tags=[lr-sweep]", f"optim.lr={','.join(lrs)}"]
+    overrides += ["logging.tags=[lr-sweep]", f"optim.lr={','.join(lrs)}", "logging.plots=true"]
     cmd = torchrun_cmd(2)
     proc = _run([*cmd, "-m", "nodetrain.train", "--multirun", *overrides], _env(tmp_path, "offline"), 400)
     exited = time.time()

@@ -29,13 +29,11 @@ def _torchrun(nproc: int, overrides: list[str], runs: Path, timeout_s: float = 3
     return proc, time.perf_counter() - t0
 
 
-def _shm_stores() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("nodetrain-*.store")}
-
-
-def test_two_ranks_one_run_dir_with_metrics_logs_and_wandb(tmp_path, corpus):
-    before = _shm_stores()
-    proc, _ = _torchrun(2, [*TINY, *corpus, "train.steps=3", "train.eval_every=2"], tmp_path)
+def test_two_ranks_one_run_dir_with_metrics_logs_and_wandb(tmp_path, corpus, shm_dir):
+    """(The store's directory is a private one, ``shm_dir``, whose fixture fails the test if the run left
+    its host store there: other test files may run at the same time, with stores of their own.)"""
+    store = f"store.dir={shm_dir}"
+    proc, _ = _torchrun(2, [*TINY, *corpus, "train.steps=3", "train.eval_every=2", store], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dirs = [p for p in tmp_path.iterdir() if p.is_dir()]
     assert len(run_dirs) == 1, run_dirs
@@ -54,17 +52,18 @@ def test_two_ranks_one_run_dir_with_metrics_logs_and_wandb(tmp_path, corpus):
     assert (run / "rank0.log").is_file() and (run / "rank1.log").is_file()
     assert "stage 1/2" in (run / "rank1.log").read_text()
     assert list((run / "wandb").glob("offline-run-*/run-*.wandb")), "no offline wandb run"
-    assert _shm_stores() <= before, "host store left in /dev/shm"
 
 
-def test_data_shorter_than_a_batch_is_refused_on_every_rank_within_seconds(tmp_path, corpus):
+def test_data_shorter_than_a_batch_is_refused_on_every_rank_within_seconds(tmp_path, corpus, shm_dir):
     """The refusal that comes latest (it needs the prepared data): every rank exits non-zero within
     seconds, no training, no host store left. The config-only refusals (more stages than layers, a
     batch not divisible, an unknown schedule) are the same ``validate`` at start-up: their messages
     are asserted in-process by tests/e2e/test_config.py::test_invalid_config_is_refused (the very
-    overrides these launches used), their launch by ``test_refusal_is_printed_once...`` below."""
-    before = _shm_stores()
-    proc, elapsed = _torchrun(2, [*TINY, *corpus, "train.grad_accum=500"], tmp_path, timeout_s=120)
+    overrides these launches used), their launch by ``test_refusal_is_printed_once...`` below. No host
+    store is left: ``shm_dir``'s fixture checks."""
+    proc, elapsed = _torchrun(
+        2, [*TINY, *corpus, "train.grad_accum=500", f"store.dir={shm_dir}"], tmp_path, timeout_s=120
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "train.bin holds" in out
@@ -72,21 +71,21 @@ def test_data_shorter_than_a_batch_is_refused_on_every_rank_within_seconds(tmp_p
     assert len(exit_codes) == 2 and 0 not in exit_codes, exit_codes
     assert elapsed < 60, f"refusal took {elapsed:.0f}s"
     assert not list(tmp_path.glob("*/metrics.jsonl")), "training started despite the refusal"
-    assert _shm_stores() <= before, "a refused run left a host store in /dev/shm"
 
 
-def test_refusal_is_printed_once_by_rank_0_without_a_traceback(tmp_path, corpus):
+def test_refusal_is_printed_once_by_rank_0_without_a_traceback(tmp_path, corpus, shm_dir):
     """A refused config (here optim.lr=inf) prints its ``key=value: what; fix`` line once, from rank 0,
     no nodetrain traceback, and every rank exits non-zero within seconds (no training, no host store
     left); torchrun's own report of the exit codes
-    (its ChildFailedError) is the only traceback left, and it repeats a pointer, not the message."""
-    before = _shm_stores()
-    proc, elapsed = _torchrun(2, [*TINY, *corpus, "optim.lr=inf"], tmp_path, timeout_s=120)
+    (its ChildFailedError) is the only traceback left, and it repeats a pointer, not the message. No
+    host store is left: ``shm_dir``'s fixture checks."""
+    proc, elapsed = _torchrun(
+        2, [*TINY, *corpus, "optim.lr=inf", f"store.dir={shm_dir}"], tmp_path, timeout_s=120
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert elapsed < 60, f"refusal took {elapsed:.0f}s"
     assert not list(tmp_path.glob("*/metrics.jsonl")), "training started despite the refusal"
-    assert _shm_stores() <= before, "a refused run left a host store in /dev/shm"
     assert out.count("optim.lr=inf: must be a finite number") == 1, out[-4000:]
     assert "refused before training" in out
     frames = [line for line in out.splitlines() if line.strip().startswith('File "') and "nodetrain" in line]
