@@ -7,20 +7,20 @@
 Trains a model of ``bench/_gpu_shapes.py`` (its host store, ~18.5 bytes per parameter, goes to the
 roomier of /dev/shm and $TMPDIR, and the model is shortened layer by layer if neither, or the free
 memory, holds it) with ``torchrun --nproc_per_node 1 -m nodetrain.train`` on the Shakespeare text,
-bf16, seq 4096, 4 micro-batches of 2, at the shape's constant learning rate (1e-5, no warm-up:
-the loss goes down from the first step), for a few steps. ``dense`` (Llama-3.2-3B): first with
-every unit streaming (``stream.device_budget=0``) in one wave of the step's micro-batches
+bf16, seq 4096, 4 micro-batches of 2, at the shape's constant learning rate (1e-5, no warm-up: the
+loss goes down from the first step), for a few steps. ``dense`` (Llama-3.2-3B): first with every
+unit streaming (``stream.device_budget=0``) in one wave of the step's micro-batches
 (``pipeline.wave``), then, if time is left, with the automatic residency, then streamed at 16
-micro-batches in one wave (issue 31's MFU bar); ``moe``: one run with the automatic residency. From each run's ``metrics.jsonl`` it
-writes ``<out>/<run>.json``: median step time, TFLOP/s, MFU (on active parameters, against the
-datasheet peak of the hardware profile naming the GPU, e.g. 989.4 TFLOP/s dense bf16 for an H200,
-or ``--peak-flops``; the source is ``peak_flops_source``), H2D/D2H GB/s, stall %, d2h_wait %,
-host-accumulation seconds per step (the D2H worker's busy time), D2H and host-accumulation GB per
-step, the losses (a run whose last loss is not below its first fails), the start-up (``startup_s``:
-building the engine, i.e. populating the host store, initialising the weights and page-locking the
-transfer copies; ``startup_gbps``: store bytes per second of it), and the last step's whole
-breakdown, and ``<out>/summary.json`` with all runs (and ``failed``: the runs that did not finish
-or whose loss did not go down, with why).
+micro-batches in one wave (issue 31's MFU bar); ``moe``: one run with the automatic residency. From
+each run's ``metrics.jsonl`` it writes ``<out>/<run>.json``: median step time, TFLOP/s, MFU (on
+active parameters, against the datasheet peak of the hardware profile naming the GPU, e.g. 989.4
+TFLOP/s dense bf16 for an H200, or ``--peak-flops``; the source is ``peak_flops_source``), H2D/D2H
+GB/s, stall %, d2h_wait %, host-accumulation seconds per step (the D2H worker's busy time), D2H and
+host-accumulation GB per step, the losses (a run whose last loss is not below its first fails), the
+start-up (``startup_s``: building the engine, i.e. populating the host store, initialising the
+weights and page-locking the transfer copies; ``startup_gbps``: store bytes per second of it), and
+the last step's whole breakdown, and ``<out>/summary.json`` with all runs (and ``failed``: the runs
+that did not finish or whose loss did not go down, with why).
 
 No run writes a checkpoint (``checkpoint.enable=false``): the 3B model's final checkpoint is ~45 GB,
 which a 64 GiB disk may not hold next to the results. ``--checkpoint`` saves the streamed run's
@@ -220,7 +220,11 @@ def _runs(shape: GpuShape, checkpoint: bool, m: int) -> list[tuple[str, list[str
     return [
         ("streamed", ["stream.device_budget=0", f"pipeline.wave={m}", *save], 0),
         ("auto_residency", off, 80),
-        ("streamed_m16", ["stream.device_budget=0", "pipeline.microbatches=16", "pipeline.wave=16", *off], 100),
+        (
+            "streamed_m16",
+            ["stream.device_budget=0", "pipeline.microbatches=16", "pipeline.wave=16", *off],
+            100,
+        ),
     ]
 
 

@@ -68,8 +68,18 @@ _MODEL_ONLY = ("master", "optimizer")
 """Name prefixes of the files a resume reads and an import (``model.init_from``) does not."""
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 # Keys that do not change the arithmetic of a run: left out of the config hash and not reported as
-# differences on resume (a resume may change the stage count, the store path, logging ...).
-_VOLATILE = ("checkpoint", "logging", "store", "stream", "pipeline.stages", "data.dir", "train.eval_every")
+# differences on resume (a resume may change the stage count, the wave, the store path, logging ...;
+# stages and waves change only the order of fp32 sums, as stream.* placements do).
+_VOLATILE = (
+    "checkpoint",
+    "logging",
+    "store",
+    "stream",
+    "pipeline.stages",
+    "pipeline.wave",
+    "data.dir",
+    "train.eval_every",
+)
 
 
 log = logging.getLogger(__name__)
@@ -189,7 +199,7 @@ def _relevant(resolved: dict) -> dict[str, Any]:
 
 def config_hash(resolved: dict) -> str:
     """sha256 of the resolved config's keys that change the arithmetic (not checkpoint.*, logging.*,
-    store.*, stream.*, pipeline.stages ...), as canonical JSON."""
+    store.*, stream.*, pipeline.stages, pipeline.wave ...), as canonical JSON."""
     text = json.dumps(_relevant(resolved), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 

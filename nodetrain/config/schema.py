@@ -248,8 +248,8 @@ class PipelineConfig:
         auto="use a number of micro-batches, or auto to let the planner pick it",
     )
     """Micro-batches per pipeline round (M; 1f1b runs grad_accum × M in one round); ≥ stages keeps the
-    bubble (S-1)/(M+S-1) small. ``auto``: the planner picks the smallest multiple of the stages (up to
-    8×) within 2% of the best tokens/s on ``hardware`` (a divisor of train.batch_size if set); logged."""
+    bubble (S-1)/(M+S-1) small. ``auto``: the smallest S·2^k ≤ 8S (that pipeline.wave divides) within 2%
+    of the best tokens/s on ``hardware`` (a divisor of train.batch_size if set); logged."""
     wave: int = checked(1, at_least(1, "use 1 for one micro-batch per load"))
     """Micro-batches per wave, W (a divisor of M): a stage loads each streamed unit once per wave and
     runs it on the wave's W micro-batches in a row (layer-major); a wave is one pipeline item. 1 = none."""

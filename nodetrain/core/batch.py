@@ -10,6 +10,8 @@ data that fills it (data/) or the schedule of its micro-batches (schedule.py).
 
 from __future__ import annotations
 
+import math
+
 from nodetrain.config.batch import BatchShape
 from nodetrain.config.schema import Config, ConfigError
 from nodetrain.core.fit import node_fit, profile_host_free_bytes
@@ -30,18 +32,28 @@ AUTO_MAX_ROUNDS = 8
 
 def _candidates(cfg: Config, num_stages: int, nodes: int) -> list[tuple[int, int]]:
     """(micro-batch size, micro-batches) pairs to try: the given value of each, or for ``auto`` powers
-    of two (sizes) and W·S, 2W·S, 4W·S … (micro-batches, W = ``pipeline.wave``); with
-    ``train.batch_size`` only pairs dividing it."""
+    of two (sizes) and S, 2S, 4S … 8S that W = ``pipeline.wave`` divides (else lcm(S, W)); with
+    ``train.batch_size`` only pairs dividing it (then any multiple of W up to 8S).
+
+    Raises:
+        ConfigError: with ``train.batch_size`` and W > 1, no micro-batch count W divides fits the batch."""
     b, m = cfg.train.micro_batch_size, cfg.pipeline.microbatches
     sizes = [1 << k for k in range(17)] if b == "auto" else [b]
+    w = cfg.pipeline.wave  # a wave is W micro-batches of a round: only counts W divides
     counts = [num_stages << k for k in range(AUTO_MAX_ROUNDS.bit_length())] if m == "auto" else [m]
-    if m == "auto":  # a wave is W micro-batches of a round: only multiples of W
-        counts = [y * cfg.pipeline.wave for y in counts]
+    if m == "auto":
+        counts = [y for y in counts if y % w == 0] or [math.lcm(num_stages, w)]
     if cfg.train.batch_size > 0:
         fits = [(x, y) for x in sizes for y in counts if cfg.train.batch_size % (x * y * nodes) == 0]
-        if m == "auto" and not any(y for _, y in fits):
-            counts = [y * cfg.pipeline.wave for y in range(1, AUTO_MAX_ROUNDS * num_stages + 1)]
+        if m == "auto" and not fits:
+            counts = [y for y in range(w, AUTO_MAX_ROUNDS * num_stages + 1, w)]
             fits = [(x, y) for x in sizes for y in counts if cfg.train.batch_size % (x * y * nodes) == 0]
+        if m == "auto" and not fits and w > 1:
+            raise ConfigError(
+                f"pipeline.wave={w}: pipeline.microbatches=auto must be a multiple of it, and no multiple "
+                f"of {w} up to {AUTO_MAX_ROUNDS * num_stages} splits train.batch_size={cfg.train.batch_size} "
+                "into micro-batches; use pipeline.wave=1 (or a smaller wave), or a larger train.batch_size"
+            )
         return fits
     return [(x, y) for x in sizes for y in counts]
 

@@ -167,9 +167,10 @@ def _wave_line(plans) -> str:
     p = plans[0]
     s, items = len(plans), p.num_items // p.rounds
     bubble = (s - 1) / (items + s - 1)
+    item = "item" if p.num_items == 1 else "items"
+    mbs = "micro-batch" if p.wave == 1 else "micro-batches"
     return (
-        f"pipeline.wave={p.wave}: {p.num_items} item{'s' if p.num_items > 1 else ''} of {p.wave} micro-batch{'es' if p.wave > 1 else ''} "
-        "per step, each streamed "
+        f"pipeline.wave={p.wave}: {p.num_items} {item} of {p.wave} {mbs} per step, each streamed "
         f"block loaded once per item and its gradient shipped once per item; bubble {bubble:.1%}"
     )
 

@@ -57,11 +57,15 @@ def problems(
         return problems
     worst = max(stages, key=lambda x: x.total_bytes)
     limit, need = (host, host_need) if node.cpu else (node.device_limit_bytes, worst.total_bytes)
-    fix = (
-        f"use train.micro_batch_size={max_b}"
-        if max_b
-        else "shorten train.seq_len, lower stream.slots or use more stages"
+    fixes = (
+        [f"use train.micro_batch_size={max_b}"] if max_b else ["shorten train.seq_len", "lower stream.slots"]
     )
+    if cfg.pipeline.wave > 1:  # W micro-batches' saved inputs (and kept graphs) per item in flight
+        fixes.append(f"use a smaller pipeline.wave (now {cfg.pipeline.wave}; the wave line names what fits)")
+    if cfg.stream.recompute is False:
+        fixes.append("set stream.recompute=auto")
+    fixes += [] if max_b else ["use more stages"]
+    fix = ", ".join(fixes[:-1]) + " or " + fixes[-1] if len(fixes) > 1 else fixes[0]
     problems.append(
         f"{'host' if node.cpu else 'device'} memory at train.micro_batch_size={b}: needs {need / GB:,.1f} GB "
         f"(stage {worst.stage}: window {worst.window_bytes / GB:.2f} + activations "

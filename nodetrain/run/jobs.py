@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -138,6 +139,18 @@ def refusals_of(kinds: tuple[type[BaseException], ...], as_kind: type[ValueError
         raise as_kind(str(e)) from e
 
 
+REFUSAL_GRACE_S = 3.0
+"""Seconds a rank other than 0 waits before it exits on a refusal that every rank makes (they all check
+the same config): rank 0, which prints the message, then ends first, so torchrun's SIGTERM to the ranks
+still running never cuts rank 0 off before it printed (torchrun stops the others once one exits)."""
+
+
+def _let_rank0_end_first() -> None:
+    """Before a refused rank exits: rank 0 goes at once, the others wait :data:`REFUSAL_GRACE_S`."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        time.sleep(REFUSAL_GRACE_S)
+
+
 def _report_refusal(e: BaseException) -> None:
     """Rank 0 prints the refusal once, with a pointer; every rank keeps it (and the traceback, for
     whoever debugs nodetrain) in its own log file; torchrun's summary gets a pointer, not a traceback."""
@@ -171,6 +184,7 @@ def fail_fast():
         yield
     except REFUSALS as e:
         _report_refusal(e)
+        _let_rank0_end_first()
         raise SystemExit(1) from None
     except Exception as e:
         record_failure(e)  # torchrun's failure summary then shows this traceback as the root cause
@@ -208,6 +222,7 @@ class LiveRunGuard(Callback):
                     flush=True,
                 )
             record_failure(e, callstack=f"{type(e).__name__}, a refusal: rank 0 printed the message above")
+            _let_rank0_end_first()
             raise SystemExit(1) from None
 
 

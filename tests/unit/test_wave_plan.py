@@ -178,9 +178,7 @@ def test_resolve_with_waves_plans_items_and_says_so() -> None:
     cfg.pipeline.microbatches, cfg.pipeline.wave = 4, 2
     run = make_plan(cfg).run
     assert {p.wave for p in run.plans} == {2} and run.plans[0].num_items == 2
-    assert any(
-        line.startswith("pipeline.wave=2: 2 items of 2 micro-batches per step") for line in run.lines
-    )
+    assert any(line.startswith("pipeline.wave=2: 2 items of 2 micro-batches per step") for line in run.lines)
     assert {w.wave for w in run.works} == {2}
     cfg.pipeline.microbatches = "auto"
     assert {m % 2 for _, m in _candidates(cfg, 2, 1)} == {0}

@@ -78,7 +78,9 @@ class DeviceSums:
         self._left: dict[int, int] = {}  # accumulating block -> backwards left in the sequence
         self._started: set[int] = set()  # blocks written since begin()
         size = max((numel[b] for b in wave_blocks), default=0) if wave > 1 else 0
-        self._wave_bufs = [torch.empty(size, dtype=torch.float32, device=device) for _ in range(slots)] if size else []
+        self._wave_bufs = (
+            [torch.empty(size, dtype=torch.float32, device=device) for _ in range(slots)] if size else []
+        )
         self._wave_busy: list[Future | None] = [None] * len(self._wave_bufs)  # each buffer's last ship
         self._wave_open: dict[int, list[int]] = {}  # block -> [its buffer, adds so far] in the open wave
         self._wave_next = 0
