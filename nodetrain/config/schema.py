@@ -128,11 +128,10 @@ class ModelConfig:
     empty = random init (normal(0, initializer_range), norms = 1, biases = 0). Alone it also defines
     the model (see ``config_path``): ``model.init_from=<dir>`` is the whole import."""
     router_aux_loss: str = "auto"
-    """Router auxiliary (load-balancing) loss of a mixture-of-experts model: ``auto`` = as the
-    HF config says (none when ``output_router_logits`` is false, its default; transformers'
-    pooled form when true, which is refused), ``off``, or ``per_layer`` (each MoE layer's Switch
-    Transformer loss times ``router_aux_loss_coef``, averaged over layers and micro-batches; see
-    nodetrain/model/moe.py)."""
+    """Router auxiliary (load-balancing) loss of a mixture-of-experts model: ``auto`` = as the HF config
+    says (none when ``output_router_logits`` is false, its default; transformers' pooled form when true,
+    which is refused), ``off``, or ``per_layer`` (each MoE layer's Switch Transformer loss times
+    ``router_aux_loss_coef``, averaged over layers and micro-batches; nodetrain/model/moe.py)."""
 
 
 @dataclass
@@ -208,9 +207,7 @@ class TrainConfig:
     batch_size: int = checked(0, at_least(0, "use 0 to derive it from the other sizes"))
     """Sequences per optimizer step over all nodes (the global batch); 0 = micro_batch_size ×
     pipeline.microbatches × grad_accum × nodes. When > 0 it must be a multiple of micro_batch_size ×
-    pipeline.microbatches × nodes, and grad_accum becomes batch_size / (micro_batch_size ×
-    pipeline.microbatches × nodes) (``config.batch.grad_accum_for``), so adding nodes keeps the global
-    batch."""
+    pipeline.microbatches × nodes (grad_accum = the quotient: adding nodes keeps the global batch)."""
     dtype: str = checked("bfloat16", _TRAIN_DTYPE, _NO_FP16)
     """Compute dtype of the streamed transfer copy and the device math: bfloat16 | float32.
     Master weights and optimizer state are always fp32. float16 is refused (no loss scaler: its
@@ -229,6 +226,9 @@ class TrainConfig:
     0 = the datasheet peak of the hardware profile whose ``device_names`` has this GPU's name (the
     selected ``hardware`` first, then every profile in conf/hardware/), else a dense matmul measured
     once at start-up (the CPU case; it reads ~25% above a datasheet MFU). The log says which."""
+
+
+_WAVE_FIX = "use 1, or a divisor of pipeline.microbatches (`python -m nodetrain.plan` names the best)"
 
 
 @dataclass
@@ -250,7 +250,7 @@ class PipelineConfig:
     """Micro-batches per pipeline round (M; 1f1b runs grad_accum × M in one round); ≥ stages keeps the
     bubble (S-1)/(M+S-1) small. ``auto``: the smallest S·2^k ≤ 8S (that pipeline.wave divides) within 2%
     of the best tokens/s on ``hardware`` (a divisor of train.batch_size if set); logged."""
-    wave: int = checked(1, at_least(1, "use 1 for one micro-batch per load"))
+    wave: Any = checked(1, rule(lambda v: type(v) is int and v >= 1, "must be an integer >= 1", _WAVE_FIX))
     """Micro-batches per wave, W (a divisor of M): a stage loads each streamed unit once per wave and
     runs it on the wave's W micro-batches in a row (layer-major); a wave is one pipeline item. 1 = none."""
 

@@ -4,11 +4,14 @@ ship per item (CPU, a real host store), each against a closed form written here.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from test_step_time import HEAD, LAYER, SHAPE, _cpu_config
 from test_stream import BINDINGS, make_store  # noqa: F401  (a fixture)
 
+from nodetrain.checkpoint.state import config_hash
 from nodetrain.config.checks import ConfigError, validate
 from nodetrain.config.schema import Config
 from nodetrain.core.batch import _candidates
@@ -182,6 +185,48 @@ def test_resolve_with_waves_plans_items_and_says_so() -> None:
     assert {w.wave for w in run.works} == {2}
     cfg.pipeline.microbatches = "auto"
     assert {m % 2 for _, m in _candidates(cfg, 2, 1)} == {0}
+
+
+@pytest.mark.parametrize(("stages", "wave"), [(2, 1), (2, 2), (2, 4), (8, 2), (8, 16), (2, 32)])
+def test_automatic_micro_batches_stay_within_their_range_with_a_wave(stages: int, wave: int) -> None:
+    """``pipeline.microbatches=auto`` tries S, 2S, 4S, 8S (the documented range), those W divides;
+    where none is (W > 8S) the one count lcm(S, W): a wave never multiplies the batch by W."""
+    cfg = _cpu_config("float32")
+    cfg.pipeline.microbatches, cfg.pipeline.wave = "auto", wave
+    documented = [stages * k for k in (1, 2, 4, 8) if stages * k % wave == 0]
+    expected = documented or [stages * wave // math.gcd(stages, wave)]
+    assert sorted({m for _, m in _candidates(cfg, stages, 1)}) == expected
+
+
+def test_a_batch_no_wave_multiple_splits_is_refused_naming_the_wave() -> None:
+    """``train.batch_size=8`` of micro-batches of 4 on 2 stages: 2 micro-batches per step, which W = 4
+    cannot divide; the refusal names ``pipeline.wave`` and its fix (W = 1 picks 2 micro-batches)."""
+    cfg = _cpu_config("float32")
+    cfg.train.batch_size, cfg.train.micro_batch_size, cfg.pipeline.microbatches = 8, 4, "auto"
+    cfg.pipeline.wave = 1
+    assert {m for _, m in _candidates(cfg, 2, 1)} == {2}
+    cfg.pipeline.wave = 4
+    with pytest.raises(ConfigError, match=r"pipeline.wave=4: .*use pipeline.wave=1"):
+        _candidates(cfg, 2, 1)
+
+
+@pytest.mark.parametrize("value", ["auto", 2.0, 0, None, True])
+def test_a_wave_that_is_no_positive_integer_is_refused(value) -> None:
+    """Not Hydra's type error: the key, the value and the fix."""
+    cfg = _cpu_config("float32")
+    cfg.pipeline.wave = value
+    assert "pipeline.wave=" in _refusal(cfg) and "must be an integer >= 1; use 1, or a divisor" in _refusal(
+        cfg
+    )
+
+
+def test_a_resume_may_change_the_wave() -> None:
+    """``pipeline.wave`` changes only the order of fp32 sums (as the stage count does): the config hash
+    that ``checkpoint.resume=auto`` matches leaves it out, so a resume with another W continues."""
+    base = {"pipeline": {"wave": 1, "microbatches": 4, "stages": 2}, "optim": {"lr": 1e-3}}
+    other = {"pipeline": {"wave": 4, "microbatches": 4, "stages": 1}, "optim": {"lr": 1e-3}}
+    assert config_hash(base) == config_hash(other)
+    assert config_hash(base) != config_hash({**base, "pipeline": {**base["pipeline"], "microbatches": 8}})
 
 
 def test_a_wave_sum_buffer_is_rewritten_only_after_its_ship_landed(make_store) -> None:  # noqa: F811
