@@ -113,7 +113,7 @@ MOE = GpuShape(
 )
 """Qwen3-30B-A3B shortened to 2 of its 48 layers (1.87B parameters, 0.43B active per token of which
 0.31B are the untied 151,936 × 2048 head): a host store of ~35 GB, so its start-up and steps fit the
-check's 8 minutes next to the dense runs."""
+check's 7 minutes next to the dense runs."""
 
 SHAPES = {s.name: s for s in (DENSE, MOE)}
 
