@@ -254,8 +254,8 @@ def _summary(plan: Plan) -> list[str]:
         f"over {plan.peak_flops / 1e12:,.1f} TFLOP/s peak at {hw.matmul_efficiency:.0%} matmul efficiency)",
         _exposure_line(plan),
         *wave_lines(plan.waves, plan.cfg.pipeline.wave, plan.peak_flops),
-        "largest micro-batch that fits: "
-        + (f"train.micro_batch_size={plan.max_micro_batch}" if plan.max_micro_batch else "none (not even 1)"),
+        f"largest micro-batch that fits: train.micro_batch_size={plan.max_micro_batch}"
+        + ("" if plan.max_micro_batch else " (none fits, not even 1)"),
         *_budget_line(plan),
         f"training budget: {plan.train_tokens / 1e9:,.1f}B tokens ({budget}) = "
         f"{plan.days_one_node:,.1f} days on one node",
