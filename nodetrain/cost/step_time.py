@@ -25,7 +25,6 @@ from dataclasses import dataclass, replace
 
 from nodetrain.cost.blocks import BlockCost, PassTimes, pass_times
 from nodetrain.cost.compute import ComputeRates, block_seconds, model_flops, stage_compute
-from nodetrain.cost.cores import core_seconds, shared_cores_floor
 from nodetrain.cost.exposure import (
     CLIP_FRACTION,
     MODES,
@@ -36,6 +35,7 @@ from nodetrain.cost.exposure import (
 )
 from nodetrain.cost.rates import HostRates
 from nodetrain.cost.shape import ModelShape
+from nodetrain.cost.shared_cores import core_seconds, shared_cores_floor
 from nodetrain.cost.tier import tier_optimizer_rate
 from nodetrain.cost.traffic import (
     StageTraffic,
