@@ -25,6 +25,18 @@ def train_cmd(nproc: int, run_dir, *overrides: str) -> list[str]:
     return cmd + list(overrides)
 
 
+def start_job(cmd: list[str], root, stderr=subprocess.PIPE) -> subprocess.Popen:
+    """Start a launch from the checkout ``root`` in a session of its own (so :func:`kill_job` can end it),
+    wandb off, ``root`` first on PYTHONPATH (keeping the wheels' /tmp/site after it), stdout piped and
+    ``stderr`` piped (or ``subprocess.STDOUT``); the command is printed first."""
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=path)
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.Popen(
+        cmd, cwd=root, env=env, text=True, stdout=subprocess.PIPE, stderr=stderr, start_new_session=True
+    )
+
+
 def kill_job(proc: subprocess.Popen) -> None:
     """SIGKILL a torchrun job started with ``start_new_session=True``: its process group and every
     process under the launcher. torchrun starts each rank in a session of its own, so killing the

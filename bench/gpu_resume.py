@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -37,7 +36,7 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench._gpu_shapes import DENSE  # noqa: E402
-from bench._launch import free_port, kill_job  # noqa: E402
+from bench._launch import free_port, kill_job, start_job  # noqa: E402
 
 STEPS, K = 6, 3
 """Steps of the uninterrupted run; the step the resumed one starts from."""
@@ -59,18 +58,7 @@ def _launch(name: str, overrides: list[str], out: Path, timeout_s: float) -> lis
         f"--master_port={free_port()}",
     ]
     cmd += [str(ROOT / "bench" / "_deterministic_train.py"), f"hydra.run.dir={run_dir}", *overrides]
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keep /tmp/site
-    env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=path)
-    print("+", " ".join(cmd), flush=True)
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
+    proc = start_job(cmd, ROOT)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except BaseException as e:  # a timeout, or this process stopped: the rank must not outlive it

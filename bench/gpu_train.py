@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench._gpu_shapes import DENSE, SHAPES, GpuShape, fit_layers  # noqa: E402
-from bench._launch import kill_job, train_cmd  # noqa: E402
+from bench._launch import kill_job, start_job, train_cmd  # noqa: E402
 from nodetrain.run.breakdown import PHASES  # noqa: E402
 
 
@@ -98,18 +98,7 @@ def train(name: str, overrides: list[str], out: Path, timeout_s: float, nproc: i
     """
     run_dir = out / f"run_{name}"
     cmd = train_cmd(nproc, run_dir, *overrides)
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keep /tmp/site
-    env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=path)
-    print("+", " ".join(cmd), flush=True)
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    proc = start_job(cmd, ROOT, stderr=subprocess.STDOUT)
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         output, _ = proc.communicate(timeout=max(timeout_s, 1))

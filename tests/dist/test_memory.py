@@ -168,7 +168,8 @@ CASES = [("1f1b", 2, 2), ("gpipe", 2, 2)]
 """(schedule, micro-batches M, accumulation rounds G) of the one launch below."""
 
 
-def _spec(out: Path, store_dir: Path, schedule: str, m: int, g: int) -> Path:
+def _spec(out: Path, store_dir: Path, schedule: str, m: int, g: int, extra=None, run_id="memory") -> Path:
+    """memory_worker.py's spec of one case (``extra``: config keys over these)."""
     out.mkdir()
     overrides = {
         "train.dtype": "float32",
@@ -183,13 +184,14 @@ def _spec(out: Path, store_dir: Path, schedule: str, m: int, g: int) -> Path:
         "stream.device_budget": 0,
         "optim.threads": 1,
         "store.dir": str(store_dir),
+        **(extra or {}),
     }
     spec = {
         "arch": "LlamaForCausalLM",
         "hf": HF,
         "overrides": overrides,
         "out_dir": str(out),
-        "run_id": f"memory-{schedule}",
+        "run_id": f"{run_id}-{schedule}",
     }
     (out / "spec.json").write_text(json.dumps(spec))
     return out / "spec.json"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_torchrun
+import test_memory
 from test_memory import HF, WORKER, B, T
 
 from nodetrain.config.schema import ModelConfig
@@ -31,25 +32,7 @@ CASES = [("1f1b", 4, 1), ("gpipe", 4, 2)]
 
 
 def _spec(out: Path, store_dir: Path, schedule: str, m: int, g: int) -> Path:
-    out.mkdir()
-    overrides = {
-        "train.dtype": "float32",
-        "train.seq_len": T,
-        "train.micro_batch_size": B,
-        "train.grad_accum": g,
-        "train.steps": 2,
-        "data.vocab_size": HF["vocab_size"],
-        "pipeline.microbatches": m,
-        "pipeline.schedule": schedule,
-        "pipeline.wave": WAVE,
-        "stream.slots": 2,
-        "stream.device_budget": 0,
-        "optim.threads": 1,
-        "store.dir": str(store_dir),
-    }
-    spec = {"arch": "LlamaForCausalLM", "hf": HF, "overrides": overrides, "out_dir": str(out)}
-    (out / "spec.json").write_text(json.dumps({**spec, "run_id": f"wave-memory-{schedule}"}))
-    return out / "spec.json"
+    return test_memory._spec(out, store_dir, schedule, m, g, {"pipeline.wave": WAVE}, "wave-memory")
 
 
 @pytest.fixture(scope="module")
