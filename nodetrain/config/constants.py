@@ -1,15 +1,30 @@
 """The constant tables several subsystems check against: their one home.
 
 Owns: the HF architectures nodetrain can split into units, the pipeline schedule names and the dtype
-names a config may give (``train.dtype``, ``checkpoint.export_dtype``). The config checks, the model
-adapter, the pipeline, the engine and the checkpoint writer all read them from here.
+names a config may give (``train.dtype``, ``checkpoint.export_dtype``), and where the configs live
+(``CONFIG_DIR``: train.py, the planner and the reference page compose from it). The config checks,
+the model adapter, the pipeline, the engine and the checkpoint writer all read them from here.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-__all__ = ["DTYPES", "SCHEDULES", "SUPPORTED_ARCHS"]
+__all__ = ["CONFIG_DIR", "DTYPES", "SCHEDULES", "SUPPORTED_ARCHS"]
+
+
+def _config_dir() -> Path:
+    """``nodetrain/conf`` of an installed package (``pip install .`` ships ``conf/`` there, as Hydra
+    apps ship their configs), else ``conf/`` of the source checkout (editable install, PYTHONPATH)."""
+    here = Path(__file__).resolve().parents[1]  # nodetrain/
+    installed = here / "conf"
+    return installed if (installed / "config.yaml").is_file() else here.parent / "conf"
+
+
+CONFIG_DIR = _config_dir()
+"""The directory Hydra composes ``config.yaml`` and ``plan.yaml`` from (absolute)."""
 
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",

@@ -1,9 +1,10 @@
 """The one config schema: the dataclasses Hydra's ConfigStore holds as ``base_config``.
 
 Owns: field names, types, defaults and units, and each field's own range or choices beside it
-(``checked``, config/fields.py); a step's batch as numbers is config/batch.py. The hardware profile
-and planner groups live in nodetrain/config/hardware.py; the registration, the resolvers
-(``run_id``) and ``to_typed`` in nodetrain/config/registry.py. Does not own: the start-up checks
+(``checked``, config/fields.py); a step's batch as numbers is config/batch.py, ``CONFIG_DIR``
+(re-exported here) config/constants.py. The hardware profile and planner groups live in
+nodetrain/config/hardware.py; the registration, the resolvers (``run_id``) and ``to_typed`` in
+nodetrain/config/registry.py. Does not own: the start-up checks
 (nodetrain/config/checks.py; ``validate``, ``ConfigError``, ``HF_KEYS`` and ``SUPPORTED_ARCHS`` are
 re-exported here), reading YAML (Hydra does), anything that needs torch.distributed, or test-only
 knobs (they are no config keys: ``NODETRAIN_FAULTS``, nodetrain/run/inject.py).
@@ -22,7 +23,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from nodetrain.config.checks import HF_KEYS, SUPPORTED_ARCHS, ConfigError, validate
-from nodetrain.config.constants import DTYPES, SCHEDULES
+from nodetrain.config.constants import CONFIG_DIR, DTYPES, SCHEDULES
 from nodetrain.config.fields import above, at_least, auto_or_bool, checked, in_range, not_empty, one_of, rule
 from nodetrain.config.hardware import HardwareConfig, PlanConfig
 from nodetrain.store import STATES
@@ -48,17 +49,6 @@ __all__ = [
     "validate",
 ]
 
-
-def _config_dir() -> Path:
-    """``nodetrain/conf`` of an installed package (``pip install .`` ships ``conf/`` there, as Hydra
-    apps ship their configs), else ``conf/`` of the source checkout (editable install, PYTHONPATH)."""
-    here = Path(__file__).resolve().parents[1]  # nodetrain/
-    installed = here / "conf"
-    return installed if (installed / "config.yaml").is_file() else here.parent / "conf"
-
-
-CONFIG_DIR = _config_dir()
-"""The directory Hydra composes ``config.yaml`` and ``plan.yaml`` from (absolute)."""
 
 DATA_FORMATS = ("stream", "records")
 
@@ -277,6 +267,11 @@ class StreamConfig:
     store's fp32 accumulators; 0 = auto: the rank's core share (cores of its GPU's NUMA node, or of
     the node, over the ranks sharing them) minus ``optim.threads`` (auto: half, rounded up). Logged at
     start-up, independent of the ``OMP_NUM_THREADS=1`` torchrun sets."""
+    accum_help: bool = True
+    """Let the optimizer thread (its ``optim.threads`` team) take chunks of the D2H worker's host adds
+    while it has no update queued (during the forward, and the backward before units become final):
+    the same sums bit for bit, by both teams. No effect without an optimizer thread
+    (``optim.overlap=false``). The planner prices it (docs/planner.md); ``accum_helped_bytes`` counts it."""
     offload_activations: bool = False
     """Send each block's saved input of an in-flight micro-batch D2H after its forward and bring it
     back H2D before its backward, prefetched like weights: device memory then holds the saved inputs

@@ -15,10 +15,13 @@ Threads of a rank, what each alone writes, and the hand-offs between them (DESIG
     h2d        device slots, resident buffers, saved inputs    each load's and prefetch's Future (+ CUDA
                brought back (the copies, activations.py)       event)
     d2h        store.grad(u) of every unit not yet final       each offload's Future; an arrival
-               (the accumulation), its scratch                 message per block (UnitUpdates.arrived)
+               (the accumulation), its scratch                 message per block (UnitUpdates.arrived);
+                                                               an add's chunks lent to the idle
+                                                               optimizer thread (SharedAdd, helper.py)
     optimizer  GradReadiness (the arrival counts, the stage's  resolves the ticket's futures (Final,
                norm² so far); store.grad/master/AdamW state    then updated); busy seconds and bytes
-               of a unit from its "final" to its update's end  into a Tally (a lock)
+               of a unit from its "final" to its update's end  into a Tally (a lock); a lent add's
+               (and, idle, the chunks of an add it claims)     chunks back, each before it completes
     tier       a unit's tier bytes, file ↔ store (tier=nvme;  a Future per read / write-back, waited for
                its pool: the optimizer thread's, tier.py)      by the optimizer (training: overlap=false)
 
@@ -188,6 +191,7 @@ class Engine:
             wave=self.plan.wave,
             gate=self.updates.gate,
             on_arrival=self.updates.arrived,
+            helper=self.updates.helper if self.cfg.stream.accum_help else None,  # the idle optimizer thread
             timeline=self.timeline,
             faults=self.faults,
         )

@@ -268,6 +268,7 @@ class StepBreakdown:
                 bytes moved and seconds the copy and optimizer workers worked (overlapped or not);
                 ``accum_host_bytes``, ``optim_host_bytes``: host bytes read and written by the
                 gradient accumulation (``Window.take_stats``) and the optimizer's updates;
+                ``accum_helped_bytes``: of the former, those the idle optimizer thread added;
                 ``cpu_s``: CPU seconds of this process (all threads) during the step;
                 ``num_updates_in_backward``: unit updates that started before the backward ended;
                 ``num_rollbacks``: speculative unit updates rolled back (``optim.speculative``).
@@ -305,6 +306,10 @@ class StepBreakdown:
         return combined
 
 
+_HOST_KEYS = ("accum_host_bytes", "accum_helped_bytes", "optim_host_bytes", "act_d2h_bytes", "act_h2d_bytes")
+"""Summed over every rank, 0 where a record has none: the gradient path's host bytes, the saved inputs'."""
+
+
 def combine_stages(records: list[dict], num_stages: int | None = None) -> dict:
     """One flat record from every rank's record (index = global rank = replica · P + stage).
 
@@ -315,7 +320,8 @@ def combine_stages(records: list[dict], num_stages: int | None = None) -> dict:
     rank; the phase times and ``other_s`` the mean over ranks (so they still sum to about
     ``step_s``); ``tflops`` = Σ FLOPs / step_s / 1e12; ``mfu`` = Σ FLOPs / (step_s × Σ peaks);
     ``h2d_gbps``/``d2h_gbps`` bytes over worker-busy seconds of all ranks; ``window_bytes`` the
-    largest rank's; ``accum_host_bytes``/``optim_host_bytes`` (host bytes of the gradient path) and
+    largest rank's; ``accum_host_bytes``/``accum_helped_bytes``/``optim_host_bytes`` (host bytes of the
+    gradient path) and
     ``*_bytes`` moved, ``*_busy_s``, ``num_resident`` (units resident on all devices),
     ``num_on_device``, ``num_kept``, ``device_optimizer_bytes``, ``num_grad_on_device``,
     ``grad_acc_bytes`` and ``wave_bytes`` summed; ``wave`` and ``store_bytes`` (one node's store) as is.
@@ -343,7 +349,7 @@ def combine_stages(records: list[dict], num_stages: int | None = None) -> dict:
         out[key] = total(key) / n
     for key in ("h2d_bytes", "d2h_bytes", "h2d_busy_s", "d2h_busy_s", "optim_busy_s", "cpu_s", "flops"):
         out[key] = total(key)
-    for key in ("accum_host_bytes", "optim_host_bytes", "act_d2h_bytes", "act_h2d_bytes"):
+    for key in _HOST_KEYS:
         out[key] = sum(r.get(key, 0) for r in records)  # host DRAM of the gradient path; saved inputs
     out["h2d_gbps"] = _rate(out["h2d_bytes"] + out["act_h2d_bytes"], out["h2d_busy_s"]) / 1e9
     out["d2h_gbps"] = _rate(out["d2h_bytes"], out["d2h_busy_s"]) / 1e9

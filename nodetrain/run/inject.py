@@ -7,10 +7,11 @@ a test hook, as ``Comm`` is passed its ``dist``: the copy workers (:meth:`Faults
 ``optim_delay_s``), the checkpoint writer thread (:meth:`Faults.before_write`, ``write_delay_s``), the
 engine's NaN gradient (:meth:`Faults.nan_hook`, ``nan_*``), the training loop's failing rank
 (:meth:`Faults.maybe_fail`, ``fail_*``), the NVMe tier's writes and free space (``tier_*``), the host
-fit check (``host_available_bytes``) and ``metrics.jsonl``'s full disk (:meth:`Faults.metrics_write`,
-``metrics_full_step``). None of them is a config key: a user's config cannot reach them. Production
-code holds :data:`NO_FAULTS` (the variable unset), whose hooks do nothing; no component reads a test
-knob or sleeps itself. Does not own what a slowed copy or a failed rank exposes (the tests say).
+adds' chunk (``accum_chunk_per_thread``, the window), the host fit check (``host_available_bytes``)
+and ``metrics.jsonl``'s full disk (:meth:`Faults.metrics_write`, ``metrics_full_step``). None of them
+is a config key: a user's config cannot reach them. Production code holds :data:`NO_FAULTS` (the
+variable unset), whose hooks do nothing; no component reads a test knob or sleeps itself. Does not
+own what a slowed copy or a failed rank exposes (the tests say).
 
     NODETRAIN_FAULTS='fail_rank=1,fail_step=2' torchrun --nproc_per_node 2 -m nodetrain.train ...
 """
@@ -61,6 +62,9 @@ class Faults:
         host_available_bytes: host memory the start-up fit check sees as available; -1 = real.
         metrics_full_step: the step from whose row on every write to ``metrics.jsonl`` fails with
             ENOSPC (a full disk).
+        accum_chunk_per_thread: elements per thread of a host add's chunk (0 = accumulate.py's
+            ``CHUNK_PER_THREAD``): small, a tiny model's adds have many chunks for the idle optimizer
+            thread to share (``stream.accum_help``).
         skip_compute_wait: a planted bug, not in the variable: the copy workers do not wait for the
             compute queued before a job (CUDA; proves the slot-reuse test can fail, tests/dist/test_gpu.py).
     """
@@ -78,6 +82,7 @@ class Faults:
     tier_free_bytes: int = -1
     host_available_bytes: int = -1
     metrics_full_step: int = -1
+    accum_chunk_per_thread: int = 0
     skip_compute_wait: bool = False
     _tier_writes: itertools.count = field(default_factory=itertools.count, compare=False, repr=False)
 
@@ -128,6 +133,8 @@ class Faults:
         for name in ("tier_fail_write", "tier_free_bytes", "host_available_bytes"):
             if getattr(self, name) < -1:
                 found.append(f"{name}={getattr(self, name)}: must be -1 (off) or >= 0; use -1")
+        if self.accum_chunk_per_thread < 0:
+            found.append(f"accum_chunk_per_thread={self.accum_chunk_per_thread}: must be >= 0; use 0")
         return found
 
     def before_copy(self) -> None:

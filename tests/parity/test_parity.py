@@ -120,6 +120,9 @@ class Case:
     steps: int = STEPS
     atol_weight: float = ATOL_WEIGHT
     """Absolute floor of the final weights' comparison (longer runs: more summation-order noise)."""
+    accum_chunk: int = 0
+    """Test-only: elements per thread of a host add's chunk (``Faults.accum_chunk_per_thread``; 0 = the
+    default): small, the tiny model's adds are shared with the idle optimizer thread."""
 
 
 # fmt: off
@@ -127,6 +130,9 @@ CASES = [
     #    id                                                 arch                  S  schedule  slots accum M
     Case("llama-1stage-gpipe-slots1-accum2x4",              "LlamaForCausalLM",   1, "gpipe", 1,    2,    4,
          mutants=("no_clip",)),
+    # 64-element chunks: the D2H worker's adds are shared with the idle optimizer thread (helper.py)
+    Case("llama-1stage-1f1b-slots2-accum2x4-sharedadds",    "LlamaForCausalLM",   1, "1f1b",  2,    2,    4,
+         accum_chunk=64),
     Case("llama-2stage-1f1b-slots2-accum2x4-sync",          "LlamaForCausalLM",   2, "1f1b",  2,    2,    4,
          overlap=False),
     Case("llama-4stage-1f1b-slots1-accum2x4",               "LlamaForCausalLM",   4, "1f1b",  1,    2,    4),
@@ -425,7 +431,11 @@ def parity_spec(case: Case, tmp: Path, shm_dir: Path, model_dir: Path, inputs, l
         "arch": case.arch,
         "hf": hf_fields(case),
         "overrides": overrides,
-        "faults": {"copy_delay_s": case.delay_s, "optim_delay_s": case.optim_delay_s},
+        "faults": {
+            "copy_delay_s": case.delay_s,
+            "optim_delay_s": case.optim_delay_s,
+            "accum_chunk_per_thread": case.accum_chunk,
+        },
         "model_dir": str(model_dir),
         "batch_file": str(batch_file),
         "out_dir": str(out_dir),
@@ -534,6 +544,17 @@ def launched(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_parity_with_transformers_adamw(case: Case, launched) -> None:
     check_run(case, *launched(case))
+
+
+def test_the_idle_optimizer_thread_shares_the_host_adds(launched) -> None:
+    """The shared-adds case above matches the reference (its parity test) and its optimizer thread
+    really took chunks of the adds: ``accum_helped_bytes`` > 0 over the run, within the step's
+    accumulation bytes each step."""
+    (case,) = [c for c in CASES if c.accum_chunk]
+    run = launched(case)[0]
+    helped = [(s["breakdown"]["accum_helped_bytes"], s["breakdown"]["accum_host_bytes"]) for s in run.steps]
+    assert all(0 <= h <= total for h, total in helped), helped
+    assert sum(h for h, _ in helped) > 0, helped
 
 
 def check_parity(

@@ -40,7 +40,7 @@ from nodetrain.core.step_plan import reuses
 from nodetrain.engine.device.copy_worker import CopyWorker, done_copy, wait_copy
 from nodetrain.engine.device.device_acc import DeviceSums, slot_layout
 from nodetrain.engine.device.staging import GradStaging, rows_to_device
-from nodetrain.engine.host.accumulate import HostAccumulator
+from nodetrain.engine.host.accumulate import CHUNK_PER_THREAD, HostAccumulator
 from nodetrain.engine.threads import check_writer
 from nodetrain.run.breakdown import NULL_TIMELINE
 from nodetrain.run.inject import NO_FAULTS, Faults
@@ -76,6 +76,8 @@ class Window:
             the training thread when the load is issued; ``UnitUpdates.gate``); default none.
         on_arrival: ``on_arrival(block)``, called on the D2H worker once a block's gradients are in
             the host store; it must only post a message (``UnitUpdates.arrived``); default none.
+        helper: the idle optimizer thread that shares the D2H worker's adds (``UnitUpdates.helper``,
+            helper.py; ``stream.accum_help``); default none.
         timeline: where the waits are timed (breakdown.py); faults: test-only injection.
 
     Memory: ``slots × max streamed block numel × compute itemsize`` bytes (row blocks are not
@@ -84,7 +86,8 @@ class Window:
     device (``nbytes``; ``resident_nbytes`` the latter), each ``grad_acc`` block's ``numel × 4``
     (``grad_acc_nbytes``), with W > 1 ``slots × 4 × max wave-summed block numel`` (``sums.wave_nbytes``);
     ``slots × max block numel × compute itemsize`` bytes of host staging (``staging_nbytes``; pinned
-    on CUDA: ``staging_pinned_nbytes``) and the D2H worker's ``accumulate.CHUNK_PER_THREAD`` scratch.
+    on CUDA: ``staging_pinned_nbytes``) and the D2H worker's ``accumulate.CHUNK_PER_THREAD`` scratch
+    (the helper's too, on its thread).
     """
 
     def __init__(
@@ -104,6 +107,7 @@ class Window:
         wave: int = 1,
         gate=None,
         on_arrival=None,
+        helper=None,
         timeline=NULL_TIMELINE,
         faults: Faults = NO_FAULTS,
     ):
@@ -127,7 +131,8 @@ class Window:
         # copies on the staging's stream; the accumulation adds on a team of accum_threads
         self._d2h = CopyWorker("d2h", None, self.device, accum_threads, faults)
         self._staging = GradStaging(slots, max(self._numel(i) for i in blocks), dtype, self.device)
-        self._accum = HostAccumulator()  # used on the D2H worker only (its scratch, its team)
+        chunk = faults.accum_chunk_per_thread or CHUNK_PER_THREAD  # a test may make it small
+        self._accum = HostAccumulator(chunk, helper)  # used on the D2H worker only (its scratch, its team)
         self._seq: list[int] = []
         self._reuse: list[bool] = []  # per position of the sequence: shares the previous load (core)
         self._loads: dict[int, tuple[Future, list[Future]]] = {}  # position -> (load, its gate)
@@ -345,10 +350,9 @@ class Window:
 
         def accumulate():
             for (dst, first), src in zip(jobs, staged.wait(), strict=True):
-                if first:  # overwrite: no zeroing pass, no read of the stale accumulator
-                    self._accum.copy(dst, src)
-                else:  # fp32 += compute dtype, widened chunk by chunk (accumulate.py)
-                    self._accum.add(dst, src)
+                # first: overwrite (no zeroing pass, no read of the stale accumulator); else fp32 +=
+                # compute dtype, widened chunk by chunk (accumulate.py)
+                self._accum.write(dst, first, src)
             if self._on_arrival is not None:
                 self._on_arrival(block)
 
@@ -376,20 +380,12 @@ class Window:
         self._num_offloads += 1
 
         def ship():
-            self._staging.ship(jobs, halves, ready, self._land)
+            self._staging.ship(jobs, halves, ready, self._accum.write)
             if self._on_arrival is not None:
                 self._on_arrival(block)
 
         self._offloads.append(self._d2h.submit(ship))
         return self._offloads[-1]
-
-    def _land(self, dst: torch.Tensor, first: bool, half: torch.Tensor) -> None:
-        """D2H worker: write a landed ship chunk into its fp32 target (an add where the target is
-        shared with another block: the tied embedding of one stage)."""
-        if first:
-            self._accum.copy(dst, half)
-        else:
-            self._accum.add(dst, half)
 
     def _free_staging(self) -> None:
         """Bound gradient memory in flight: wait until a staging buffer is free."""
@@ -475,6 +471,7 @@ class Window:
             "h2d_bytes": self.h2d_bytes,
             "d2h_bytes": self.d2h_bytes,
             "accum_host_bytes": self.accum_host_bytes,
+            "accum_helped_bytes": int(self._accum.helped.take()["bytes"]),
             "h2d_busy_s": self.h2d.take_busy_s(),
             "d2h_busy_s": self._d2h.take_busy_s(),
         }

@@ -16,7 +16,8 @@ unit's in-backward update becomes the one its next load waits for at :meth:`Unit
 For a unit final in the backward the optimizer thread, in final order: calls the ``on_final`` hook
 (test-only NaN injection), sums the gradient over the replicas (an all-reduce in the stage's group,
 which only this thread uses during the backward), takes its norm², and acts on the policy's
-verdict. A rollback is a copy of the backup (bit-exact, 12 B/param of private RAM).
+verdict. A rollback is a copy of the backup (bit-exact, 12 B/param of private RAM). While it has
+nothing queued the thread helps the D2H worker's host adds (:attr:`UnitUpdates.helper`, helper.py).
 
 Why, with the modes' timeline: docs/optimizer.md#the-four-update-modes.
 """
@@ -34,6 +35,7 @@ import torch
 
 from nodetrain.core.update import Final, UpdatePolicy
 from nodetrain.engine.host.binding import limit_thread
+from nodetrain.engine.host.helper import Helper
 from nodetrain.engine.host.readiness import GradReadiness
 from nodetrain.engine.threads import Tally, check_writer, set_role
 from nodetrain.optim.adamw import StoreAdamW
@@ -123,9 +125,10 @@ class UnitUpdates:
         counted = [u for u in self._owned if u not in self._shared] if policy.in_backward else []
         self._readiness = GradReadiness(units_of, counted, [u for u in self._owned if u not in counted])
         self._grad_sum, self._on_final = grad_sum, on_final
-        self._pool = None
+        self._pool = self._helper = None
         if policy.overlap:
             self._pool = ThreadPoolExecutor(1, "optim", initializer=_init_thread, initargs=(threads, device))
+            self._helper = Helper(self._pool)  # every task of the pool is submitted through it
         # training thread only
         self._pending: dict[int, Future] = {}  # unit -> the update its next load waits for
         self._ticket = _Ticket(0, 0.0, ())
@@ -146,6 +149,12 @@ class UnitUpdates:
     @property
     def speculative(self) -> bool:
         return self.policy.kind == "speculative"
+
+    @property
+    def helper(self) -> Helper | None:
+        """The optimizer thread, lent to the D2H worker's adds while idle (helper.py); None without
+        an optimizer thread (a policy without overlap)."""
+        return self._helper
 
     @property
     def later_units(self) -> list[int]:
@@ -185,12 +194,12 @@ class UnitUpdates:
         )
         self._ticket, self._rolled_back = ticket, False
         if self.in_backward:
-            self._pool.submit(self._arm, ticket)
+            self._helper.submit(self._arm, ticket)
 
     def arrived(self, block: int) -> None:
         """D2H worker: ``block``'s gradients landed in the host store. Only posts the message."""
         if self.in_backward:
-            self._pool.submit(self._on_arrival, block)
+            self._helper.submit(self._on_arrival, block)
 
     def end_backward(self) -> None:
         """The step's last backward is issued: its in-backward updates become what loads wait for."""
@@ -206,7 +215,7 @@ class UnitUpdates:
             AssertionError: a unit never became final, or out of the schedule's order.
         """
         if self.in_backward:
-            self._pool.submit(self._check_complete)  # after every arrival: fails a missing unit's futures
+            self._helper.submit(self._check_complete)  # after every arrival: fails a missing unit's futures
         self._finals()
 
     def _finals(self) -> dict[int, Final]:
@@ -249,7 +258,7 @@ class UnitUpdates:
             return
         finals = self._finals() if self.in_backward else {}
         for u, kind in self.policy.after_allreduce(self._owned, self.later_units, finals, grad_scale):
-            self._pending[u] = self._pool.submit(self._apply, u, lr, grad_scale, kind)
+            self._pending[u] = self._helper.submit(self._apply, u, lr, grad_scale, kind)
             if kind == "update":
                 self._trained.add("host_bytes", self._update_bytes(u, grad_scale))
             else:
@@ -286,6 +295,7 @@ class UnitUpdates:
     def close(self) -> None:
         """Finish every submitted update and stop the thread."""
         if self._pool is not None:
+            self._helper.close()
             self._pool.shutdown(wait=True)
             self._pool = None
 
