@@ -44,9 +44,10 @@ FLOOR_S = 0.005
 """A measured figure under this many seconds (a bubble of 0) has no meaningful relative error: its
 row shows the absolute difference and is judged by it."""
 
-OLD_RUNS = ("optim.on_device=false", "stream.recompute=true")
+OLD_RUNS = ("optim.on_device=false", "stream.recompute=true", "stream.accum_help=false")
 """Settings that reproduce what every run before issue 34 did (optimizer on the host, every block
-recomputed); later keys of that kind join here."""
+recomputed) and before issue 31's part 4 (the D2H worker's adds without the idle optimizer thread's
+help); later keys of that kind join here."""
 
 PHASES = (
     ("compute", "compute_s", "compute_s"),

@@ -76,7 +76,7 @@ _70B = (
     "model=llama2_70b hardware=h100_sxm train.seq_len=4096 train.micro_batch_size=4 pipeline.microbatches=64"
 )
 _70B_BUDGET = f"{_70B} plan.train_tokens=2e12 plan.days=30"
-_70B_1T = f"{_70B} stream.accum_threads=1"
+_70B_1T = f"{_70B} stream.accum_threads=1 stream.accum_help=false"
 _70B_LEAN = _70B.replace("h100_sxm", "h100_sxm hardware.host_memory_gb=1024 optim.state=lean")
 _1T = "model=llama_1t hardware=h100_sxm train.seq_len=4096 train.micro_batch_size=1 pipeline.microbatches=32"
 _1T_20TB = _1T.replace("h100_sxm", "h200 hardware.host_memory_gb=20480") + " plan.train_tokens=1e12"

@@ -10,6 +10,8 @@ cost/compute.py) or choosing (batch.py, run_shape.py).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from nodetrain.config.schema import Config
@@ -80,10 +82,12 @@ def priced_step(
     of every rank on the node's ``cores`` (``shared_cores``). The AdamW of units kept on the device
     (``optim.on_device``) streams at ``hbm_bandwidth_gbps`` (else the elementwise rate). With
     ``store.tier=nvme`` the tier's bytes are read and written at the profile's NVMe rates, with
-    ``stream.offload_activations`` the saved inputs cross the host link.
+    ``stream.offload_activations`` the saved inputs cross the host link; with ``stream.accum_help``
+    the idle optimizer thread's team helps the host accumulation (``cost.rates.helped_share``).
 
     Args:
-        cfg: the run (``train.seq_len``, ``train.dtype``, ``store``, ``stream.offload_activations``);
+        cfg: the run (``train.seq_len``, ``train.dtype``, ``store``, ``stream.offload_activations``,
+            ``stream.accum_help``);
         shape: the model; works: per stage, its step (``StepPlan.work``); machine: what prices it;
         mode: ``serial``, ``deferred``, ``in_backward`` or ``speculative`` (``cost.exposure.MODES``);
         b: sequences per micro-batch.
@@ -100,7 +104,7 @@ def priced_step(
         t=cfg.train.seq_len,
         itemsize=dtype.itemsize,
         flops_per_s=matmul_flops(cfg, machine),
-        rates=host_rates(machine, len(works)),
+        rates=replace(host_rates(machine, len(works)), accum_help=cfg.stream.accum_help),
         update_mode=mode,
         optim_bytes_per_s=list(machine.optimizer_bytes_per_s) or None,
         attention_flops_per_s=attention / share,

@@ -33,7 +33,7 @@ from nodetrain.cost.exposure import (
     exposed_split,
     pipeline_times,
 )
-from nodetrain.cost.rates import HostRates
+from nodetrain.cost.rates import HostRates, helped_share
 from nodetrain.cost.shape import ModelShape
 from nodetrain.cost.shared_cores import core_seconds, shared_cores_floor
 from nodetrain.cost.tier import tier_optimizer_rate
@@ -153,15 +153,16 @@ class _Stages:
     layer kept, ``compute.block_work``)."""
 
 
-def _block_costs(shape, w: StageWork, n, t, e, compute, rates: HostRates) -> dict[int, BlockCost]:
+def _block_costs(
+    shape, w: StageWork, n, t, e, compute, rates: HostRates, accum: float
+) -> dict[int, BlockCost]:
     """A stage's blocks as :class:`~nodetrain.cost.blocks.BlockCost`: compute, each load spread over
     the block's passes (the head's forward only), offloads per backward at the link and the D2H
-    worker's accumulation rate (the slower of the two), a resident block's one ship (and a streamed
+    worker's accumulation rate ``accum`` (the slower of the two), a resident block's one ship (and a streamed
     block's with a device accumulator, ``w.grad_acc``, loaded per pass still). A pass is one pipeline
     item: ``w.wave`` micro-batches in a row on each block, one load and one offload (issue 31)."""
     m, last = w.num_items, len(shape.unit_numels) - 1
-    link, d2h_link, accum = rates.link_bytes_per_s, rates.d2h_link_bytes_per_s or rates.link_bytes_per_s, 0.0
-    accum = rates.accum_rate()
+    link, d2h_link = rates.link_bytes_per_s, rates.d2h_link_bytes_per_s or rates.link_bytes_per_s
     out = {}
     for i in w.blocks:
         f, b = (w.wave * x for x in block_seconds(shape, i, n, t, e, compute, i in w.kept))
@@ -191,6 +192,7 @@ def _stages(
     offload=False,
     tier=0.0,
     slots=2,
+    mode="deferred",
 ) -> _Stages:
     n, s = b * t, len(works)
     out = _Stages([], [], [], [], [], [], [], [], [])
@@ -208,10 +210,9 @@ def _stages(
         unrecomputed = stage_compute(shape, w.blocks, n, t, itemsize, compute, w.blocks)
         out.recompute.append(sum(parts) - w.num_microbatches * sum(unrecomputed))
         d2h_link = rates.d2h_link_bytes_per_s or link
-        out.seconds.append(
-            (sum(parts), x.h2d_bytes / link, x.d2h_bytes / d2h_link, x.accum_bytes / rates.accum_rate())
-        )
-        costs = _block_costs(shape, w, n, t, itemsize, compute, rates)
+        accum = rates.accum_rate(helped_share(mode, w.num_items) if rates.accum_help else 0.0)
+        out.seconds.append((sum(parts), x.h2d_bytes / link, x.d2h_bytes / d2h_link, x.accum_bytes / accum))
+        costs = _block_costs(shape, w, n, t, itemsize, compute, rates, accum)
         p = pass_times([costs[i] for i in w.blocks], slots)
         busy = w.num_items * (p.forward_s + p.backward_s) + p.last_extra_s
         busy = max(busy, *out.seconds[-1][1:3])  # the link (activation offload's bytes too) at least
@@ -363,7 +364,7 @@ def step_time(
     compute = ComputeRates(flops_per_s, attention_flops_per_s, elementwise_bytes_per_s, layer_overhead_s)
     kw = dict(b=b, t=t, itemsize=itemsize, compute=compute, rates=rates)
     more = dict(shared_cores=shared_cores, offload=offload_activations, tier=tier_bytes_per_param)
-    st = _stages(shape, works, **kw, **more, slots=slots)
+    st = _stages(shape, works, **kw, **more, slots=slots, mode=update_mode)
     optim = _optim_rates(rates, shape, stage_blocks, itemsize, optim_bytes_per_s, tier_bytes_per_param)
     spec = update_mode == "speculative"
     traffic = speculative_traffic(shape, stage_blocks, st.traffic, clip_fraction) if spec else st.traffic

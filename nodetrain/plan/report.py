@@ -151,7 +151,10 @@ def _time_table(plan: Plan) -> Table:
         (_compute_label(plan), t.compute_s),
         ("H2D: weight prefetch (overlapped)", t.h2d_s),
         ("D2H: gradient offload (overlapped)", t.d2h_s),
-        (f"host accumulation, {plan.rates.accum_threads} thread(s)/rank (overlapped)", t.accum_s),
+        (
+            f"host accumulation, {plan.rates.accum_threads} thread(s)/rank{_helped(plan)} (overlapped)",
+            t.accum_s,
+        ),
         ("  compute waits for loads (stall)", t.stall_s),
         ("  compute waits for offloads, the flush (d2h_wait)", t.d2h_wait_s),
         ("pipeline bubble", t.bubble_s),
@@ -165,6 +168,16 @@ def _time_table(plan: Plan) -> Table:
         table.add_row(label, f"{seconds:,.3f}", f"{seconds / t.step_s:.0%}")
     table.add_row("[bold]step[/]", f"[bold]{t.step_s:,.3f}[/]", "")
     return table
+
+
+def _helped(plan: Plan) -> str:
+    """The accumulation row's helpers: the idle optimizer thread's team (``stream.accum_help``)."""
+    mode = plan.time.update_mode
+    return (
+        f" + the idle optimizer's {plan.rates.optim_threads}"
+        if plan.cfg.stream.accum_help and mode != "serial"
+        else ""
+    )
 
 
 def _compute_label(plan: Plan) -> str:

@@ -4,11 +4,14 @@ planner's choice of rates per dtype and profile (``pricing.priced_step``)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from cost_cases import step as step_time
 
 from nodetrain.config.schema import Config, HardwareConfig, ModelConfig
 from nodetrain.cost.compute import block_elementwise_bytes
+from nodetrain.cost.rates import helped_share
 from nodetrain.cost.shape import ModelShape
 from nodetrain.cost.step_time import HostRates
 from nodetrain.plan.planner import make_plan
@@ -224,3 +227,30 @@ def test_gpu_profile_prices_fp32_at_fp32_flops_and_nothing_on_shared_cores() -> 
     )
     assert t.compute_s == pytest.approx(2 * per_mb, rel=1e-12)
     assert t.core_s == () and t.shared_cores_s == 0.0
+
+
+def test_the_idle_optimizer_threads_help_prices_the_accumulation_by_update_mode() -> None:
+    """``HostRates.accum_help`` (``stream.accum_help``): the helped share of the accumulation runs at
+    both teams' rates together, capped by the rank's DRAM share and never below the worker's alone;
+    the share is none in ``serial``, all in ``deferred`` and (items − 1)/items in the backward modes.
+    Closed forms: accumulation seconds = bytes × ((1 − h)/alone + h/helped)."""
+    rates = _rates(core_bytes_per_s=1e9, host_bytes_per_s=2.5e9, accum_threads=2, optim_threads=1)
+    assert rates.accum_rate() == 2e9 and rates.helped_accum_rate() == 2.5e9  # 2 + 1 GB/s, capped
+    assert replace(rates, host_bytes_per_s=8e9).helped_accum_rate() == 3e9
+    measured = replace(rates, host_bytes_per_s=8e9, accum_bytes_per_s=1.5e9, optim_bytes_per_s=0.5e9)
+    assert measured.helped_accum_rate() == 2e9
+    assert replace(rates, host_bytes_per_s=1e9).helped_accum_rate() == 1e9  # the share: no gain
+    assert [helped_share(m, 4) for m in ("serial", "deferred", "in_backward", "speculative")] == [
+        0,
+        1,
+        0.75,
+        0.75,
+    ]
+    assert helped_share("in_backward", 1) == 0.0  # one item (W = M): every unit final in it
+    kw = dict(b=2, t=16, m=4, g=1, itemsize=2, flops_per_s=1e9)
+    for mode, h in (("serial", 0.0), ("deferred", 1.0), ("in_backward", 0.75), ("speculative", 0.75)):
+        alone = step_time(SHAPE, [range(4)], **kw, rates=rates, update_mode=mode)
+        helped = step_time(SHAPE, [range(4)], **kw, rates=replace(rates, accum_help=True), update_mode=mode)
+        accum_bytes = alone.traffic[0].accum_bytes
+        assert alone.accum_s == pytest.approx(accum_bytes / 2e9, rel=1e-12)
+        assert helped.accum_s == pytest.approx(accum_bytes * ((1 - h) / 2e9 + h / 2.5e9), rel=1e-12), mode
