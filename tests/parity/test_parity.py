@@ -130,9 +130,13 @@ CASES = [
     #    id                                                 arch                  S  schedule  slots accum M
     Case("llama-1stage-gpipe-slots1-accum2x4",              "LlamaForCausalLM",   1, "gpipe", 1,    2,    4,
          mutants=("no_clip",)),
-    # 64-element chunks: the D2H worker's adds are shared with the idle optimizer thread (helper.py)
+    # 64-element chunks: the D2H worker's adds are shared with the idle optimizer thread (helper.py),
+    # deferred (clipping) and between the in-backward updates (no clipping)
     Case("llama-1stage-1f1b-slots2-accum2x4-sharedadds",    "LlamaForCausalLM",   1, "1f1b",  2,    2,    4,
          accum_chunk=64),
+    Case("llama-1stage-1f1b-slots2-accum2x4-sharedadds-noclip",
+                                                            "LlamaForCausalLM",   1, "1f1b",  2,    2,    4,
+         max_grad_norm=0.0, accum_chunk=64),
     Case("llama-2stage-1f1b-slots2-accum2x4-sync",          "LlamaForCausalLM",   2, "1f1b",  2,    2,    4,
          overlap=False),
     Case("llama-4stage-1f1b-slots1-accum2x4",               "LlamaForCausalLM",   4, "1f1b",  1,    2,    4),
@@ -546,11 +550,11 @@ def test_parity_with_transformers_adamw(case: Case, launched) -> None:
     check_run(case, *launched(case))
 
 
-def test_the_idle_optimizer_thread_shares_the_host_adds(launched) -> None:
-    """The shared-adds case above matches the reference (its parity test) and its optimizer thread
+@pytest.mark.parametrize("case", [c for c in CASES if c.accum_chunk], ids=lambda c: c.id)
+def test_the_idle_optimizer_thread_shares_the_host_adds(case: Case, launched) -> None:
+    """The shared-adds cases above match the reference (their parity test) and their optimizer thread
     really took chunks of the adds: ``accum_helped_bytes`` > 0 over the run, within the step's
     accumulation bytes each step."""
-    (case,) = [c for c in CASES if c.accum_chunk]
     run = launched(case)[0]
     helped = [(s["breakdown"]["accum_helped_bytes"], s["breakdown"]["accum_host_bytes"]) for s in run.steps]
     assert all(0 <= h <= total for h, total in helped), helped
