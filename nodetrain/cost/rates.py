@@ -64,10 +64,15 @@ class HostRates:
 
     def helped_accum_rate(self) -> float:
         """Bytes/s of the accumulation while the idle optimizer thread's team takes chunks of it
-        (engine/host/helper.py): both teams' rates (each measured, else :meth:`rate`) together, capped
-        by the rank's share of the node's DRAM (never below the worker's alone)."""
-        alone = self.accum_bytes_per_s or self.rate(self.accum_threads)[0]
-        return max(alone, min(alone + self.optim_rate()[0], self.host_bytes_per_s / self.ranks))
+        (engine/host/helper.py): the same kernel on both teams, so the worker's rate per thread
+        (measured, else :meth:`rate`) times both teams' threads, capped by the rank's share of the
+        node's DRAM (never below the worker's alone). Not the optimizer's AdamW rate: that kernel
+        reads and writes four streams and computes, an add is two reads and a write."""
+        threads = self.accum_threads + self.optim_threads
+        if not self.accum_bytes_per_s:
+            return self.rate(threads)[0]
+        scaled = self.accum_bytes_per_s * threads / max(self.accum_threads, 1)
+        return max(self.accum_bytes_per_s, min(scaled, self.host_bytes_per_s / self.ranks))
 
     def optim_rate(self) -> tuple[float, str]:
         """Bytes/s of the optimizer thread and its bound: measured (its cores), else :meth:`rate`."""
