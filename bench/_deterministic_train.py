@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from nodetrain.config.registry import register_configs
+from nodetrain.run.jobs import exit_process
 from nodetrain.train import main
 
 if __name__ == "__main__":  # as nodetrain/train.py's own, for one rank
@@ -32,3 +33,4 @@ if __name__ == "__main__":  # as nodetrain/train.py's own, for one rank
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    exit_process(0)

@@ -70,7 +70,7 @@ from nodetrain.plan.host import preflight
 from nodetrain.plan.planner import model_of
 from nodetrain.run.faults import BadSteps, Stopped, StopRequest, stop_with_launcher
 from nodetrain.run.inject import Faults
-from nodetrain.run.jobs import Job, Release, current_job, fail_fast, refusals_of
+from nodetrain.run.jobs import Job, Release, current_job, exit_process, fail_fast, refusals_of
 from nodetrain.run.metrics import MetricsLogger
 from nodetrain.run.outputs import RunOutputs, check_space, check_writable, checkpoint_bytes, checkpoint_dir
 from nodetrain.run.process_group import init_distributed, on_rank0
@@ -466,3 +466,4 @@ if __name__ == "__main__":
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    exit_process(0)  # every job done and released: skip the interpreter's teardown (jobs.py)

@@ -28,6 +28,7 @@ from nodetrain.checkpoint import load_hf_weights
 from nodetrain.config.schema import Config, ModelConfig, validate
 from nodetrain.engine.startup import build_engine
 from nodetrain.model import HFModel, build_hf_config
+from nodetrain.run.jobs import exit_process
 
 
 def main(spec_path: str) -> None:
@@ -77,3 +78,4 @@ def main(spec_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_process(0)  # skip the interpreter's teardown: ~0.8 s of CPU per rank (run/jobs.py)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from nodetrain.config.schema import Config, ModelConfig, validate
 from nodetrain.engine.startup import build_engine
 from nodetrain.model import HFModel, build_hf_config
+from nodetrain.run.jobs import exit_process
 
 
 def _config(spec: dict) -> Config:
@@ -94,3 +95,4 @@ def run_spec(spec: dict) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    exit_process(0)  # skip the interpreter's teardown: ~0.8 s of CPU per rank (run/jobs.py)

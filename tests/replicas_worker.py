@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from nodetrain.core.topology import Topology
 from nodetrain.engine.comm.replicas import ReplicaGradSum, node_group, stage_group
+from nodetrain.run.jobs import exit_process
 
 WORLD_TIMEOUT_S = 120.0
 GROUP_TIMEOUT_S = 77.0
@@ -85,3 +86,4 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_process(0)  # skip the interpreter's teardown: ~0.8 s of CPU per rank (run/jobs.py)

@@ -13,6 +13,7 @@ from nodetrain.config.registry import register_configs, to_typed
 from nodetrain.config.schema import CONFIG_DIR, ConfigError
 from nodetrain.plan.planner import make_plan
 from nodetrain.plan.report import render
+from nodetrain.run.jobs import exit_process
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="plan", version_base="1.3")
@@ -29,3 +30,4 @@ def main(dict_cfg: DictConfig) -> None:
 if __name__ == "__main__":
     register_configs()
     main()
+    exit_process(0)  # printed: skip the interpreter's teardown (run/jobs.py)

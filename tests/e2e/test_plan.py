@@ -8,6 +8,7 @@ The hand computations below are written from the model's shapes and the document
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import re
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import SONNET
 from hydra import compose, initialize_config_dir
+from rich.console import Console
 
 from nodetrain.config.registry import register_configs, to_typed
 from nodetrain.config.schema import (
@@ -29,6 +31,7 @@ from nodetrain.config.schema import (
 from nodetrain.cost.memory import kept_activation_bytes
 from nodetrain.plan.host import host_problems
 from nodetrain.plan.planner import make_plan
+from nodetrain.plan.report import render
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -504,6 +507,7 @@ def test_every_hardware_profile_states_sources_and_plans(profile: str) -> None:
 
 
 def _plan_cli(*overrides: str, rc: int = 0) -> str:
+    """``python -m nodetrain.plan`` as a process: its exit status must be ``rc``; its output."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", COLUMNS="200")
     cmd = [sys.executable, "-m", "nodetrain.plan", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -511,19 +515,30 @@ def _plan_cli(*overrides: str, rc: int = 0) -> str:
     return proc.stdout + proc.stderr
 
 
+def _plan_text(*overrides: str) -> str:
+    """What ``python -m nodetrain.plan`` prints for ``overrides``, in this process: its main's own
+    calls (``make_plan`` of the composed ``plan`` config, then ``render``) on a 200-column console.
+    The process itself (exit status, no traceback) is :func:`_plan_cli`'s."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = to_typed(compose("plan", overrides=list(overrides)))
+    text = io.StringIO()
+    render(make_plan(cfg), Console(file=text, width=200))
+    return text.getvalue()
+
+
 def test_cli_refuses_meaningless_hardware_without_a_traceback() -> None:
     out = _plan_cli("hardware=h100_sxm", "hardware.cores=0", "hardware.gpus_per_node=0", rc=2)
     assert "hardware.cores=0: must be >= 1" in out
     assert "hardware.gpus_per_node=0: must be >= 1 on a GPU profile" in out
     assert "Traceback" not in out
-    out = _plan_cli("hardware=h100_sxm", "hardware.hbm_bandwidth_gbps=0", rc=2)
-    assert "hardware.hbm_bandwidth_gbps=0: the AdamW of units kept on the device" in out
-    assert "Traceback" not in out
+    with pytest.raises(ConfigError) as refused:
+        _plan_text("hardware=h100_sxm", "hardware.hbm_bandwidth_gbps=0")
+    assert "hardware.hbm_bandwidth_gbps=0: the AdamW of units kept on the device" in str(refused.value)
     _plan_cli("hardware=h100_sxm", "hardware.hbm_bandwidth_gbps=0", "optim.on_device=false")  # not needed
 
 
 def test_cli_llama2_70b_on_h100_fits() -> None:
-    out = _plan_cli(
+    out = _plan_text(
         "model=llama2_70b",
         "hardware=h100_sxm",
         "train.seq_len=4096",
@@ -549,7 +564,7 @@ def test_cli_llama2_70b_on_h100_fits() -> None:
 
 
 def test_cli_1t_model_on_8_gpus_does_not_fit() -> None:
-    out = _plan_cli("model=llama_1t", "hardware=h100_sxm", "train.seq_len=4096", "train.micro_batch_size=1")
+    out = _plan_text("model=llama_1t", "hardware=h100_sxm", "train.seq_len=4096", "train.micro_batch_size=1")
     assert "verdict: does not fit" in out
     # 18 bytes/param × 1.005T parameters against the DGX H100's 2,048 GB
     assert re.search(r"host store needs 18,0\d\d GB \(18\.0 bytes/param\)", out), out

@@ -34,21 +34,27 @@ def test_the_shared_h200_runs_are_predicted_within_the_issue_bounds() -> None:
     assert [r for r in rows if not r.ok] == []
 
 
-def test_the_command_line_prints_usage_and_refuses_a_missing_run_directory(tmp_path: Path) -> None:
+def test_the_command_line_prints_usage_and_refuses_a_missing_run_directory(tmp_path: Path, capsys) -> None:
     """No run directory: argparse's usage and exit 2; ``--help``: the usage, exit 0; a directory that
     is not there, or has no runs.json, or lacks a run's metrics: one line naming it, exit 2 (through
-    ``plan_accuracy.py --run`` too), and no traceback."""
+    ``plan_accuracy.py --run`` too, as a process: the scripts' own entry points), and no traceback."""
     from plan_gpu_runs import main
 
-    def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=120)
-
-    bare = cli("bench/plan_gpu_runs.py")
-    assert bare.returncode == 2 and "usage: plan_gpu_runs.py" in bare.stderr and "run_dir" in bare.stderr
-    helped = cli("bench/plan_gpu_runs.py", "--help")
-    assert helped.returncode == 0 and "usage: plan_gpu_runs.py" in helped.stdout
-    assert "--warmup" in helped.stdout
-    gone = cli("bench/plan_accuracy.py", "--run", str(tmp_path / "nonexistent"))
+    with pytest.raises(SystemExit) as bare:
+        main([], prog="plan_gpu_runs.py")
+    err = capsys.readouterr().err
+    assert bare.value.code == 2 and "usage: plan_gpu_runs.py" in err and "run_dir" in err
+    with pytest.raises(SystemExit) as helped:
+        main(["--help"], prog="plan_gpu_runs.py")
+    out = capsys.readouterr().out
+    assert helped.value.code == 0 and "usage: plan_gpu_runs.py" in out and "--warmup" in out
+    gone = subprocess.run(
+        [sys.executable, "bench/plan_accuracy.py", "--run", str(tmp_path / "nonexistent")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert gone.returncode == 2 and "Traceback" not in gone.stderr
     assert gone.stderr.strip().splitlines() == [
         f"plan_accuracy.py --run: error: run directory {tmp_path / 'nonexistent'}: no such directory; "

@@ -231,9 +231,10 @@ def test_gpu_profile_prices_fp32_at_fp32_flops_and_nothing_on_shared_cores() -> 
 
 def test_the_idle_optimizer_threads_help_prices_the_accumulation_by_update_mode() -> None:
     """``HostRates.accum_help`` (``stream.accum_help``): the helped share of the accumulation runs at
-    the worker's rate per thread times both teams' threads (not the optimizer's AdamW rate), capped by the rank's DRAM share and never below the worker's alone;
-    the share is none in ``serial``, all in ``deferred`` and (items − 1)/items in the backward modes.
-    Closed forms: accumulation seconds = bytes × ((1 − h)/alone + h/helped)."""
+    the worker's rate per thread times both teams' threads (not the optimizer's AdamW rate), capped
+    by the rank's DRAM share and never below the worker's alone; the share is none in ``serial``, all
+    in ``deferred`` and (items − 1)/items in the backward modes. Closed forms: accumulation seconds =
+    bytes × ((1 − h)/alone + h/helped)."""
     rates = _rates(core_bytes_per_s=1e9, host_bytes_per_s=2.5e9, accum_threads=2, optim_threads=1)
     assert rates.accum_rate() == 2e9 and rates.helped_accum_rate() == 2.5e9  # 2 + 1 GB/s, capped
     assert replace(rates, host_bytes_per_s=8e9).helped_accum_rate() == 3e9
