@@ -32,7 +32,10 @@ Writes, under ``out_dir``:
 
 With ``variants`` each named variant trains a fresh engine in turn (the same process group, the
 store's name suffixed) and writes those files under ``out_dir/<name>/``; the global RNG is seeded
-before each run's first step, so runs with dropout draw the same numbers.
+before each run's first step, so runs with dropout draw the same numbers. Before each run (spec or
+variant) rank 0 prints ``parity_worker: run <run_id>`` to stderr between two barriers: every line
+of a run comes after its own and before the next run's (test_parity.run_output cuts a launch's
+output there).
 
     python -m torch.distributed.run --nproc_per_node 2 --master_port 29511 tests/parity_worker.py spec.json
 
@@ -64,6 +67,9 @@ from nodetrain.engine.engine import Engine
 from nodetrain.engine.startup import build_engine
 from nodetrain.model import HFModel, build_hf_config, router_aux_of
 from nodetrain.run.inject import Faults
+
+RUN_MARKER = "parity_worker: run "
+"""Rank 0's line on stderr before each run of a launch, followed by the run's ``run_id``."""
 
 
 def _config(spec: dict) -> Config:
@@ -144,7 +150,12 @@ def main(*spec_paths: str) -> None:
     for spec in specs:  # several runs in one launch, one after another
         for variant in spec.get("variants") or [{}]:
             overrides = {**spec["overrides"], **variant.get("overrides", {})}
-            run_spec({**spec, **variant, "overrides": overrides}, device)
+            run = {**spec, **variant, "overrides": overrides}
+            dist.barrier()  # every rank's lines of the previous run are out before this run's marker
+            if dist.get_rank() == 0:
+                print(f"{RUN_MARKER}{run['run_id']}", file=sys.stderr, flush=True)
+            dist.barrier()  # ... and none of this run's before it
+            run_spec(run, device)
     dist.destroy_process_group()
 
 

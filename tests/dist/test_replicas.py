@@ -129,12 +129,14 @@ CASE = Case("llama-2stage-tied-1f1b-2nodes", "LlamaForCausalLM", 2, "1f1b", 2, 2
 the same global batch as 2 replicas × 1 round × 4 micro-batches (``train.batch_size`` = 16)."""
 
 
-def _launch_two_nodes(specs: list[Path], timeout_s: float = 240) -> None:
-    """Start ``torchrun --nnodes 2 --nproc_per_node 2 --node_rank i`` for i = 0, 1 and wait for both."""
+def _launch_two_nodes(specs: list[Path | list[Path]], timeout_s: float = 240) -> None:
+    """Start ``torchrun --nnodes 2 --nproc_per_node 2 --node_rank i`` for i = 0, 1 and wait for both;
+    node i runs the spec file ``specs[i]`` (or the spec files ``specs[i]``, one after another)."""
     port, env = free_port(), job_env()
     procs = []
     for node, spec in enumerate(specs):
-        cmd = torchrun_cmd(2, str(WORKER), str(spec), nnodes=2, node_rank=node, port=port)
+        files = [spec] if isinstance(spec, (str, Path)) else spec
+        cmd = torchrun_cmd(2, str(WORKER), *map(str, files), nnodes=2, node_rank=node, port=port)
         procs.append(start_job(cmd, env))
     outputs = []
     try:
