@@ -42,6 +42,10 @@ output there).
 Several specs (``spec1.json spec2.json ...``, the same world size) run one after another in one
 launch: one process group, one Engine at a time (test_family_parity.py runs its families so).
 
+A spec ``{"replicas_check": "<out dir>"}`` (in a world of 2 nodes × 2 ranks) runs
+``replicas_worker.py``'s checks of the groups and the gradient sum before the runs, the world then
+created with that worker's timeout (test_replicas.py's two-node launch).
+
 Under ``--nnodes K`` each node runs one replica of the pipeline (nodetrain/engine/comm/replicas.py): the batch
 file then holds the global batch, and ``weights_rank<r>`` of every node are written (the same
 ``out_dir`` may be shared by nodes on one machine; give each its own ``store.dir``).
@@ -52,9 +56,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import psutil
+import replicas_worker  # tests/replicas_worker.py (this script's directory): its checks, when asked
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
@@ -146,7 +152,12 @@ def main(*spec_paths: str) -> None:
     if specs[0].get("device") == "cuda":  # gpu-marked tests: NCCL, one GPU per rank
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    checks = [spec["replicas_check"] for spec in specs if "replicas_check" in spec]
+    timeout = {"timeout": timedelta(seconds=replicas_worker.WORLD_TIMEOUT_S)} if checks else {}
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", **timeout)
+    for out_dir in checks:  # replicas_worker.py's checks first, in this world of 4 ranks
+        replicas_worker.check(out_dir)
+    specs = [spec for spec in specs if "replicas_check" not in spec]
     for spec in specs:  # several runs in one launch, one after another
         for variant in spec.get("variants") or [{}]:
             overrides = {**spec["overrides"], **variant.get("overrides", {})}

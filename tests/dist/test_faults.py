@@ -21,7 +21,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import types
 from datetime import datetime
@@ -33,7 +32,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import ROOT, SONNET, TINY_RUN, job_env, prepared_dir, start_job, torchrun_cmd
+from conftest import ROOT, SONNET, TINY_RUN, job_env, prepared_dir, shm_store_dir, start_job, torchrun_cmd
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from test_parity import ATOL_WEIGHT, OPTIM, RTOL, lr_schedule
@@ -476,7 +475,7 @@ def nan_runs(tmp_path_factory, corpus) -> dict:
     per placement its job's run directory, and under ``"reference"`` the batches and the two
     references (:func:`_reference`: right, and ``zero_update``), computed once for the three jobs."""
     tmp = tmp_path_factory.mktemp("nan")
-    shm = Path(tempfile.mkdtemp(prefix="nt-test-", dir="/dev/shm"))
+    shm = shm_store_dir()
     model_dir = tmp / "hf"
     torch.manual_seed(11)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**NAN_HF)).save_pretrained(model_dir)

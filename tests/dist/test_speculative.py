@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import shm_store_dir
 from test_overlap import BINDINGS, BLOCKS, CFG, UNITS, store  # noqa: F401  (store: a fixture)
 from test_parity import (
     ATOL_WEIGHT,
@@ -43,7 +44,6 @@ from test_update_in_backward import (
     _reference_left_out,
     nan_spec,
     read_nan_run,
-    shm_store_dir,
 )
 
 from nodetrain.config.schema import OptimConfig

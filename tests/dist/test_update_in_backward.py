@@ -25,7 +25,6 @@ import dataclasses
 import json
 import math
 import shutil
-import tempfile
 import threading
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from conftest import shm_store_dir
 from safetensors.torch import load_file
 from test_overlap import BINDINGS, BLOCKS, CFG, UNITS, store  # noqa: F401  (store: a fixture)
 from test_parity import (
@@ -328,12 +328,6 @@ def read_nan_run(root: Path, name: str, output: str):
         counts.update(json.loads((root / name / f"rank{rank}.json").read_text())["adamw_steps"])
     assert [s["skipped"] for s in run.steps] == [s + 1 == NAN_AT for s in range(STEPS)]
     return run, state, counts, run_output(output, f"nan-{name}")
-
-
-def shm_store_dir() -> Path:
-    """A private directory in /dev/shm for the host stores of a module's shared launch (launch_specs
-    checks that it is left empty, then removes it)."""
-    return Path(tempfile.mkdtemp(prefix="nt-test-", dir="/dev/shm"))
 
 
 NAN_MODES = {"in-backward": True, "deferred": False}
