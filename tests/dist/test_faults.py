@@ -4,8 +4,8 @@ Cheapest first: the stop/bad-step bookkeeping and P2P's handle pruning (pure, mi
 refused by the start-up chain train.py runs before the store exists (in-process, one table); then the
 real entry point under torchrun (gloo, CPU): a rank raising with 4 ranks, a hang bounded by
 ``dist.timeout_s``, ``kill -9`` of a rank, and a NaN gradient skipped on every stage, checked against
-plain transformers + AdamW, by a run that also cleans a stale store (what kill -9 leaks) and spares
-a live one.
+plain transformers + AdamW, under three placements (three jobs of one ``--multirun`` launch, which
+also cleans a stale store (what kill -9 leaks) and spares a live one).
 The 2-rank failure is tests/e2e/test_sweeps.py's failing sweep; SIGTERM with a checkpoint is in
 tests/e2e/test_checkpoint_runs.py (it reuses that file's uninterrupted reference run).
 """

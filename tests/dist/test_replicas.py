@@ -1,11 +1,12 @@
 """Data parallelism across nodes (nodetrain/engine/comm/replicas.py): rank layout, groups, gradient sum,
 and the acceptance run — two torchrun "nodes" on this machine train exactly like one node on the whole batch.
 
-Cheapest first: the pure topology and config rules; then a 4-rank gloo world checking the groups
-and both gradient-sum paths against closed forms; then two ``torchrun --nnodes 2 --nproc_per_node
-2`` launches (``--node_rank`` 0 and 1, rendezvous on 127.0.0.1, one store directory per node)
-compared with a single-node 2-stage run of the same global batch and with plain ``transformers`` +
-``torch.optim.AdamW`` (the reference of test_parity.py).
+Cheapest first: the pure topology and config rules; then two ``torchrun --nnodes 2 --nproc_per_node
+2`` launches (``--node_rank`` 0 and 1, rendezvous on 127.0.0.1, one store directory per node), whose
+4-rank gloo world first checks the groups and both gradient-sum paths against closed forms
+(replicas_worker.py), then trains: compared with a single-node 2-stage run of the same global batch
+and with plain ``transformers`` + ``torch.optim.AdamW`` (the reference of test_parity.py). Both
+launches are one module fixture's, read by the tests.
 """
 
 from __future__ import annotations
