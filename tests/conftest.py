@@ -167,11 +167,17 @@ def run_torchrun(nproc: int, script: Path, *args: str, timeout_s: float = 180) -
     return output
 
 
+def shm_store_dir() -> Path:
+    """A new private directory in /dev/shm for host stores (other test runs may share /dev/shm); a
+    module's shared launch (a module-scoped fixture) makes one and checks it is left empty."""
+    return Path(tempfile.mkdtemp(prefix="nt-test-", dir="/dev/shm"))
+
+
 @pytest.fixture
 def shm_dir():
     """A private directory in /dev/shm for host stores (other test runs may share /dev/shm); the
     test's store must be gone from it afterwards."""
-    path = Path(tempfile.mkdtemp(prefix="nt-test-", dir="/dev/shm"))
+    path = shm_store_dir()
     yield path
     left = sorted(p.name for p in path.iterdir())
     shutil.rmtree(path, ignore_errors=True)

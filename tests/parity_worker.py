@@ -32,12 +32,19 @@ Writes, under ``out_dir``:
 
 With ``variants`` each named variant trains a fresh engine in turn (the same process group, the
 store's name suffixed) and writes those files under ``out_dir/<name>/``; the global RNG is seeded
-before each run's first step, so runs with dropout draw the same numbers.
+before each run's first step, so runs with dropout draw the same numbers. Before each run (spec or
+variant) rank 0 prints ``parity_worker: run <run_id>`` to stderr between two barriers: every line
+of a run comes after its own and before the next run's (test_parity.run_output cuts a launch's
+output there).
 
     python -m torch.distributed.run --nproc_per_node 2 --master_port 29511 tests/parity_worker.py spec.json
 
 Several specs (``spec1.json spec2.json ...``, the same world size) run one after another in one
 launch: one process group, one Engine at a time (test_family_parity.py runs its families so).
+
+A spec ``{"replicas_check": "<out dir>"}`` (in a world of 2 nodes × 2 ranks) runs
+``replicas_worker.py``'s checks of the groups and the gradient sum before the runs, the world then
+created with that worker's timeout (test_replicas.py's two-node launch).
 
 Under ``--nnodes K`` each node runs one replica of the pipeline (nodetrain/engine/comm/replicas.py): the batch
 file then holds the global batch, and ``weights_rank<r>`` of every node are written (the same
@@ -49,9 +56,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import psutil
+import replicas_worker  # tests/replicas_worker.py (this script's directory): its checks, when asked
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
@@ -65,6 +74,9 @@ from nodetrain.engine.startup import build_engine
 from nodetrain.model import HFModel, build_hf_config, router_aux_of
 from nodetrain.run.inject import Faults
 from nodetrain.run.jobs import exit_process
+
+RUN_MARKER = "parity_worker: run "
+"""Rank 0's line on stderr before each run of a launch, followed by the run's ``run_id``."""
 
 
 def _config(spec: dict) -> Config:
@@ -141,11 +153,21 @@ def main(*spec_paths: str) -> None:
     if specs[0].get("device") == "cuda":  # gpu-marked tests: NCCL, one GPU per rank
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    checks = [spec["replicas_check"] for spec in specs if "replicas_check" in spec]
+    timeout = {"timeout": timedelta(seconds=replicas_worker.WORLD_TIMEOUT_S)} if checks else {}
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", **timeout)
+    for out_dir in checks:  # replicas_worker.py's checks first, in this world of 4 ranks
+        replicas_worker.check(out_dir)
+    specs = [spec for spec in specs if "replicas_check" not in spec]
     for spec in specs:  # several runs in one launch, one after another
         for variant in spec.get("variants") or [{}]:
             overrides = {**spec["overrides"], **variant.get("overrides", {})}
-            run_spec({**spec, **variant, "overrides": overrides}, device)
+            run = {**spec, **variant, "overrides": overrides}
+            dist.barrier()  # every rank's lines of the previous run are out before this run's marker
+            if dist.get_rank() == 0:
+                print(f"{RUN_MARKER}{run['run_id']}", file=sys.stderr, flush=True)
+            dist.barrier()  # ... and none of this run's before it
+            run_spec(run, device)
     dist.destroy_process_group()
 
 

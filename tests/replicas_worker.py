@@ -58,6 +58,14 @@ def _hang_wait_s(topo: Topology) -> float | None:
 
 def main(out_dir: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=WORLD_TIMEOUT_S))
+    check(out_dir)
+    dist.destroy_process_group()
+
+
+def check(out_dir: str) -> None:
+    """The checks, in a gloo world of 4 ranks that is up (created with ``WORLD_TIMEOUT_S``): writes
+    ``<out dir>/rank<r>.json``. parity_worker.py runs them too, before its runs, when given a spec
+    ``{"replicas_check": "<out dir>"}`` (the two-node launch of test_replicas.py)."""
     rank = dist.get_rank()
     topo = Topology(rank, num_stages=2, num_replicas=dist.get_world_size() // 2, local_rank=rank % 2)
     value = [f"store of node {topo.replica}" if topo.local_rank == 0 else None]
@@ -81,7 +89,6 @@ def main(out_dir: str) -> None:
     }
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()  # rank 2 waits here (world timeout) while rank 0's stage-group all-reduce times out
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ Cheapest first: the stop/bad-step bookkeeping and P2P's handle pruning (pure, mi
 refused by the start-up chain train.py runs before the store exists (in-process, one table); then the
 real entry point under torchrun (gloo, CPU): a rank raising with 4 ranks, a hang bounded by
 ``dist.timeout_s``, ``kill -9`` of a rank, and a NaN gradient skipped on every stage, checked against
-plain transformers + AdamW, by a run that also cleans a stale store (what kill -9 leaks) and spares
-a live one.
+plain transformers + AdamW, under three placements (three jobs of one ``--multirun`` launch, which
+also cleans a stale store (what kill -9 leaks) and spares a live one).
 The 2-rank failure is tests/e2e/test_sweeps.py's failing sweep; SIGTERM with a checkpoint is in
 tests/e2e/test_checkpoint_runs.py (it reuses that file's uninterrupted reference run).
 """
@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,7 +32,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import ROOT, SONNET, TINY_RUN, job_env, prepared_dir, start_job, torchrun_cmd
+from conftest import ROOT, SONNET, TINY_RUN, job_env, prepared_dir, shm_store_dir, start_job, torchrun_cmd
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from test_parity import ATOL_WEIGHT, OPTIM, RTOL, lr_schedule
 
@@ -455,16 +457,29 @@ PLACEMENTS = {
 }
 
 
-@pytest.mark.parametrize("placement", list(PLACEMENTS))
-def test_nan_gradient_is_skipped_on_every_stage(tmp_path: Path, corpus, shm_dir: Path, placement) -> None:
-    """A NaN gradient on the last stage at step NAN_AT is skipped on every stage (weights equal plain
-    transformers + AdamW without that step), also with every unit's optimizer on the device (the NaN
-    in the head's device gradient) and with every streamed unit's gradient accumulated on the device
-    (the NaN in the head's gradient once its accumulator has landed in the store); the launch also
-    cleans the stores kill -9 leaks."""
-    model_dir = tmp_path / "hf"
+def _placement_group(conf_dir: Path) -> None:
+    """A Hydra config group ``placement`` under ``conf_dir`` (given with ``--config-dir``): one option
+    per entry of PLACEMENTS, its overrides at the config's root, so that ``--multirun
+    +placement=<a>,<b>,<c>`` runs one job per placement (a sweep of whole override sets)."""
+    (conf_dir / "placement").mkdir(parents=True)
+    for name, overrides in PLACEMENTS.items():
+        text = OmegaConf.to_yaml(OmegaConf.from_dotlist(overrides))
+        (conf_dir / "placement" / f"{name}.yaml").write_text(f"# @package _global_\n{text}")
+
+
+@pytest.fixture(scope="module")
+def nan_runs(tmp_path_factory, corpus) -> dict:
+    """One launch (2 ranks, ``--multirun``) of the NaN run under each placement of PLACEMENTS, one job
+    after another in the launch's process group, with a NaN injected into the last stage's gradient
+    at step NAN_AT; the launch also cleans the stores kill -9 leaks (checked on its output). Returns
+    per placement its job's run directory, and under ``"reference"`` the batches and the two
+    references (:func:`_reference`: right, and ``zero_update``), computed once for the three jobs."""
+    tmp = tmp_path_factory.mktemp("nan")
+    shm = shm_store_dir()
+    model_dir = tmp / "hf"
     torch.manual_seed(11)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**NAN_HF)).save_pretrained(model_dir)
+    _placement_group(tmp / "conf")
     hf = [f"++model.hf.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in NAN_HF.items()]
     overrides = [
         *TINY,
@@ -472,17 +487,56 @@ def test_nan_gradient_is_skipped_on_every_stage(tmp_path: Path, corpus, shm_dir:
         *hf,
         f"model.init_from={model_dir}",
         "data.tokenizer=bpe",
-        f"store.dir={shm_dir}",
+        f"store.dir={shm}",
     ]
     overrides += ["train.dtype=float32", f"train.steps={NAN_STEPS}", "optim.max_grad_norm=0.3"]
     overrides += [f"optim.{k}={v}" for k, v in OPTIM.items()]
     overrides += ["checkpoint.export_dtype=float32"]
-    overrides += PLACEMENTS[placement]
-    with _leaked_stores(shm_dir) as removed_the_stale_store_only:  # one launch checks both
-        rc, out, _ = _finish(_launch(2, overrides, tmp_path, f"nan_rank=1,nan_step={NAN_AT}"))
-        assert rc == 0, out[-4000:]
-        removed_the_stale_store_only(out)
-    (run,) = (tmp_path / "runs").iterdir()
+    overrides += [f"+placement={','.join(PLACEMENTS)}"]
+    flags = [f"--config-dir={tmp / 'conf'}", "--multirun"]  # before the overrides (argparse)
+    try:
+        with _leaked_stores(shm) as removed_the_stale_store_only:  # one launch checks both
+            rc, out, _ = _finish(
+                _launch(2, [*flags, *overrides], tmp, f"nan_rank=1,nan_step={NAN_AT}"), timeout_s=400
+            )
+            assert rc == 0, out[-4000:]
+            removed_the_stale_store_only(out)
+        left = sorted(p.name for p in shm.iterdir())
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    assert not left, f"files left in the store directory: {left}"
+    (sweep,) = (tmp / "runs").iterdir()
+    runs = {}
+    for job in sweep.iterdir():
+        if job.is_dir():
+            (placement,) = re.findall(
+                r"\+placement=([\w-]+)", (job / ".hydra" / "overrides.yaml").read_text()
+            )
+            runs[placement] = job
+    assert sorted(runs) == sorted(PLACEMENTS), runs
+
+    prepared = prepared_dir(Path(corpus[1].split("=", 1)[1]))
+    meta = json.loads((prepared / "meta.json").read_text())
+    train_ds = reader.TokenDataset.open(prepared, "train")
+    seed = Config().seed
+    batches = [reader.batch(train_ds, seed, s, 4, 16) for s in range(NAN_STEPS)]  # 2 micro-batches × 2
+    assert meta["vocab_size"] == NAN_HF["vocab_size"]
+    losses, want = _reference(model_dir, batches)
+    _, wrong = _reference(model_dir, batches, variant="zero_update")  # AdamW's count advanced
+    runs["reference"] = (losses, want, wrong)
+    return runs
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_nan_gradient_is_skipped_on_every_stage(nan_runs: dict, placement) -> None:
+    """A NaN gradient on the last stage at step NAN_AT is skipped on every stage (weights equal plain
+    transformers + AdamW without that step), also with every unit's optimizer on the device (the NaN
+    in the head's device gradient) and with every streamed unit's gradient accumulated on the device
+    (the NaN in the head's gradient once its accumulator has landed in the store); the launch also
+    cleans the stores kill -9 leaks. The three placements are three jobs of one launch (``nan_runs``),
+    each checked on its own job directory."""
+    run = nan_runs[placement]
+    losses, want, wrong = nan_runs["reference"]
     records = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in records] == [int(s == NAN_AT) for s in range(1, NAN_STEPS + 1)]
     assert [r["bad_steps"] for r in records] == [int(s >= NAN_AT) for s in range(1, NAN_STEPS + 1)]
@@ -495,14 +549,6 @@ def test_nan_gradient_is_skipped_on_every_stage(tmp_path: Path, corpus, shm_dir:
             f"step {NAN_AT}: loss or gradient norm is NaN/inf; update skipped"
             in (run / f"rank{r}.log").read_text()
         )
-
-    prepared = prepared_dir(Path(corpus[1].split("=", 1)[1]))
-    meta = json.loads((prepared / "meta.json").read_text())
-    train_ds = reader.TokenDataset.open(prepared, "train")
-    seed = Config().seed
-    batches = [reader.batch(train_ds, seed, s, 4, 16) for s in range(NAN_STEPS)]  # 2 micro-batches × 2
-    assert meta["vocab_size"] == NAN_HF["vocab_size"]
-    losses, want = _reference(model_dir, batches)
     torch.testing.assert_close([r["loss"] for r in records], losses, rtol=RTOL, atol=0)
 
     ckpt = run / "checkpoints" / f"step-{NAN_STEPS}"
@@ -519,7 +565,7 @@ def test_nan_gradient_is_skipped_on_every_stage(tmp_path: Path, corpus, shm_dir:
         torch.testing.assert_close(
             got[name], w, rtol=RTOL, atol=ATOL_WEIGHT, msg=lambda m, n=name: f"{n}: {m}"
         )
-    _, wrong = _reference(model_dir, batches, variant="zero_update")  # AdamW's count advanced: must differ
+    # AdamW's count advanced over the skipped step (the zero_update reference): must differ
     assert max(float((got[n] - wrong[n]).abs().max()) for n in want) > 100 * ATOL_WEIGHT
 
 

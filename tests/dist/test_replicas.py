@@ -1,24 +1,26 @@
 """Data parallelism across nodes (nodetrain/engine/comm/replicas.py): rank layout, groups, gradient sum,
 and the acceptance run — two torchrun "nodes" on this machine train exactly like one node on the whole batch.
 
-Cheapest first: the pure topology and config rules; then a 4-rank gloo world checking the groups
-and both gradient-sum paths against closed forms; then two ``torchrun --nnodes 2 --nproc_per_node
-2`` launches (``--node_rank`` 0 and 1, rendezvous on 127.0.0.1, one store directory per node)
-compared with a single-node 2-stage run of the same global batch and with plain ``transformers`` +
-``torch.optim.AdamW`` (the reference of test_parity.py).
+Cheapest first: the pure topology and config rules; then two ``torchrun --nnodes 2 --nproc_per_node
+2`` launches (``--node_rank`` 0 and 1, rendezvous on 127.0.0.1, one store directory per node), whose
+4-rank gloo world first checks the groups and both gradient-sum paths against closed forms
+(replicas_worker.py), then trains: compared with a single-node 2-stage run of the same global batch
+and with plain ``transformers`` + ``torch.optim.AdamW`` (the reference of test_parity.py). Both
+launches are one module fixture's, read by the tests.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, free_port, job_env, start_job, torchrun_cmd
+from conftest import free_port, job_env, run_torchrun, shm_store_dir, start_job, torchrun_cmd
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from test_parity import (
@@ -29,6 +31,7 @@ from test_parity import (
     Case,
     hf_fields,
     make_batches,
+    read_run,
     run_nodetrain,
     run_reference,
     save_seeded_model,
@@ -105,9 +108,10 @@ def test_config_accepts_world_of_stages_times_nodes() -> None:
 # ----------------------------------------------------------------------------- groups and the sum
 
 
-def test_groups_timeouts_and_gradient_sum_on_four_ranks(tmp_path: Path, torchrun) -> None:
-    torchrun(4, ROOT / "tests" / "replicas_worker.py", str(tmp_path), timeout_s=120)
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+def test_groups_timeouts_and_gradient_sum_on_four_ranks(two_nodes: Path) -> None:
+    """replicas_worker.py's checks, run by the two-node launch's 4 ranks (2 nodes × 2 stages) before
+    its training run (``two_nodes``)."""
+    results = [json.loads((two_nodes / "groups" / f"rank{r}.json").read_text()) for r in range(4)]
     for r, res in enumerate(results):
         assert (res["replica"], res["stage"]) == (r // 2, r % 2)
         assert res["broadcast"] == f"store of node {r // 2}"  # each node got its own root's value
@@ -129,12 +133,14 @@ CASE = Case("llama-2stage-tied-1f1b-2nodes", "LlamaForCausalLM", 2, "1f1b", 2, 2
 the same global batch as 2 replicas × 1 round × 4 micro-batches (``train.batch_size`` = 16)."""
 
 
-def _launch_two_nodes(specs: list[Path], timeout_s: float = 240) -> None:
-    """Start ``torchrun --nnodes 2 --nproc_per_node 2 --node_rank i`` for i = 0, 1 and wait for both."""
+def _launch_two_nodes(specs: list[Path | list[Path]], timeout_s: float = 240) -> None:
+    """Start ``torchrun --nnodes 2 --nproc_per_node 2 --node_rank i`` for i = 0, 1 and wait for both;
+    node i runs the spec file ``specs[i]`` (or the spec files ``specs[i]``, one after another)."""
     port, env = free_port(), job_env()
     procs = []
     for node, spec in enumerate(specs):
-        cmd = torchrun_cmd(2, str(WORKER), str(spec), nnodes=2, node_rank=node, port=port)
+        files = [spec] if isinstance(spec, (str, Path)) else spec
+        cmd = torchrun_cmd(2, str(WORKER), *map(str, files), nnodes=2, node_rank=node, port=port)
         procs.append(start_job(cmd, env))
     outputs = []
     try:
@@ -154,30 +160,48 @@ def _assert_weights_close(got: dict[str, torch.Tensor], want: dict[str, torch.Te
         torch.testing.assert_close(got[name], w, rtol=RTOL, atol=ATOL_WEIGHT, msg=msg)
 
 
-def test_two_nodes_equal_one_node_on_the_global_batch(tmp_path: Path, shm_dir: Path, torchrun) -> None:
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory) -> Path:
+    """The single-node run of CASE (2 ranks) under ``single/``, then the same run as two nodes, out
+    in ``two_nodes/``: ``torchrun --nnodes 2 --nproc_per_node 2`` twice, each node running
+    replicas_worker.py's checks of the groups and the gradient sum first (out in ``groups/``)."""
+    tmp_path, shm_dir = tmp_path_factory.mktemp("replicas"), shm_store_dir()
     model_dir = tmp_path / "hf"
     save_seeded_model(CASE, model_dir)
-    inputs, labels, lengths = make_batches(CASE)  # [steps, 8, B, T]
+    inputs, labels, _ = make_batches(CASE)  # [steps, 8, B, T]
     (tmp_path / "single").mkdir()
-    single = run_nodetrain(CASE, tmp_path / "single", shm_dir, model_dir, inputs, labels, torchrun)
+    try:
+        run_nodetrain(CASE, tmp_path / "single", shm_dir, model_dir, inputs, labels, run_torchrun)
+        assert not list(shm_dir.iterdir()), "the single-node run left its host store"
 
-    # the same spec as the single-node run, but the global batch given in sequences, no accumulation
-    base = json.loads((tmp_path / "single" / "spec.json").read_text())
-    out_dir, specs = tmp_path / "two_nodes", []
-    out_dir.mkdir()
-    for node in range(2):
-        store_dir = shm_dir / f"node{node}"
-        store_dir.mkdir()
-        overrides = {**base["overrides"], "train.grad_accum": 1, "store.dir": str(store_dir)}
-        overrides["train.batch_size"] = inputs.shape[1] * inputs.shape[2]  # 8 micro-batches × 2
-        spec = {**base, "overrides": overrides, "out_dir": str(out_dir), "run_id": "two-nodes"}
-        specs.append(tmp_path / f"spec_node{node}.json")
-        specs[-1].write_text(json.dumps(spec))
-    _launch_two_nodes(specs)
-    for node in range(2):
-        assert not list((shm_dir / f"node{node}").iterdir()), "a host store was left behind"
-        (shm_dir / f"node{node}").rmdir()
+        # the same spec as the single-node run, but the global batch given in sequences, no accumulation
+        base = json.loads((tmp_path / "single" / "spec.json").read_text())
+        out_dir, specs = tmp_path / "two_nodes", []
+        out_dir.mkdir()
+        (tmp_path / "groups").mkdir()
+        (tmp_path / "groups.json").write_text(json.dumps({"replicas_check": str(tmp_path / "groups")}))
+        for node in range(2):
+            store_dir = shm_dir / f"node{node}"
+            store_dir.mkdir()
+            overrides = {**base["overrides"], "train.grad_accum": 1, "store.dir": str(store_dir)}
+            overrides["train.batch_size"] = inputs.shape[1] * inputs.shape[2]  # 8 micro-batches × 2
+            spec = {**base, "overrides": overrides, "out_dir": str(out_dir), "run_id": "two-nodes"}
+            specs.append([tmp_path / "groups.json", tmp_path / f"spec_node{node}.json"])
+            specs[-1][-1].write_text(json.dumps(spec))
+        _launch_two_nodes(specs)
+        for node in range(2):
+            assert not list((shm_dir / f"node{node}").iterdir()), "a host store was left behind"
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
+    return tmp_path
 
+
+def test_two_nodes_equal_one_node_on_the_global_batch(two_nodes: Path) -> None:
+    """The single-node and the two-node runs of the ``two_nodes`` fixture, against each other and
+    against the reference."""
+    tmp_path, out_dir, model_dir = two_nodes, two_nodes / "two_nodes", two_nodes / "hf"
+    inputs, labels, lengths = make_batches(CASE)  # [steps, 8, B, T]
+    single = read_run(CASE, tmp_path / "single" / "out")
     steps = json.loads((out_dir / "steps.json").read_text())
     ranks = [load_file(str(out_dir / f"weights_rank{r}.safetensors")) for r in range(4)]
     units = [json.loads((out_dir / f"rank{r}.json").read_text())["units"] for r in range(4)]

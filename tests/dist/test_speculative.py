@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import shm_store_dir
 from test_overlap import BINDINGS, BLOCKS, CFG, UNITS, store  # noqa: F401  (store: a fixture)
 from test_parity import (
     ATOL_WEIGHT,
@@ -25,6 +26,12 @@ from test_parity import (
     STEPS,
     Case,
     check_parity,
+    check_run,
+    launch_specs,
+    make_batches,
+    read_run,
+    save_seeded_model,
+    write_spec,
 )
 from test_plan import A_EMBED, A_HEAD, A_LAYER, _config_a
 from test_update_in_backward import (
@@ -35,7 +42,8 @@ from test_update_in_backward import (
     _in_backward_counts,
     _Launch,
     _reference_left_out,
-    run_nan_case,
+    nan_spec,
+    read_nan_run,
 )
 
 from nodetrain.config.schema import OptimConfig
@@ -209,19 +217,68 @@ CLIP_CASES = [
 """Clipping at test_parity's 0.3 bites on every step (check_parity asserts it on the reference)."""
 
 
+AUTO_CASE = Case(
+    "llama-2stage-tied-1f1b-slots1-accum1x4-clip-auto",
+    "LlamaForCausalLM",
+    2,
+    "1f1b",
+    slots=1,
+    grad_accum=1,
+    microbatches=4,
+    tied=True,
+    delay_s=0.003,
+)
+"""``optim.speculative=auto`` on two ranks: the choice is collective (one all-reduce of the ranks'
+measured AdamW rates, their RAM verdicts and resident blocks)."""
+
+
+NEVER_CLIPS = {"optim.speculative": True, "optim.max_grad_norm": 1e9}
+"""The NaN case's overrides: speculative updates under a clip threshold that never bites."""
+
+
+@pytest.fixture(scope="module")
+def two_stage_runs(tmp_path_factory) -> dict:
+    """The 2-stage runs of this file, one after another in one launch (2 ranks): the 2-stage clipping
+    case (``optim.speculative=true``), the NaN case never clipping (NEVER_CLIPS) and AUTO_CASE
+    (``optim.speculative=auto``). Per case id: (run, model dir, inputs, labels, lengths, out dir);
+    under ``"nan"``: read_nan_run's tuple and (model dir, inputs, labels, lengths)."""
+    root, shm = tmp_path_factory.mktemp("two_stages"), shm_store_dir()
+    cases = [(CLIP_CASES[1], {"optim.speculative": True}), (AUTO_CASE, {"optim.speculative": "auto"})]
+    specs, runs = [], {}
+    for case, overrides in cases:
+        tmp = root / case.id
+        model_dir = tmp / "hf"
+        save_seeded_model(case, model_dir)
+        inputs, labels, lengths = make_batches(case)
+        specs.append(write_spec(case, tmp, shm, model_dir, inputs, labels, overrides))
+        runs[case.id] = (model_dir, inputs, labels, lengths, tmp / "out")
+    nan_file, nan_prepared = nan_spec(root / "nan", shm, {"speculative": NEVER_CLIPS})
+    output = launch_specs(2, [specs[0], nan_file, specs[1]], shm, timeout_s=300)
+    out = {c.id: (read_run(c, runs[c.id][-1]), *runs[c.id]) for c, _ in cases}
+    out["nan"] = (*read_nan_run(root / "nan", "speculative", output), nan_prepared)
+    return out
+
+
 @pytest.mark.parametrize("case", CLIP_CASES, ids=lambda c: c.id)
-def test_speculative_parity_clipping_every_step(case: Case, tmp_path: Path, shm_dir: Path, torchrun) -> None:
-    launch = _Launch(torchrun, {"optim.speculative": True})
-    check_parity(case, tmp_path, shm_dir, launch)
-    rollbacks = [
-        [s["breakdown"][f"stage{k}/num_rollbacks"] for k in range(case.stages)] for s in launch.steps()
-    ]
+def test_speculative_parity_clipping_every_step(
+    case: Case, tmp_path: Path, shm_dir: Path, torchrun, request
+) -> None:
+    """The 1-stage case launches alone; the 2-stage one is read from ``two_stage_runs``' launch."""
+    if case.stages == 1:
+        launch = _Launch(torchrun, {"optim.speculative": True})
+        check_parity(case, tmp_path, shm_dir, launch)
+        steps = launch.steps()
+    else:
+        run, *prepared, _ = request.getfixturevalue("two_stage_runs")[case.id]
+        check_run(case, run, *prepared)
+        steps = run.steps
+    rollbacks = [[s["breakdown"][f"stage{k}/num_rollbacks"] for k in range(case.stages)] for s in steps]
     # the redo path ran: some stage's own norm stayed under 0.3 while the global one did not
     # (measured: [[1], [1], [1], [2], [2]] and [[0, 1], [0, 1], [0, 1], [0, 2], [1, 2]])
     assert sum(map(sum, rollbacks)) > 0, f"no speculative update was rolled back: {rollbacks}"
     # every update that started during a clipped step's backward was speculative: all rolled back
     # (a speculative update may also start after the backward ends, so ≥, not =)
-    in_backward = _in_backward_counts(launch.steps(), case.stages)
+    in_backward = _in_backward_counts(steps, case.stages)
     kept = [
         (r, n)
         for rs, ns in zip(rollbacks, in_backward, strict=True)
@@ -231,18 +288,14 @@ def test_speculative_parity_clipping_every_step(case: Case, tmp_path: Path, shm_
     assert not kept, f"a speculation kept in a clipped step: {rollbacks} vs {in_backward}"
 
 
-def test_speculative_never_clipping_and_a_nan_step_skipped_whole(
-    tmp_path: Path, shm_dir: Path, torchrun
-) -> None:
+def test_speculative_never_clipping_and_a_nan_step_skipped_whole(two_stage_runs: dict) -> None:
     """test_update_in_backward's NaN case (2 stages, 1F1B, tied embedding, slowed workers) with a
     clip threshold (1e9) that never bites: the speculative updates run in the backward and stand on
     every finite step (no rollback), and step NAN_AT, poisoned in the last stage's head, has them
     rolled back on both stages, so it is skipped whole: weights, AdamW moments and step counts equal
-    the unclipped reference without step NAN_AT's update (and not the per-unit in-backward rule)."""
-    overrides = {"optim.speculative": True, "optim.max_grad_norm": 1e9}
-    run, state, counts, _, (model_dir, inputs, labels, lengths) = run_nan_case(
-        overrides, tmp_path, shm_dir, torchrun
-    )
+    the unclipped reference without step NAN_AT's update (and not the per-unit in-backward rule).
+    The run (NEVER_CLIPS) is read from ``two_stage_runs``' launch."""
+    run, state, counts, _, (model_dir, inputs, labels, lengths) = two_stage_runs["nan"]
     losses, norms, weights, ref_state, ref_counts = _reference_left_out(
         model_dir, inputs, labels, lengths, None
     )
@@ -264,29 +317,12 @@ def test_speculative_never_clipping_and_a_nan_step_skipped_whole(
             assert rollbacks[s] == [0, 0] and min(in_backward[s]) >= 1, (rollbacks, in_backward)
 
 
-AUTO_CASE = Case(
-    "llama-2stage-tied-1f1b-slots1-accum1x4-clip-auto",
-    "LlamaForCausalLM",
-    2,
-    "1f1b",
-    slots=1,
-    grad_accum=1,
-    microbatches=4,
-    tied=True,
-    delay_s=0.003,
-)
-"""``optim.speculative=auto`` on two ranks: the choice is collective (one all-reduce of the ranks'
-measured AdamW rates, their RAM verdicts and resident blocks)."""
-
-
-def test_speculative_auto_chooses_at_start_up_and_matches_the_reference(
-    tmp_path: Path, shm_dir: Path, torchrun
-) -> None:
+def test_speculative_auto_chooses_at_start_up_and_matches_the_reference(two_stage_runs: dict) -> None:
     """Each rank times its AdamW, and both log the same choice with the figures behind it; the run
-    matches plain transformers + clip_grad_norm_ + AdamW whichever mode was chosen (both exact)."""
-    launch = _Launch(torchrun, {"optim.speculative": "auto"})
-    check_parity(AUTO_CASE, tmp_path, shm_dir, launch)
-    out = Path(launch.spec["out_dir"])
+    matches plain transformers + clip_grad_norm_ + AdamW whichever mode was chosen (both exact). The
+    run is read from ``two_stage_runs``' launch."""
+    run, *prepared, out = two_stage_runs[AUTO_CASE.id]
+    check_run(AUTO_CASE, run, *prepared)
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(AUTO_CASE.stages)]
     chosen = {r["speculative"] for r in reports}
     assert len(chosen) == 1, f"the ranks chose differently: {reports}"
@@ -299,5 +335,5 @@ def test_speculative_auto_chooses_at_start_up_and_matches_the_reference(
         assert line.endswith(f"→ {mode} updates"), line
     # the same figures on every rank (all but this rank's own free RAM): one all-reduce shared them
     assert len({r["update_choice"].split(" in the available RAM")[0] for r in reports}) == 1, reports
-    rollbacks = sum(s["breakdown"][f"stage{k}/num_rollbacks"] for s in launch.steps() for k in range(2))
+    rollbacks = sum(s["breakdown"][f"stage{k}/num_rollbacks"] for s in run.steps for k in range(2))
     assert (rollbacks > 0) == (mode == "speculative")  # every step clips: speculation rolls back

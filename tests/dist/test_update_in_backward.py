@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import threading
 from pathlib import Path
 
@@ -31,6 +32,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from conftest import shm_store_dir
 from safetensors.torch import load_file
 from test_overlap import BINDINGS, BLOCKS, CFG, UNITS, store  # noqa: F401  (store: a fixture)
 from test_parity import (
@@ -42,11 +44,14 @@ from test_parity import (
     STEPS,
     Case,
     check_parity,
+    launch_specs,
     lr_schedule,
     make_batches,
-    run_nodetrain,
+    read_run,
+    run_output,
     run_reference,
     save_seeded_model,
+    write_spec,
 )
 from test_replicas import _launch_two_nodes
 
@@ -217,7 +222,8 @@ def test_in_backward_parity_and_overlap(tmp_path: Path, shm_dir: Path, torchrun)
 
 
 NAN_AT = 2
-"""1-based step whose gradient ``nan_rank`` (NODETRAIN_FAULTS; the last stage) poisons, in its last unit (the head)."""
+"""1-based step whose gradient ``nan_rank`` (NODETRAIN_FAULTS; the last stage) poisons, in its last
+unit (the head)."""
 NAN_CASE = Case(
     "llama-2stage-tied-1f1b-slots1-accum1x4-noclip-delay5ms-optdelay2ms-5layers-nan",
     "LlamaForCausalLM",
@@ -292,33 +298,60 @@ def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: fl
         torch.testing.assert_close(got[name], w, rtol=RTOL, atol=tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def run_nan_case(overrides: dict, tmp_path: Path, shm_dir: Path, torchrun):
-    """NAN_CASE run with ``overrides`` and a NaN injected into the last stage at step NAN_AT:
-    returns (run, exported AdamW state, AdamW step counts, the launch's output, (model dir, inputs,
-    labels, lengths)); checks that exactly step NAN_AT was reported skipped."""
-    model_dir = tmp_path / "hf"
+def nan_spec(root: Path, shm: Path, variants: dict[str, dict]) -> tuple[Path, tuple]:
+    """NAN_CASE's spec (its seeded model and batches under ``root``, its host stores in ``shm``) with a
+    NaN injected into the last stage at step NAN_AT and AdamW's state exported: one run per entry
+    ``name: overrides`` of ``variants``, one after another in one launch, its files in ``root/<name>``.
+
+    Returns:
+        the spec file, (model dir, inputs, labels, lengths).
+    """
+    model_dir = root / "hf"
     save_seeded_model(NAN_CASE, model_dir)
     inputs, labels, lengths = make_batches(NAN_CASE)
-    nan = {"nan_rank": 1, "nan_step": NAN_AT}
-    launch = _Launch(torchrun, overrides, export_state=True, faults=nan)
-    run = run_nodetrain(NAN_CASE, tmp_path, shm_dir, model_dir, inputs, labels, launch)
-    out = Path(launch.spec["out_dir"])
+    runs = [{"out_dir": str(root / n), "run_id": f"nan-{n}", "overrides": o} for n, o in variants.items()]
+    spec_file = write_spec(NAN_CASE, root, shm, model_dir, inputs, labels, export_state=True, variants=runs)
+    spec = json.loads(spec_file.read_text())
+    spec["faults"].update({"nan_rank": 1, "nan_step": NAN_AT})
+    spec_file.write_text(json.dumps(spec))
+    return spec_file, (model_dir, inputs, labels, lengths)
+
+
+def read_nan_run(root: Path, name: str, output: str):
+    """The run ``name`` of nan_spec's spec (under ``root``) from a launch whose output was ``output``:
+    returns (run, exported AdamW state, AdamW step counts, the part of the output this run printed);
+    checks that exactly step NAN_AT was reported skipped."""
+    run = read_run(NAN_CASE, root / name)
     state, counts = {}, {}
     for rank in range(NAN_CASE.stages):
-        state.update(load_file(str(out / f"state_rank{rank}.safetensors")))
-        counts.update(json.loads((out / f"rank{rank}.json").read_text())["adamw_steps"])
+        state.update(load_file(str(root / name / f"state_rank{rank}.safetensors")))
+        counts.update(json.loads((root / name / f"rank{rank}.json").read_text())["adamw_steps"])
     assert [s["skipped"] for s in run.steps] == [s + 1 == NAN_AT for s in range(STEPS)]
-    return run, state, counts, launch.output, (model_dir, inputs, labels, lengths)
+    return run, state, counts, run_output(output, f"nan-{name}")
+
+
+NAN_MODES = {"in-backward": True, "deferred": False}
+"""The NaN case's runs: ``optim.update_in_backward`` of each."""
+
+
+@pytest.fixture(scope="module")
+def nan_runs(tmp_path_factory) -> dict:
+    """NAN_CASE with the updates in the backward and deferred: both runs one after another in one
+    launch (2 ranks); per mode, read_nan_run's tuple and (model dir, inputs, labels, lengths)."""
+    root, shm = tmp_path_factory.mktemp("nan"), shm_store_dir()
+    variants = {mode: {"optim.update_in_backward": on} for mode, on in NAN_MODES.items()}
+    spec_file, prepared = nan_spec(root, shm, variants)
+    output = launch_specs(NAN_CASE.stages, [spec_file], shm, timeout_s=300)
+    return {mode: (*read_nan_run(root, mode, output), prepared) for mode in NAN_MODES}
 
 
 @pytest.mark.parametrize("in_backward", [True, False], ids=["in-backward", "deferred"])
-def test_nan_gradient_leaves_out_the_unit_or_the_step(
-    in_backward: bool, tmp_path: Path, shm_dir: Path, torchrun
-) -> None:
-    overrides = {"optim.update_in_backward": in_backward}
-    run, state, counts, output, (model_dir, inputs, labels, lengths) = run_nan_case(
-        overrides, tmp_path, shm_dir, torchrun
-    )
+def test_nan_gradient_leaves_out_the_unit_or_the_step(in_backward: bool, nan_runs: dict) -> None:
+    """Both modes' runs share one launch (``nan_runs``); each is checked on its own files and on the
+    part of the output it printed."""
+    run, state, counts, output, (model_dir, inputs, labels, lengths) = nan_runs[
+        "in-backward" if in_backward else "deferred"
+    ]
     assert math.isnan(run.steps[NAN_AT - 1]["grad_norm"])
     left_out = LEFT_OUT_IN_BACKWARD if in_backward else None
     losses, norms, weights, ref_state, ref_counts = _reference_left_out(
@@ -375,39 +408,53 @@ REPLICA_CASE_SPECULATIVE = dataclasses.replace(
 the per-unit cross-node sums still run on the optimizer thread, in the schedule's order."""
 
 
-@pytest.mark.parametrize("case", [REPLICA_CASE, REPLICA_CASE_SPECULATIVE], ids=lambda c: c.id)
-def test_two_nodes_in_backward_equal_the_reference(case: Case, tmp_path: Path, shm_dir: Path) -> None:
-    """``run_nodetrain`` writes the single-node spec; the launcher turns it into the two nodes' specs
-    (the global batch in ``train.batch_size``, no accumulation, a store directory per node) and
-    starts ``torchrun --nnodes 2 --nproc_per_node 2`` twice, writing into the same ``out_dir``."""
-
-    def two_nodes(nproc: int, script: Path, spec_file: str, timeout_s: float = 180) -> str:
-        base = json.loads(Path(spec_file).read_text())
-        specs = []
+@pytest.fixture(scope="module")
+def two_node_runs(tmp_path_factory) -> dict:
+    """Both replica cases in one pair of launches: each case's single-node spec (write_spec) turned
+    into the two nodes' specs (the global batch in ``train.batch_size``, no accumulation, a store
+    directory per node), and ``torchrun --nnodes 2 --nproc_per_node 2`` started twice, each node
+    running the two cases one after another, writing into each case's ``out_dir``. Per case id:
+    (node 0's run, model dir, inputs, labels, lengths, the case's directory)."""
+    root, shm = tmp_path_factory.mktemp("two_nodes"), shm_store_dir()
+    runs, node_specs = {}, [[], []]
+    for num, case in enumerate((REPLICA_CASE, REPLICA_CASE_SPECULATIVE)):
+        tmp = root / case.id
+        model_dir = tmp / "hf"
+        save_seeded_model(case, model_dir)
+        inputs, labels, lengths = make_batches(case)  # [steps, 8, B, T]
+        base = json.loads(write_spec(case, tmp, shm, model_dir, inputs, labels).read_text())
         for node in range(2):
-            (shm_dir / f"node{node}").mkdir()
             overrides = {
                 **base["overrides"],
                 "optim.speculative": case is REPLICA_CASE_SPECULATIVE,
                 "train.grad_accum": 1,
-                "store.dir": str(shm_dir / f"node{node}"),
+                "store.dir": str(shm / f"node{node}"),
             }
             overrides["train.batch_size"] = 8 * 2  # 8 micro-batches × 2 sequences
-            specs.append(tmp_path / f"spec_node{node}.json")
-            specs[-1].write_text(json.dumps({**base, "overrides": overrides, "run_id": "inbwd-two-nodes"}))
-        _launch_two_nodes(specs, timeout_s=timeout_s)
+            node_specs[node].append(tmp / f"spec_node{node}.json")
+            spec = {**base, "overrides": overrides, "run_id": f"inbwd-two-nodes-{num}"}
+            node_specs[node][-1].write_text(json.dumps(spec))
+        runs[case.id] = (model_dir, inputs, labels, lengths, tmp)
+    try:
         for node in range(2):
-            assert not list((shm_dir / f"node{node}").iterdir()), "a host store was left behind"
-            (shm_dir / f"node{node}").rmdir()
-        return ""
+            (shm / f"node{node}").mkdir()
+        _launch_two_nodes(node_specs, timeout_s=300)
+        for node in range(2):
+            assert not list((shm / f"node{node}").iterdir()), "a host store was left behind"
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    cases = (REPLICA_CASE, REPLICA_CASE_SPECULATIVE)
+    return {c.id: (read_run(c, runs[c.id][-1] / "out"), *runs[c.id]) for c in cases}
 
-    model_dir = tmp_path / "hf"
-    save_seeded_model(case, model_dir)
-    inputs, labels, lengths = make_batches(case)  # [steps, 8, B, T]
-    run = run_nodetrain(case, tmp_path, shm_dir, model_dir, inputs, labels, two_nodes)  # node 0's ranks
+
+@pytest.mark.parametrize("case", [REPLICA_CASE, REPLICA_CASE_SPECULATIVE], ids=lambda c: c.id)
+def test_two_nodes_in_backward_equal_the_reference(case: Case, two_node_runs: dict) -> None:
+    """Both cases' runs share one pair of two-node launches (``two_node_runs``); node 0's ranks are
+    read as the run, node 1's weights must equal them bit for bit."""
+    run, model_dir, inputs, labels, lengths, case_dir = two_node_runs[case.id]
     node1 = {}
     for rank in (2, 3):
-        node1.update(load_file(str(tmp_path / "out" / f"weights_rank{rank}.safetensors")))
+        node1.update(load_file(str(case_dir / "out" / f"weights_rank{rank}.safetensors")))
     assert sorted(node1) == sorted(run.weights)
     for name, w in run.weights.items():
         assert torch.equal(node1[name], w), f"{name} differs between the nodes"

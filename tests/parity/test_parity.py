@@ -378,18 +378,41 @@ def launch_cases(cases: list[Case], root: Path, overrides: dict[str, dict] | Non
         more = (overrides or {}).get(case.id, {})
         specs.append(str(write_spec(case, tmp, shm, tmp / "hf", inputs, labels, overrides=more)))
         prepared[case.id] = (tmp, inputs, labels, lengths)
-    try:
-        run_torchrun(cases[0].stages, WORKER, *specs, timeout_s=120 + 60 * len(cases))
-        left = sorted(p.name for p in shm.iterdir())
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
-    assert not left, f"files left in the store directory: {left}"
+    launch_specs(cases[0].stages, specs, shm, timeout_s=120 + 60 * len(cases))
     out = {}
     for case in cases:
         tmp, *rest = prepared[case.id]
         reports = [json.loads((tmp / "out" / f"rank{r}.json").read_text()) for r in range(case.stages)]
         out[case.id] = (read_run(case, tmp / "out"), reports, tmp / "hf", *rest)
     return out
+
+
+RUN_MARKER = "parity_worker: run "
+"""What rank 0 of parity_worker.py prints before each run of a launch, followed by its ``run_id``."""
+
+
+def launch_specs(nproc: int, specs: list, shm: Path, timeout_s: float) -> str:
+    """One torchrun launch of ``nproc`` ranks running the ``specs`` (files) one after another, their
+    host stores in the /dev/shm directory ``shm`` (removed afterwards); returns the launch's output.
+
+    Raises:
+        AssertionError: a file left in ``shm`` after the launch.
+    """
+    try:
+        output = run_torchrun(nproc, WORKER, *map(str, specs), timeout_s=timeout_s)
+        left = sorted(p.name for p in shm.iterdir())
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    assert not left, f"files left in the store directory: {left}"
+    return output
+
+
+def run_output(output: str, run_id: str) -> str:
+    """The part of a launch's ``output`` that its run ``run_id`` printed: from rank 0's line naming it
+    (parity_worker.py's ``RUN_MARKER``, between two barriers) to the next run's line."""
+    start = output.index(f"{RUN_MARKER}{run_id}\n")
+    end = output.find(RUN_MARKER, start + len(RUN_MARKER))
+    return output[start : end if end >= 0 else len(output)]
 
 
 def write_spec(
