@@ -150,29 +150,65 @@ def optimizer(ckpt: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint (weights, AdamW moments, step counts), from all its safetensors files."""
+    out = {}
+    for f in ckpt.glob("*.safetensors"):
+        out.update(load_file(str(f)))
+    return out
+
+
+LAUNCH_STATE = ("config", "config_hash", "run_dir", "save_timing_s", "metrics_rows", "files", "state_sha256")
+"""The trainer-state keys that name the launch (its config and that config's hash, its run dir, save
+timings, the metrics rows a resume restores, which carry the launch's placement counts) or hash its
+files (whose tensors are compared one by one)."""
+
+
+def resume_state(ckpt: Path) -> dict:
+    """What a resume continues from in a checkpoint's trainer state: step, LR schedule, data cursor and
+    dataset, every rank's RNG, stages, weight files, lineage (the parent by name: its digest covers
+    the parent's config), without :data:`LAUNCH_STATE`."""
+    state = {k: v for k, v in st.read_state(ckpt).items() if k not in LAUNCH_STATE}
+    if state.get("parent"):
+        state["parent"] = state["parent"]["name"]
+    return state
+
+
 def check_resume_across(work: Path, nproc: int, key: str, overrides: list[str]) -> dict[str, str]:
     """Family Q with ``overrides`` and ``key=true`` vs ``key=false`` (a setting that must not change a
-    number): both uninterrupted runs have equal records and final master weights, and step 3's
-    checkpoint of either, resumed with the other value, ends bit for bit where they end (records,
-    master weights, AdamW moments). Returns each value's start-up output, for its placement lines."""
-    runs, said = {}, {}
-    for on in ("true", "false"):
-        runs[on] = work / f"{key}_{on}"
-        extra = [f"{key}={on}", "checkpoint.every=3", "checkpoint.keep_last=0"]
-        said[on] = train(work, nproc, runs[on], [*Q, *overrides, *extra])
-    want = records(runs["true"])
-    assert all(want[s][k] == records(runs["false"])[s][k] for s in want for k in RECORD_KEYS)
-    end = runs["true"] / "checkpoints" / f"step-{STEPS}"
-    _assert_same_tensors(master(end), master(runs["false"] / "checkpoints" / f"step-{STEPS}"))
-    for saved, other in (("true", "false"), ("false", "true")):
-        run = work / f"{key}_{saved}_to_{other}"
-        ckpt = runs[saved] / "checkpoints" / "step-3"
-        train(work, nproc, run, [*Q, *overrides, f"{key}={other}", f"checkpoint.resume={ckpt}"])
-        got = records(run)
-        assert all(got[s][k] == want[s][k] for s in range(4, STEPS + 1) for k in RECORD_KEYS), (saved, other)
-        last = run / "checkpoints" / f"step-{STEPS}"
-        _assert_same_tensors(master(last), master(end))
-        _assert_same_tensors(optimizer(last), optimizer(end))
+    number), in three launches:
+
+    * ``A``: ``key=false``, 6 steps uninterrupted, saving step 3 and step 6;
+    * ``B``: A's step 3 resumed with ``key=true`` ends bit for bit where A ends (records of steps 4-6,
+      master weights, AdamW moments): a checkpoint saved with false loads into true;
+    * ``C``: ``key=true``, 6 steps uninterrupted, is A bit for bit: every record, and its step-3 and
+      step-6 checkpoints (every tensor: master weights, moments, step counts; and the trainer state a
+      resume reads, :func:`resume_state`): true trains and saves as false does.
+
+    So C's step 3 resumed with false would be A's step 3 (the same bytes) resumed with false, A's own
+    setting: a plain resume, which q_ref and its resumes check bit for bit (for
+    ``stream.grad_on_device=false`` with every unit streamed, A is q_ref's placement). Returns each
+    value's start-up output (A's, C's), for its placement lines."""
+    a, b, c = (work / f"{key}_{name}" for name in ("a_false", "b_false_to_true", "c_true"))
+    extra = ["checkpoint.every=3", "checkpoint.keep_last=0"]
+    said = {"false": train(work, nproc, a, [*Q, *overrides, *extra, f"{key}=false"])}
+    want, end = records(a), a / "checkpoints" / f"step-{STEPS}"
+    train(
+        work, nproc, b, [*Q, *overrides, f"{key}=true", f"checkpoint.resume={a / 'checkpoints' / 'step-3'}"]
+    )
+    _assert_same_steps(records(b), want, range(4, STEPS + 1))
+    last = b / "checkpoints" / f"step-{STEPS}"
+    _assert_same_tensors(master(last), master(end))
+    _assert_same_tensors(optimizer(last), optimizer(end))
+    said["true"] = train(work, nproc, c, [*Q, *overrides, *extra, f"{key}=true"])
+    got = records(c)
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1)), sorted(got)
+    _assert_same_steps(got, want, range(1, STEPS + 1))
+    for step in (3, STEPS):
+        mine, theirs = c / "checkpoints" / f"step-{step}", a / "checkpoints" / f"step-{step}"
+        _assert_same_tensors(tensors(mine), tensors(theirs))
+        state, ref = resume_state(mine), resume_state(theirs)
+        assert state == ref, (step, sorted(k for k in ref if state.get(k) != ref[k]))
     return said
 
 
@@ -392,16 +428,35 @@ def test_kill_during_save_keeps_the_previous_checkpoint_and_auto_resumes(work: P
 def test_sigterm_saves_the_step_every_rank_stopped_after_and_resume_is_exact(work: Path, q_ref: Path) -> None:
     """SIGTERM to torchrun (a scheduler's pre-emption) once step 2 is logged, i.e. during step 3:
     torchrun forwards it to both ranks, which agree (in the step's all-reduce) on the step to stop
-    after, save it (``checkpoint.on_signal=save``) and exit; ``auto`` resumes exactly (bitwise)."""
-    run = work / "q_signal"
-    args = [*Q, "checkpoint.every=0", "checkpoint.on_signal=save"]
-    cmd, env = _cmd(work, 2, run, args, faults="copy_delay_s=0.05")  # ~1 s steps, same arithmetic
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    after, save it (``checkpoint.on_signal=save``) and exit; ``auto`` resumes exactly (bitwise).
+
+    The relaunch is the README's: ``checkpoint.resume=auto`` with no ``hydra.run.dir``: the new
+    launch finds the stopped run (same config hash) under the runs root, continues it bitwise as
+    ``q_ref`` ran uninterrupted, and writes its checkpoints there. Logged to wandb (offline): the
+    wandb run id goes into trainer_state.json and the resumed launch logs into that same wandb run (a
+    second offline segment of it, not a new run)."""
+    runs = work / "runs_signal"
+    args = [
+        *COMMON,
+        *Q,
+        "checkpoint.every=0",
+        "checkpoint.on_signal=save",
+        f"data.source={work / 'corpus.txt'}",
+    ]
+    args += [f"data.dir={work / 'prepared'}", f"store.dir={work / 'shm'}", "logging.wandb=true"]
+    env = job_env(NODETRAIN_RUNS=str(runs), WANDB_MODE="offline")
+    cmd = torchrun_cmd(2, "-m", "nodetrain.train", *args)
+    proc = subprocess.Popen(  # ~1 s steps, same arithmetic
+        cmd,
+        cwd=ROOT,
+        env={**env, "NODETRAIN_FAULTS": "copy_delay_s=0.05"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 180
-        while 2 not in (records(run) if (run / "metrics.jsonl").is_file() else {}):
+        while not any(2 in records(m.parent) for m in runs.glob("*/metrics.jsonl")):
             assert proc.poll() is None, proc.stdout.read().decode()[-4000:]
             assert time.monotonic() < deadline, "step 2 never completed"
             time.sleep(0.02)
@@ -411,52 +466,42 @@ def test_sigterm_saves_the_step_every_rank_stopped_after_and_resume_is_exact(wor
         if proc.poll() is None:
             _kill9(proc)
     assert proc.returncode != 0, "a stopped run must not look finished"
+    (run,) = list(runs.iterdir())
     done = records(run)
     last = max(done)
     assert last in (3, 4) and done[last].get("stopped") is True, out[-4000:]
     for r in (0, 1):  # every rank stopped after the same step
         assert f"every rank stops after step {last}" in (run / f"rank{r}.log").read_text()
-    assert [c.name for _, c in st.complete_checkpoints(run / "checkpoints")] == [f"step-{last}"]
-    assert st.verify(run / "checkpoints" / f"step-{last}")["step"] == last
+    ckpts = run / "checkpoints"
+    assert [c.name for _, c in st.complete_checkpoints(ckpts)] == [f"step-{last}"]
+    assert st.verify(ckpts / f"step-{last}")["step"] == last
 
-    out = train(work, 2, run, [*args, "checkpoint.resume=auto"])
+    proc = subprocess.run(
+        torchrun_cmd(2, "-m", "nodetrain.train", *args, "checkpoint.resume=auto"),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
     assert f"step-{last}" in out
-    want = records(q_ref)
-    _assert_same_steps(records(run), want, range(1, STEPS + 1))
-    end, ref_end = run / "checkpoints" / "step-6", q_ref / "checkpoints" / "step-6"
+    first, second = sorted(runs.iterdir())  # run ids start with the launch time
+    assert first == run and "continuing run" in (second / "rank0.log").read_text()
+    got = records(second)  # the first run's rows of steps 1-last, then this launch's
+    assert sorted(got) == [1, 2, 3, 4, 5, 6], sorted(got)  # resumed at step last, not started over
+    _assert_same_steps(got, records(q_ref), range(1, STEPS + 1))
+    assert [p.name for _, p in st.complete_checkpoints(ckpts)] == [f"step-{last}", "step-6"]
+    end, ref_end = ckpts / "step-6", q_ref / "checkpoints" / "step-6"
     _assert_same_tensors(master(end), master(ref_end))
     _assert_same_tensors(optimizer(end), optimizer(ref_end))
-
-
-def test_resume_auto_without_run_dir_continues_the_newest_run_of_the_config(work: Path, q_ref: Path) -> None:
-    """The README's relaunch: stop after 2 steps, then ``checkpoint.resume=auto`` with no
-    ``hydra.run.dir``: the new launch finds the first run (same config hash) under the runs root,
-    continues it bitwise as ``q_ref`` ran uninterrupted, and writes its checkpoints there. Logged to
-    wandb (offline): the wandb run id goes into trainer_state.json and the resumed launch logs into
-    that same wandb run (a second offline segment of it, not a new run)."""
-    runs = work / "runs_auto"
-    args = [*Q, "checkpoint.every=3", "checkpoint.keep_last=0", f"data.source={work / 'corpus.txt'}"]
-    args += [f"data.dir={work / 'prepared'}", f"store.dir={work / 'shm'}"]
-    args += ["logging.wandb=true", "logging.plots=false"]
-    env = job_env(NODETRAIN_RUNS=str(runs), WANDB_MODE="offline")
-    for extra in (["checkpoint.stop_after_steps=2"], ["checkpoint.resume=auto"]):
-        cmd = torchrun_cmd(2, "-m", "nodetrain.train", *COMMON, *args, *extra)
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    first, second = sorted(runs.iterdir())  # run ids start with the launch time
-    assert "continuing run" in (second / "rank0.log").read_text()
-    got = records(second)  # the first run's rows of steps 1-2, then this launch's from step 3
-    assert sorted(got) == [1, 2, 3, 4, 5, 6], sorted(got)  # resumed at step 2, not started over
-    _assert_same_steps(got, records(q_ref), range(1, STEPS + 1))
-    ckpts = first / "checkpoints"
-    assert [p.name for _, p in st.complete_checkpoints(ckpts)] == ["step-2", "step-3", "step-6"]
-    _assert_same_tensors(master(ckpts / "step-6"), master(q_ref / "checkpoints" / "step-6"))
 
     (segment,) = list((first / "wandb").glob("offline-run-*"))
     run_id = segment.name.rsplit("-", 1)[1]
     ids = [p.name.rsplit("-", 1)[1] for p in (second / "wandb").glob("offline-run-*")]
     assert ids == [run_id], (run_id, ids)
-    for step in (2, 6):
+    for step in (last, 6):
         assert json.loads((ckpts / f"step-{step}" / st.TRAINER_STATE).read_text())["wandb_run_id"] == run_id
 
 
@@ -610,23 +655,30 @@ def _vocabulary(ckpt: Path) -> str:
     return vocabulary_sha256(Tokenizer.from_file(str(ckpt / "tokenizer.json")))
 
 
-def test_resume_after_the_corpus_changed_keeps_the_checkpoints_tokenizer(work: Path, tmp_path: Path) -> None:
+def test_resume_after_the_corpus_changed_keeps_the_checkpoints_tokenizer(
+    work: Path, q_ref: Path, tmp_path: Path
+) -> None:
     """The trained BPE and a data.source whose contents changed since the checkpoint: the resumed
     run says what changed and tokenizes the new text with the checkpoint's tokenizer, so every id
-    keeps its meaning (it used to train a new BPE and ship it in the next checkpoint)."""
+    keeps its meaning (it used to train a new BPE and ship it in the next checkpoint). q_ref's step-3,
+    resumed on one stage (the tokenizer is no stage's business) from a copy of its corpus with new
+    text appended: the check compares the corpus' sha256, wherever the file is."""
     corpus = tmp_path / "data" / "corpus.txt"
     corpus.parent.mkdir()
     shutil.copyfile(work / "corpus.txt", corpus)
-    run = tmp_path / "run"
-    train(work, 2, run, [*Q, "checkpoint.stop_after_steps=2"], corpus)
     with corpus.open("a") as f:  # new text: a BPE trained now would merge other pairs
         f.write("\n" + "\n".join(" ".join(w[::-1] for w in WORDS[i : i + 8]) for i in range(0, 24, 2)) * 3)
-    out = train(work, 2, run, [*Q, "checkpoint.resume=auto"], corpus)
+    run = tmp_path / "run"
+    out = train(work, 1, run, [*Q, f"checkpoint.resume={q_ref / 'checkpoints' / 'step-3'}"], corpus)
     assert "the contents of data.source=" in out and "changed" in out and "own tokenizer" in out, out[-3000:]
     assert "training a byte-level BPE" not in out
-    want = _vocabulary(run / "checkpoints" / "step-2")
+    want = _vocabulary(q_ref / "checkpoints" / "step-3")
     assert _vocabulary(run / "checkpoints" / f"step-{STEPS}") == want
-    fresh = [m.parent for m in (tmp_path / "data" / "prepared").glob("*/meta.json")]
+    # the checkpoint's dataset and the one of the new text
+    fresh = [
+        prepared_dir(work / "prepared"),
+        *(m.parent for m in (corpus.parent / "prepared").glob("*/meta.json")),
+    ]
     assert len(fresh) == 2 and all(
         json.loads((d / "meta.json").read_text())["vocabulary_sha256"] == want for d in fresh
     )

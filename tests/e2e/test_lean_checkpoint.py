@@ -1,8 +1,9 @@
 """Lean state (``optim.state=lean``) through checkpoints: bit-exact resume, full → lean, lean → full refused.
 
-Four cheap 2-rank launches of a 2-layer, hidden-64 Llama (TINY_RUN) on a sonnet corpus. The reference
-of "exact" is the uninterrupted lean run itself: its losses and its final checkpoint's files, read with
-safetensors' own loader.
+Five cheap launches of a 2-layer, hidden-64 Llama (TINY_RUN) on a sonnet corpus: the lean run and its
+resume on 2 ranks; full → lean and lean → full (what a checkpoint holds, not how stages split it) on
+one. The reference of "exact" is the uninterrupted lean run itself: its losses and its final
+checkpoint's files, read with safetensors' own loader.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ def work(corpus):
     assert not left, f"host stores left in /dev/shm: {left}"
 
 
-def _train(work, name: str, overrides: list[str], ok: bool = True) -> tuple[Path, str]:
+def _train(work, name: str, overrides: list[str], ok: bool = True, nproc: int = 2) -> tuple[Path, str]:
     root, data = work
-    cmd = torchrun_cmd(2, "-m", "nodetrain.train", f"hydra.run.dir={root / name}", *COMMON, *data, *overrides)
+    cmd = torchrun_cmd(
+        nproc, "-m", "nodetrain.train", f"hydra.run.dir={root / name}", *COMMON, *data, *overrides
+    )
     proc = subprocess.run(cmd, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert (proc.returncode == 0) == ok, f"exit {proc.returncode}: {' '.join(cmd)}\n{out[-6000:]}"
@@ -84,12 +87,17 @@ def test_lean_resume_is_bit_exact(work, lean_run: Path) -> None:
 
 
 def test_full_to_lean_quantizes_and_lean_to_full_is_refused(work, lean_run: Path) -> None:
-    full, _ = _train(work, "full", ["train.steps=2"])
+    """One rank each: a full checkpoint resumed with lean state is quantized; lean_run's step-2 (two
+    stages) resumed with full state is refused, naming the way out."""
+    full, _ = _train(work, "full", ["train.steps=2"], nproc=1)
     _, out = _train(
-        work, "full-to-lean", ["optim.state=lean", f"checkpoint.resume={full / 'checkpoints' / 'step-2'}"]
+        work,
+        "full-to-lean",
+        ["optim.state=lean", f"checkpoint.resume={full / 'checkpoints' / 'step-2'}"],
+        nproc=1,
     )
     assert "quantized to 4 / 8 bits" in out
     _, out = _train(
-        work, "lean-to-full", [f"checkpoint.resume={lean_run / 'checkpoints' / 'step-2'}"], ok=False
+        work, "lean-to-full", [f"checkpoint.resume={lean_run / 'checkpoints' / 'step-2'}"], ok=False, nproc=1
     )
     assert "holds lean optimizer state" in out and "optim.state=lean" in out and "model.init_from=" in out

@@ -239,8 +239,8 @@ def test_a_store_dir_that_is_not_a_writable_directory_is_refused_by_name(tmp_pat
 # ----------------------------------------------------------------------------- real launches
 
 
-def _launch(overrides: list[str], runs: Path, faults: str = "") -> subprocess.Popen:
-    cmd = torchrun_cmd(2, "-m", "nodetrain.train", *overrides)
+def _launch(overrides: list[str], runs: Path, faults: str = "", nproc: int = 2) -> subprocess.Popen:
+    cmd = torchrun_cmd(nproc, "-m", "nodetrain.train", *overrides)
     return start_job(cmd, job_env(NODETRAIN_RUNS=str(runs), NODETRAIN_FAULTS=faults))
 
 
@@ -250,12 +250,13 @@ def _sha256s(directory: Path) -> dict[str, str]:
 
 
 def test_run_b_refuses_run_a_checkpoint_dir_and_leaves_it_intact(tmp_path: Path, corpus, shm_dir) -> None:
-    """Run A (qwen3_tiny) then run B (mistral_tiny) with one checkpoint.dir: B is refused before it
-    allocates anything, naming A's run dir, and A's checkpoints are byte for byte what A wrote."""
+    """Run A (qwen3_tiny, one rank: it only leaves checkpoints) then run B (mistral_tiny, two ranks)
+    with one checkpoint.dir: B is refused before it allocates anything, naming A's run dir, once (by
+    rank 0), and A's checkpoints are byte for byte what A wrote."""
     shared = tmp_path / "shared_ckpts"
     common = [*corpus, *TINY_RUN[5:], f"checkpoint.dir={shared}", f"store.dir={shm_dir}", "train.steps=2"]
     common += ["train.eval_every=0", "checkpoint.every=1", "logging.wandb=false", "logging.plots=false"]
-    a = _launch(["model=qwen3_tiny", f"hydra.run.dir={tmp_path / 'a'}", *common], tmp_path)
+    a = _launch(["model=qwen3_tiny", f"hydra.run.dir={tmp_path / 'a'}", *common], tmp_path, nproc=1)
     out_a = a.communicate(timeout=240)[0]
     assert a.returncode == 0, out_a[-4000:]
     before = _sha256s(shared)

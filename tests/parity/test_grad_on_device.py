@@ -9,8 +9,9 @@ untied mixture of experts updated in the backward (no clipping); two stages, an 
 and at 8 micro-batches a step (the bar: the gradient path's bytes per step do not grow with the
 micro-batch count), a tied mixture of experts (the head's use of the embedding ships into
 ``grad_tied``) and a tied dense model whose embedding and head are resident while its layers stream
-with device accumulators. The resume test saves with the accumulators on the device and resumes with
-them on the host, and the other way round, bit for bit.
+with device accumulators. The resume test (check_resume_across) resumes a checkpoint saved with the
+accumulators on the host with them on the device, bit for bit, and checks that a run with them on the
+device saves, at step 3, the host run's checkpoint bit for bit.
 """
 
 from __future__ import annotations
@@ -174,8 +175,9 @@ def test_resume_is_bitwise_across_grad_on_device_true_and_false(work: Path) -> N
     """Qwen3, tied, two stages, every unit streamed: the gradients accumulated on the device and on the
     host give the same run bit for bit (the same fp32 adds in the same order, into separate ranges:
     the embedding's rows on stage 0, the head's use of it into ``grad_tied`` on stage 1), so a
-    checkpoint of either resumed with the other ends exactly where both uninterrupted runs end
-    (records, master weights, moments)."""
+    checkpoint of either resumed with the other ends exactly where the uninterrupted run ends (records,
+    master weights, moments): the host run's step 3 resumed on the device; the device run's step 3 is
+    the host run's, bit for bit (check_resume_across: three launches)."""
     out = check_resume_across(work, 2, "stream.grad_on_device", ["stream.device_budget=0"])
     for on, text in out.items():
         said = [line for line in text.splitlines() if "stream.grad_on_device=" in line]

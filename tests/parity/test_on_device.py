@@ -6,9 +6,9 @@ Then two torchrun launches, each compared with transformers + ``torch.optim.Adam
 its optimizer on the device (the embedding's two uses summed on the device; no gradient,
 accumulation or optimizer byte crosses to the host in any step); two stages, a tied dense model (its
 embedding and head keep their optimizer on the host: two stages read them) and an untied mixture of
-experts partly resident. The resume test saves with the optimizer on the device and resumes with it
-on the host, and the other way round: each resumed run ends bit for bit where the uninterrupted run
-does.
+experts partly resident. The resume test (check_resume_across) resumes a checkpoint saved with the
+optimizer on the host with it on the device, ending bit for bit where the uninterrupted run does, and
+checks that a run with it on the device saves, at step 3, the host run's checkpoint bit for bit.
 """
 
 from __future__ import annotations
@@ -213,7 +213,9 @@ def test_every_unit_on_the_device_moves_no_host_byte(launched) -> None:
 def test_resume_is_bitwise_across_on_device_true_and_false(work: Path) -> None:  # noqa: F811
     """Qwen3, tied, one stage, every unit resident (the CPU's budget given in bytes): the optimizer on
     the device and on the host give the same run bit for bit, so a checkpoint of either resumed with
-    the other ends exactly where both uninterrupted runs end (records, master weights, moments)."""
+    the other ends exactly where the uninterrupted run ends (records, master weights, moments): the
+    host run's step 3 resumed on the device; the device run's step 3 is the host run's, bit for bit
+    (check_resume_across: three launches)."""
     out = check_resume_across(work, 1, "optim.on_device", ["stream.device_budget=1000000000"])
     for on, text in out.items():
         said = [line for line in text.splitlines() if "optim.on_device=" in line or "blocks resident" in line]
