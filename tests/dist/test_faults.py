@@ -4,7 +4,7 @@ Cheapest first: the stop/bad-step bookkeeping and P2P's handle pruning (pure, mi
 refused by the start-up chain train.py runs before the store exists (in-process, one table); then the
 real entry point under torchrun (gloo, CPU): a rank raising with 4 ranks, a hang bounded by
 ``dist.timeout_s``, ``kill -9`` of a rank, and a NaN gradient skipped on every stage, checked against
-plain transformers + AdamW, under three placements (three jobs of one ``--multirun`` launch, which
+plain transformers + AdamW, under four placements (four jobs of one ``--multirun`` launch, which
 also cleans a stale store (what kill -9 leaks) and spares a live one).
 The 2-rank failure is tests/e2e/test_sweeps.py's failing sweep; SIGTERM with a checkpoint is in
 tests/e2e/test_checkpoint_runs.py (it reuses that file's uninterrupted reference run).
@@ -454,7 +454,12 @@ PLACEMENTS = {
     "host-optimizer": [],
     "on-device": ["optim.on_device=true", "stream.device_budget=1000000000"],
     "grad-on-device": ["stream.grad_on_device=true", "stream.device_budget=0"],
+    "wave": ["pipeline.wave=2", "stream.device_budget=0"],
 }
+"""The NaN run's placements, one job each of ``nan_runs``' launch. ``wave``: every unit streamed and the
+step's two micro-batches run as one wave, so each streamed unit's gradient reaches the store once per
+item (its fp32 wave sum): the readiness counts, the skip and the next steps' first arrivals (which
+overwrite the skipped step's sums) must follow the items, not the micro-batches."""
 
 
 def _placement_group(conf_dir: Path) -> None:
@@ -533,7 +538,7 @@ def test_nan_gradient_is_skipped_on_every_stage(nan_runs: dict, placement) -> No
     transformers + AdamW without that step), also with every unit's optimizer on the device (the NaN
     in the head's device gradient) and with every streamed unit's gradient accumulated on the device
     (the NaN in the head's gradient once its accumulator has landed in the store); the launch also
-    cleans the stores kill -9 leaks. The three placements are three jobs of one launch (``nan_runs``),
+    cleans the stores kill -9 leaks. The four placements are four jobs of one launch (``nan_runs``),
     each checked on its own job directory."""
     run = nan_runs[placement]
     losses, want, wrong = nan_runs["reference"]
@@ -599,3 +604,10 @@ def test_kill9_of_the_launcher_stops_every_rank_within_seconds(tmp_path: Path, c
     assert records[-1].get("stopped") is True and records[-1]["step"] < 500, records[-1]
     saved = [p.name for _, p in st.complete_checkpoints(run / "checkpoints")]
     assert saved == [f"step-{records[-1]['step']}"], saved  # checkpoint.on_signal=save
+
+
+def test_the_wave_job_of_the_nan_run_ran_in_waves(nan_runs: dict) -> None:
+    """The ``wave`` placement's job of ``nan_runs`` (checked like the others by
+    ``test_nan_gradient_is_skipped_on_every_stage``) really ran one wave of 2 a step: its start-up line."""
+    log = (nan_runs["wave"] / "rank0.log").read_text()
+    assert "pipeline.wave=2: " in log, "the start-up line of the wave"
