@@ -393,11 +393,15 @@ def _truncate_after(path: Path, start_step: int) -> None:
 def _init_wandb(run_dir: Path, config: dict[str, Any], **kwargs: Any) -> Any:
     """Start a wandb run writing under ``run_dir/wandb``; imported lazily (slow import, rank 0 only).
 
-    ``kwargs`` go to ``wandb.init`` (project, name, group, tags, notes, entity, id, resume).
+    ``kwargs`` go to ``wandb.init`` (project, name, group, tags, notes, entity, id, resume). With
+    ``WANDB_MODE=disabled`` (wandb's own switch for "no wandb at all") returns None, as
+    ``logging.wandb=false`` does, without importing wandb (about 0.6 s of one core per launch).
     """
+    mode = os.environ.get("WANDB_MODE") or "offline"
+    if mode == "disabled":
+        return None
     import wandb
 
-    mode = os.environ.get("WANDB_MODE") or "offline"
     settings = wandb.Settings(console="off", quiet=True)
     # A run started earlier in this process (the previous job of a sweep) must not be continued.
     return wandb.init(

@@ -176,6 +176,7 @@ def test_wandb_disabled_mode_logs_records_only(tmp_path: Path, offline_wandb, mo
         tmp_path, {}, enabled=True, use_wandb=True, project="p", run_name="r", total_steps=1
     ) as m:
         m.log(_record(1))
+    assert m.run_id is None  # no run, as with logging.wandb=false: no id for a checkpoint to continue
     assert [json.loads(x)["step"] for x in (tmp_path / METRICS_FILE).read_text().splitlines()] == [1]
     assert not _offline_runs(tmp_path) and not list(tmp_path.glob("wandb/*run-*"))
 
