@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -217,19 +218,10 @@ CLIP_CASES = [
 """Clipping at test_parity's 0.3 bites on every step (check_parity asserts it on the reference)."""
 
 
-AUTO_CASE = Case(
-    "llama-2stage-tied-1f1b-slots1-accum1x4-clip-auto",
-    "LlamaForCausalLM",
-    2,
-    "1f1b",
-    slots=1,
-    grad_accum=1,
-    microbatches=4,
-    tied=True,
-    delay_s=0.003,
-)
-"""``optim.speculative=auto`` on two ranks: the choice is collective (one all-reduce of the ranks'
-measured AdamW rates, their RAM verdicts and resident blocks)."""
+AUTO_CASE = replace(CLIP_CASES[1], id="llama-2stage-tied-1f1b-slots1-accum1x4-clip-auto", optim_delay_s=0.0)
+"""The second clipping case without its optimizer delay, with ``optim.speculative=auto`` on two ranks:
+the choice is collective (one all-reduce of the ranks' measured AdamW rates, their RAM verdicts and
+resident blocks)."""
 
 
 NEVER_CLIPS = {"optim.speculative": True, "optim.max_grad_norm": 1e9}
