@@ -122,6 +122,7 @@ def main() -> None:
         "train.eval_every=0",
         "train.dtype=bfloat16",
         "logging.wandb=false",
+        "logging.plots=false",  # compared: the steps and checkpoints, not the plots
         f"data.source={corpus}",
         "data.vocab_size=300",
         f"data.dir={args.out / 'data'}",

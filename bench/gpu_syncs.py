@@ -1,7 +1,7 @@
 """Host syncs per training step of a one-stage engine, at two micro-batch counts; ``gpu_check.sh`` runs it.
 
     python bench/gpu_syncs.py --out results/             # on a GPU node: ~20 s
-    python bench/gpu_syncs.py --out /tmp/r --dry-run     # CPU: the same code, counter figures only
+    python bench/gpu_syncs.py --out /tmp/r --dry-run     # CPU: the same code, 2 layers, counter figures
 
 For each of two window set-ups (``streamed``: every unit streams, the embedding by rows;
 ``resident``: ``stream.device_budget=auto``, on CPU the same as streamed) and two micro-batch counts
@@ -81,8 +81,9 @@ def _by_thread(seen: Counter) -> dict[str, int]:
 
 
 def make_engine(args, m: int, device_budget: int, device: torch.device, store_dir: str, run_id: str):
+    layers = {"num_hidden_layers": args.layers} if args.layers else {}
     cfg = base_config(
-        model_config(args.model, VOCAB),
+        model_config(args.model, VOCAB, **layers),
         train={"seq_len": args.seq_len, "micro_batch_size": 1, "steps": 10**6, "dtype": "float32"},
         pipeline={"stages": 1, "microbatches": m},
         stream={"device_budget": device_budget},
@@ -132,6 +133,7 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="CPU: the counter's figures only")
     ap.add_argument("--model", default="llama_10m")
     ap.add_argument("--seq-len", type=int, default=0, help="tokens per micro-batch (0: 256; dry run 32)")
+    ap.add_argument("--layers", type=int, default=0, help="decoder layers (0: the model's 8; dry run 2)")
     ap.add_argument("--microbatches", type=int, default=4, help="M; also run with 2M")
     ap.add_argument("--steps", type=int, default=0, help="steps counted per engine (0: 3; dry run 1)")
     ap.add_argument("--store-dir", help="host store directory (default: /dev/shm)")
@@ -139,6 +141,7 @@ def main() -> None:
     cuda = not args.dry_run
     args.seq_len = args.seq_len or (256 if cuda else 32)
     args.steps = args.steps or (3 if cuda else 1)
+    args.layers = args.layers or (0 if cuda else 2)  # the counts follow the control flow, not the depth
     if cuda and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --dry-run")
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")

@@ -44,6 +44,7 @@ TINY = [
     "train.steps=5",
     "train.eval_every=0",
     "logging.wandb=false",
+    "logging.plots=false",  # nothing here reads them (a second of matplotlib per launch)
     "checkpoint.enable=false",  # nothing here reads one
     "data.vocab_size=300",
 ]

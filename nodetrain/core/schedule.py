@@ -21,6 +21,7 @@ micro-batch's activations (one round of grad_accum·M would hold grad_accum time
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from nodetrain.config.batch import microbatches_per_step
@@ -71,9 +72,15 @@ def partition(costs: list[int], num_stages: int) -> list[range]:
     Raises:
         ValueError: more stages than units.
     """
+    if not 1 <= num_stages <= len(costs):
+        raise ValueError(f"cannot split {len(costs)} units into {num_stages} stages")
+    return list(_partition(tuple(costs), num_stages))
+
+
+@functools.lru_cache(maxsize=1024)
+def _partition(costs: tuple[int, ...], num_stages: int) -> tuple[range, ...]:
+    """:func:`partition`, remembered: the planner asks the same split of each candidate it prices."""
     n = len(costs)
-    if not 1 <= num_stages <= n:
-        raise ValueError(f"cannot split {n} units into {num_stages} stages")
     prefix = [0]
     for c in costs:
         prefix.append(prefix[-1] + c)
@@ -92,7 +99,7 @@ def partition(costs: list[int], num_stages: int) -> list[range]:
     for s in range(num_stages, 0, -1):
         bounds.append(range(cut[s][i], i))
         i = cut[s][i]
-    return bounds[::-1]
+    return tuple(bounds[::-1])
 
 
 def build_schedule(kind: str, num_stages: int, stage: int, num_microbatches: int) -> list[Action]:
@@ -204,11 +211,17 @@ def p2p_live_peak(actions: list[Action], rounds: int, stage: int, num_stages: in
     The count peaks inside an exchange, once its buffers exist and before its wait releases
     anything: held sends + the one it posts + the loop's last gradient + the one it receives.
     """
-    groups = p2p_groups(actions, stage, num_stages)
+    return _p2p_live_peak(tuple(actions), rounds, stage, num_stages)
+
+
+@functools.lru_cache(maxsize=4096)
+def _p2p_live_peak(actions: tuple[Action, ...], rounds: int, stage: int, num_stages: int) -> int:
+    """:func:`p2p_live_peak`, remembered: the planner prices each stage's schedule many times."""
+    groups = p2p_groups(list(actions), stage, num_stages)
     held: list[int] = []  # peer of each send P2P holds (posted in a group of sends only)
     peak = 0
     for _ in range(rounds):
-        grad = False  # the round loop holds a received gradient
+        start, grad = list(held), False  # grad: the round loop holds a received gradient
         for k, group in enumerate(groups):
             sends = [t.peer for t in group if t.op == "send"]
             recvs = [t for t in group if t.op == "recv"]
@@ -221,4 +234,6 @@ def p2p_live_peak(actions: list[Action], rounds: int, stage: int, num_stages: in
                 held += sends
             if k < len(actions) and actions[k].kind == "B":
                 grad = received_grad
+        if held == start:  # the next round starts as this one did: it repeats it, peak and all
+            break
     return peak

@@ -141,7 +141,7 @@ def block_traffic(
         if block in work.grad_acc:  # the rows added on the device, the [V, D] accumulator shipped once
             return h2d, 4 * p, 8 * p
         return h2d, out, 4 * p + out + num_mb * 8 * n * shape.hidden
-    loads = sum(1 for i in work.loads if i == block) * p * e
+    loads = work.loads.count(block) * p * e
     if block in work.grad_acc:
         return loads, 4 * p, 8 * p
     if work.wave > 1:

@@ -8,6 +8,7 @@ sequence. Does not own deciding any of it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 __all__ = ["StageWork"]
@@ -53,7 +54,7 @@ class StageWork:
     grad_acc: frozenset[int] = frozenset()
     wave: int = 1
 
-    @property
+    @functools.cached_property
     def num_items(self) -> int:
         """Items (waves of ``wave`` micro-batches) of the step (forward actions)."""
         return sum(1 for a in self.actions if a.kind == "F")
