@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
+import functools
 import os
 import re
 import shutil
@@ -277,7 +279,9 @@ def _float_keys() -> list[str]:
 def test_every_float_key_must_be_finite(value: str) -> None:
     """One rule over the schema's float fields: inf/nan is refused naming the key (optim.lr=inf used
     to train NaN steps; dist.timeout_s=inf overflowed the process group's timedelta). Every float key
-    is given ``value`` on one command line: each is reported once, and nothing else is."""
+    given ``value`` on one command line: each is reported once, and nothing else is. Each key alone
+    (set on the composed default): named once, so no rule between two keys (``optim.min_lr <=
+    optim.lr``) reports it again because it guards only the other."""
     keys = _float_keys()
     cfg = _compose([f"{key}={value}" for key in keys])
     with pytest.raises(ConfigError) as info:
@@ -287,6 +291,15 @@ def test_every_float_key_must_be_finite(value: str) -> None:
     assert sorted(named) == sorted(keys), str(info.value)  # each key once, no other problem
     for key, problem in zip(named, problems, strict=True):
         assert problem.startswith(f"{key}={float(value)}: must be a finite number"), problem
+    default = _compose()
+    for key in keys:
+        cfg = copy.deepcopy(default)
+        *sections, name = key.split(".")
+        setattr(functools.reduce(getattr, sections, cfg), name, float(value))
+        with pytest.raises(ConfigError) as info:
+            validate(cfg, world_size=2)
+        assert f"{key}={float(value)}: must be a finite number" in str(info.value), key
+        assert str(info.value).count(f"{key}=") == 1, str(info.value)
 
 
 def _ranged_keys(obj: object, prefix: str = "") -> set[str]:
