@@ -64,6 +64,20 @@ def _wait(cond, what: str) -> None:
         time.sleep(0.0005)
 
 
+def _owner_first(chunks, owner_before):
+    """``chunks`` with the owner's first chunk (0) calling ``owner_before()`` and the helper's first (the
+    last chunk) waiting until the owner is in chunk 0: a helper the pool starts before the owner runs
+    cannot take every chunk (chunk 0 included) while the owner is not yet scheduled."""
+    started = threading.Event()
+
+    def owner():
+        started.set()
+        owner_before()
+
+    gated = _gated(chunks, 0, before=owner)
+    return _gated(gated, len(chunks) - 1, before=lambda: _wait(started.is_set, "the owner's first chunk"))
+
+
 KINDS = ["add", "copy", "index_add"]
 DTYPES = [torch.bfloat16, torch.float32]
 
@@ -124,8 +138,9 @@ def test_a_helper_that_never_starts_does_not_hold_up_the_add(kind: str, dtype: t
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_idle_optimizer_thread_helps_bit_for_bit(kind: str, dtype: torch.dtype) -> None:
     """Through ``Helper`` on a real single-thread pool (the optimizer's): the owner's first chunk waits
-    until the helper landed one, so it surely helped; the counts are the helped chunks' and the
-    result is plain torch's bit for bit."""
+    until the helper landed one, so it surely helped (and the helper's first waits for the owner's, so
+    the owner surely lands one); the counts are the helped chunks' and the result is plain torch's bit
+    for bit."""
     gen = torch.Generator().manual_seed(3)
     dst, args, want = _operands(kind, dtype, gen)
     pool = ThreadPoolExecutor(1)
@@ -134,7 +149,7 @@ def test_the_idle_optimizer_thread_helps_bit_for_bit(kind: str, dtype: torch.dty
         acc = HostAccumulator(chunk_per_thread=3)
         chunks = _chunks(acc, kind, dst, args)
         job: SharedAdd
-        job = SharedAdd(_gated(chunks, 0, before=lambda: _wait(lambda: job.helped_chunks > 0, "a help")))
+        job = SharedAdd(_owner_first(chunks, lambda: _wait(lambda: job.helped_chunks > 0, "a help")))
         assert helper.offer(job)
         job.run_front(Scratch())
         assert 0 < job.helped_chunks < len(chunks)
@@ -189,7 +204,7 @@ def test_a_help_yields_to_work_queued_behind_it() -> None:
             helper.submit(queued.set)
             assert queued.wait(WAIT_S)  # the one-thread pool ran it: the help had stopped before
 
-        job = SharedAdd(_gated(chunks, 0, before=hold_owner))
+        job = SharedAdd(_owner_first(chunks, hold_owner))
         assert helper.offer(job)
         job.run_front(Scratch())
         assert 0 < job.helped_chunks < len(chunks) - 1, (job.helped_chunks, len(chunks))
